@@ -1,0 +1,64 @@
+"""Plain NumPy reference for SPEC sections 2 and 3: slow, vectorised, and obviously right.
+
+Every fast path is tested against these functions; they favour clarity over speed and never
+share code with the kernels.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .layout import LayerLayout
+
+
+def token_histories(layout: LayerLayout, input_ids, query_start_loc, ngram_context) -> np.ndarray:
+    """``[T, n]`` int64: column j holds the token j places before each token, EOS-cut."""
+    tokens = np.asarray(input_ids, dtype=np.int64)
+    starts = np.asarray(query_start_loc, dtype=np.int64)
+    context = np.asarray(ngram_context, dtype=np.int64)
+    n, eos = layout.ngram_size, layout.eos_token_id
+    positions = np.arange(tokens.size)
+    request = np.searchsorted(starts, positions, side="right") - 1
+    start = starts[request]
+
+    history = np.empty((tokens.size, n), dtype=np.int64)
+    seen_eos = np.zeros(tokens.size, dtype=bool)
+    for j in range(n):
+        source = positions - j
+        in_batch = source >= start
+        # Before the request's first token, read its context: column n-1 is the newest.
+        context_column = np.where(in_batch, 0, (n - 1) - (start - source))
+        w = np.where(in_batch, tokens[np.maximum(source, 0)], context[request, context_column])
+        if j > 0:
+            w = np.where(seen_eos, eos, w)
+            seen_eos |= w == eos
+        history[:, j] = w
+    return history
+
+
+def compute_ngram_ids(layout: LayerLayout, input_ids, query_start_loc, ngram_context) -> np.ndarray:
+    """``[T, num_heads]`` int64 row ids, computed straight from the definition."""
+    history = token_histories(layout, input_ids, query_start_loc, ngram_context)
+    # Wrapping int64 products and XORs are the same bits as uint64 ones.
+    products = history.view(np.uint64) * layout.multipliers.view(np.uint64)
+    mixed = np.bitwise_xor.accumulate(products, axis=1).view(np.int64)  # column g-1: order g
+    k = layout.heads_per_ngram
+    blocks = []
+    for g in range(2, layout.ngram_size + 1):
+        heads = slice((g - 2) * k, (g - 1) * k)
+        remainder = np.remainder(mixed[:, g - 1 : g], layout.head_sizes[heads])
+        blocks.append(remainder + layout.head_offsets[heads])
+    return np.concatenate(blocks, axis=1).reshape(-1, layout.num_heads)
+
+
+def advance_context(layout: LayerLayout, input_ids, query_start_loc, ngram_context) -> np.ndarray:
+    """Each request's next context: the last n-1 tokens of its context followed by its tokens."""
+    tokens = np.asarray(input_ids, dtype=np.int64)
+    starts = np.asarray(query_start_loc, dtype=np.int64)
+    context = np.asarray(ngram_context, dtype=np.int64)
+    width = layout.ngram_size - 1
+    rows = [
+        np.concatenate([context[r], tokens[starts[r] : starts[r + 1]]])[-width:]
+        for r in range(starts.size - 1)
+    ]
+    return np.array(rows, dtype=np.int64).reshape(-1, width)

@@ -1,0 +1,55 @@
+"""Shared fixtures: the golden vectors from ../shared/golden, loaded as they are."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ngram_cupy as nc
+
+GOLDEN_DIR = Path(__file__).resolve().parents[2] / "shared" / "golden"
+GOLDEN_FILES = sorted(GOLDEN_DIR.glob("*.json"))
+
+if not GOLDEN_FILES:  # a missing checkout of ../shared must fail, not skip
+    raise RuntimeError(f"no golden vectors found in {GOLDEN_DIR}")
+
+# The CUDA simulator and wrapping uint64 scalar arithmetic warn on intended overflow.
+warnings.simplefilter("ignore", RuntimeWarning)
+
+
+def load_golden(path: Path):
+    """(layout, expected layout dict, batches as NumPy arrays) of one golden file."""
+    case = json.loads(path.read_text())
+    config = nc.NGramConfig(**case["config"])
+    layout = nc.layer_layout(config, case["layer"])
+    width = config.ngram_size - 1
+    batches = [
+        dict(
+            input_ids=np.array(b["input_ids"], dtype=np.int64),
+            query_start_loc=np.array(b["query_start_loc"], dtype=np.int64),
+            ngram_context=np.array(b["ngram_context"], dtype=np.int64).reshape(-1, width),
+            ngram_ids=np.array(b["ngram_ids"], dtype=np.int64).reshape(-1, layout.num_heads),
+        )
+        for b in case["batches"]
+    ]
+    return layout, case["layout"], batches
+
+
+@pytest.fixture(params=GOLDEN_FILES, ids=lambda p: p.stem)
+def golden(request):
+    """Each golden case in turn."""
+    return load_golden(request.param)
+
+
+@pytest.fixture(scope="session")
+def released_config():
+    """The released model's PLE configuration (SPEC section 1)."""
+    return nc.NGramConfig(
+        vocab_size=248320, ngram_size=3, heads_per_ngram=8, ngram_vocab_size_base=20_000_000,
+        eos_token_id=248044, embedding_dim=2560, make_ngram_vocab_size_divisible_by=512,
+        split_ngram_parts=128,
+    )

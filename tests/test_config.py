@@ -1,0 +1,90 @@
+"""NGramConfig: validation naming the field, and Hugging Face config.json reading."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from ngram_cupy import NGramConfig
+
+VALID = dict(vocab_size=1000, ngram_size=3, heads_per_ngram=2, ngram_vocab_size_base=101,
+             eos_token_id=2)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("vocab_size", 0),
+        ("vocab_size", -5),
+        ("ngram_size", 1),
+        ("heads_per_ngram", 0),
+        ("ngram_vocab_size_base", 0),
+        ("eos_token_id", 1000),
+        ("eos_token_id", -1),
+        ("make_ngram_vocab_size_divisible_by", 0),
+        ("split_ngram_parts", 0),
+        ("embedding_dim", 6),  # 4 heads do not divide 6
+        ("embedding_dim", 0),
+        ("vocab_size", 10.5),
+        ("ngram_size", "3"),
+        ("ple_layer_ids", (0, -1)),
+    ],
+)
+def test_invalid_values_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        NGramConfig(**{**VALID, field: value})
+
+
+def test_derived_sizes():
+    config = NGramConfig(**VALID, embedding_dim=64)
+    assert config.num_heads == 4
+    assert config.head_dim == 16
+    assert NGramConfig(**VALID).head_dim is None
+
+
+def test_numpy_integers_accepted():
+    config = NGramConfig(**{**VALID, "vocab_size": np.int64(1000)})
+    assert type(config.vocab_size) is int
+
+
+HF = {
+    "vocab_size": 248320,
+    "ngram_size": 3,
+    "heads_per_ngram": 8,
+    "ngram_vocab_size_base": 20000000,
+    "eos_token_id": 248044,
+    "make_ngram_vocab_size_divisible_by": 512,
+    "split_ngram_parts": 128,
+    "ple_embed_dim": 2560,
+    "ple_layer_ids": [3, 7],
+    "ple_embedding_dtype": "float8_e4m3fn",
+}
+
+
+def test_from_hf_dict_file_and_folder(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(HF))
+    for source in (HF, tmp_path / "config.json", tmp_path, str(tmp_path)):
+        config = NGramConfig.from_hf(source)
+        assert config.embedding_dim == 2560 and config.head_dim == 160
+        assert config.ple_layer_ids == (3, 7)
+        assert config.ple_embedding_dtype == "float8_e4m3fn"
+        assert config.split_ngram_parts == 128 and config.seed == 1234
+
+
+def test_from_hf_nested_text_config_and_eos_list():
+    config = NGramConfig.from_hf({"model_type": "x", "text_config": {**HF, "eos_token_id": [7]}})
+    assert config.eos_token_id == 7 and config.vocab_size == 248320
+
+
+def test_from_hf_errors(tmp_path):
+    with pytest.raises(ValueError, match="ngram_size"):
+        NGramConfig.from_hf({k: v for k, v in HF.items() if k != "ngram_size"})
+    with pytest.raises(ValueError, match="eos_token_id"):
+        NGramConfig.from_hf({**HF, "eos_token_id": [1, 2]})
+    with pytest.raises(ValueError, match="not found"):
+        NGramConfig.from_hf(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(ValueError, match="JSON"):
+        NGramConfig.from_hf(tmp_path / "bad.json")
