@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .arrays import convert
 from .checks import check_batch, check_layout, check_out, check_query_start_loc_values
 from .ids_numba import advance_context_numba, ngram_ids_numba
 from .layout import LayerLayout
@@ -12,9 +13,12 @@ from .layout import LayerLayout
 def _host_batch(layout: LayerLayout, input_ids, query_start_loc, ngram_context):
     """Contiguous NumPy views of a checked batch, plus ``(T, R)``."""
     check_layout(layout)
-    input_ids = np.ascontiguousarray(input_ids)
-    query_start_loc = np.ascontiguousarray(query_start_loc)
-    ngram_context = np.ascontiguousarray(ngram_context)
+    _, arrays = convert(input_ids=input_ids, query_start_loc=query_start_loc,
+                        ngram_context=ngram_context)
+    input_ids, query_start_loc, ngram_context = (
+        np.ascontiguousarray(arrays[name])
+        for name in ("input_ids", "query_start_loc", "ngram_context")
+    )
     num_tokens, num_requests = check_batch(layout, input_ids, query_start_loc, ngram_context)
     check_query_start_loc_values(query_start_loc, num_tokens)
     return input_ids, query_start_loc, ngram_context, num_tokens, num_requests
