@@ -21,6 +21,29 @@ if not GOLDEN_FILES:  # a missing checkout of ../shared must fail, not skip
 warnings.simplefilter("ignore", RuntimeWarning)
 
 
+def _gpu_count() -> int:
+    """CUDA devices CuPy can see; 0 without CuPy, a driver or a device."""
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount()
+    except Exception:
+        return 0
+
+
+HAS_GPU = _gpu_count() > 0
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` skip cleanly on machines without a CUDA device."""
+    if HAS_GPU:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 def load_golden(path: Path):
     """(layout, expected layout dict, batches as NumPy arrays) of one golden file."""
     case = json.loads(path.read_text())
