@@ -58,8 +58,8 @@ def floor_mod(x, size, magic):
 
 @register_jitable(inline="always")
 def write_token_ids(tokens, context, request, start, t, ngram_size, heads_per_ngram, eos,
-                    multipliers, sizes, magics, offsets, out):
-    """Write the ``(ngram_size - 1) * heads_per_ngram`` row ids of token ``t`` into ``out[t]``.
+                    multipliers, sizes, magics, offsets, out, row):
+    """Write the ``(ngram_size - 1) * heads_per_ngram`` row ids of token ``t`` into ``out[row]``.
 
     Walks back from ``t`` one token per order, reading the request's context before ``start``;
     once an EOS has been read behind ``t`` every older token reads as EOS. Order ``g`` hashes
@@ -80,5 +80,6 @@ def write_token_ids(tokens, context, request, start, t, ngram_size, heads_per_ng
         mixed ^= uint64(w) * uint64(multipliers[j])
         signed = int64(mixed)
         for _ in range(heads_per_ngram):
-            out[t, head] = floor_mod(signed, uint64(sizes[head]), uint64(magics[head])) + offsets[head]
+            reduced = floor_mod(signed, uint64(sizes[head]), uint64(magics[head]))
+            out[row, head] = reduced + offsets[head]
             head += 1

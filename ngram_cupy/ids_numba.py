@@ -8,6 +8,7 @@ from functools import lru_cache
 
 import numpy as np
 from numba import njit, prange
+from numba.core.extending import register_jitable
 
 from . import hashing
 from .hashing import write_token_ids
@@ -42,7 +43,7 @@ def _ids_kernels(ngram_size: int, heads_per_ngram: int, digest: int = HASHING_DI
                     request += 1
                 write_token_ids(tokens, context, request, query_start_loc[request], t,
                                 ngram_size, heads_per_ngram, eos, multipliers, sizes, magics,
-                                offsets, out)
+                                offsets, out, t)
 
     serial = njit(cache=True, nogil=True)(kernel)
     parallel = njit(cache=True, nogil=True, parallel=True)(kernel)
@@ -63,20 +64,25 @@ def ngram_ids_numba(layout, tokens, query_start_loc, context, out, parallel: boo
     return out
 
 
-@njit(cache=True, nogil=True)
-def advance_context_numba(tokens, query_start_loc, context, out):
-    """Roll each request's context over its tokens: the last n-1 of ``context[r] ++ tokens_r``.
+@register_jitable(inline="always")
+def roll_context_row(tokens, context, request, start, end, out):
+    """``out[request]``: the last ``out.shape[1]`` of ``context[request] ++ tokens[start:end]``.
 
     Safe in place (``out`` aliasing ``context``): each entry reads at or after the one it writes.
+    Shared with the GPU kernel.
     """
     width = out.shape[1]
+    for i in range(width):
+        position = end - width + i
+        if position >= start:
+            out[request, i] = tokens[position]
+        else:
+            out[request, i] = context[request, i + (end - start)]
+
+
+@njit(cache=True, nogil=True)
+def advance_context_numba(tokens, query_start_loc, context, out):
+    """Roll each request's context over its tokens: the last n-1 of ``context[r] ++ tokens_r``."""
     for r in range(out.shape[0]):
-        start = query_start_loc[r]
-        end = query_start_loc[r + 1]
-        for i in range(width):
-            position = end - width + i
-            if position >= start:
-                out[r, i] = tokens[position]
-            else:
-                out[r, i] = context[r, i + (end - start)]
+        roll_context_row(tokens, context, r, query_start_loc[r], query_start_loc[r + 1], out)
     return out

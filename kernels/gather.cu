@@ -1,0 +1,77 @@
+// Row gather with fused dequantisation: out[t, h*D:(h+1)*D] = convert(table[ids[t, h] - row_start]).
+//
+// One source for every case, instantiated per (storage format, output format, load width, id
+// type). Each thread moves one VEC-byte piece of a row: consecutive threads read consecutive
+// pieces of a row and then of the next row, so loads and stores coalesce; VEC is 16 bytes when the
+// row size and the pointers allow (the released fp8 rows: 160 bytes, 10 threads per row). The
+// table pointer may be device memory or page-locked host memory mapped into the GPU (UVA): the
+// same loads then cross PCIe. Ids outside [row_start, row_start + local_rows) write zero rows and
+// read nothing. With `expected`, heads whose id equals expected[t, h] are skipped (their rows are
+// already in `out`, written by a prefetch of those ids).
+#include "dequant.cuh"
+
+namespace ngram {
+
+// One load or store of exactly BYTES bytes (a single vector instruction).
+template <int BYTES> struct Piece;
+template <> struct Piece<1> { unsigned char v; };
+template <> struct Piece<2> { unsigned short v; };
+template <> struct Piece<4> { unsigned int v; };
+template <> struct alignas(8) Piece<8> { unsigned long long v; };
+template <> struct alignas(16) Piece<16> { unsigned int x, y, z, w; };
+
+}  // namespace ngram
+
+template <int CODE, int OUT_CODE, int VEC, typename Id>
+__global__ void gather_rows(const unsigned char* __restrict__ table, long long local_rows,
+                            long long row_start, const Id* __restrict__ ids,
+                            const long long* __restrict__ expected, long long num_items,
+                            int chunks, float scale, unsigned char* __restrict__ out) {
+    using In = typename ngram::Raw<CODE>::type;
+    using Out = typename ngram::Raw<OUT_CODE>::type;
+    constexpr int N = VEC / static_cast<int>(sizeof(In));  // values per thread
+    constexpr int OUT_BYTES = N * static_cast<int>(sizeof(Out));
+    constexpr int STORE = OUT_BYTES < 16 ? OUT_BYTES : 16;
+    static_assert(N >= 1 && VEC % sizeof(In) == 0, "VEC must hold whole values");
+
+    const long long total = num_items * chunks;
+    const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (i >= total) return;
+    long long item;
+    int chunk;
+    if (total <= 0x7FFFFFFFLL) {  // 32-bit division when it suffices (the common case)
+        const unsigned int u = static_cast<unsigned int>(i);
+        item = u / static_cast<unsigned int>(chunks);
+        chunk = static_cast<int>(u - static_cast<unsigned int>(item) * chunks);
+    } else {
+        item = i / chunks;
+        chunk = static_cast<int>(i - item * chunks);
+    }
+
+    const long long id = static_cast<long long>(ids[item]);
+    if (expected != nullptr && expected[item] == id) return;
+    const long long local = id - row_start;
+
+    union alignas(16) {
+        ngram::Piece<STORE> pieces[OUT_BYTES / STORE];
+        Out values[N];
+    } result;
+    if (local >= 0 && local < local_rows) {
+        union {
+            ngram::Piece<VEC> piece;
+            In values[N];
+        } source;
+        source.piece = reinterpret_cast<const ngram::Piece<VEC>*>(table)[local * chunks + chunk];
+#pragma unroll
+        for (int k = 0; k < N; ++k) {
+            result.values[k] = static_cast<Out>(ngram::convert<CODE, OUT_CODE>(source.values[k], scale));
+        }
+    } else {
+#pragma unroll
+        for (int k = 0; k < N; ++k) result.values[k] = 0;
+    }
+
+    auto* target = reinterpret_cast<ngram::Piece<STORE>*>(out + (item * chunks + chunk) * OUT_BYTES);
+#pragma unroll
+    for (int s = 0; s < OUT_BYTES / STORE; ++s) target[s] = result.pieces[s];
+}

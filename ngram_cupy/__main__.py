@@ -1,0 +1,7 @@
+"""``python -m ngram_cupy``: the ``ngram-cupy`` command line."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,348 @@
+"""The PLE checkpoint layout (SPEC section 5): tensor names, shard and rank row ranges, buffer
+verification, prefix detection, and loading into / saving from an embedding table.
+
+One layer under prefix ``P`` holds the int64 buffers ``P.layer_multipliers``,
+``P.ngram_heads_vocab_sizes`` and ``P.ngram_heads_offsets``, the table rows split into
+``P.ngram_embedding.shard_{i}.weight`` for ``i < split_ngram_parts``, and for float8 tables the
+scalar ``P.ngram_embedding.weight_scale``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from .arrays import to_host
+from .config import NGramConfig
+from .embedding import NGramEmbedding
+from .layout import LayerLayout, layer_layout
+from .mapped import MappedTable
+from .safetensors_files import DTYPES, Checkpoint, write_checkpoint
+from .table import EmbeddingTable
+
+# Safetensors dtype codes of table rows, and which of them carry a scale.
+TABLE_DTYPES = ("F32", "F16", "BF16", "F8_E4M3")
+SCALED_DTYPES = ("F8_E4M3",)
+SCALE_DTYPES = ("F32", "F16", "BF16")
+BUFFERS = ("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets")
+_SHARD = re.compile(r"^ngram_embedding\.shard_(\d+)\.weight$")
+_PLE_KEY = re.compile(
+    r"^(?P<prefix>.+)\.(?:layer_multipliers|ngram_heads_vocab_sizes|ngram_heads_offsets"
+    r"|ngram_embedding\.(?:shard_\d+\.weight|weight_scale))$"
+)
+_LAYER_NUMBER = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
+PLACEMENTS = ("cpu", "gpu", "host", "mmap")
+
+
+def shard_key(prefix: str, index: int) -> str:
+    """The name of table shard ``index`` under ``prefix``."""
+    return f"{prefix}.ngram_embedding.shard_{index}.weight"
+
+
+def scale_key(prefix: str) -> str:
+    """The name of the float8 table's scale under ``prefix``."""
+    return f"{prefix}.ngram_embedding.weight_scale"
+
+
+def default_prefix(layout: LayerLayout) -> str:
+    """``model.layers.{i}.ple.ple_embedding`` with ``i`` the layer's decoder layer number."""
+    ids = layout.config.ple_layer_ids
+    if ids is not None and layout.layer >= len(ids):
+        raise ValueError(f"layer {layout.layer} is past ple_layer_ids {ids}")
+    decoder_layer = layout.layer if ids is None else ids[layout.layer]
+    return f"model.layers.{decoder_layer}.ple.ple_embedding"
+
+
+def split_rows(total_rows: int, parts: int, index: int) -> tuple[int, int]:
+    """Rows ``[start, stop)`` of block ``index`` when ``total_rows`` are cut into ``parts``
+    contiguous blocks of ``ceil(total_rows / parts)`` rows (the last ones shorter or empty).
+
+    The rule for both checkpoint shards (``parts = split_ngram_parts``) and the rows each rank
+    owns under row sharding (``parts = world_size``, ``index = rank``).
+    """
+    for name, value in (("total_rows", total_rows), ("parts", parts), ("index", index)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{name} must be an integer, got {type(value).__name__}")
+    if total_rows < 0 or parts < 1:
+        raise ValueError(f"need total_rows >= 0 and parts >= 1, got {total_rows} and {parts}")
+    if not 0 <= index < parts:
+        raise ValueError(f"index must lie in [0, {parts}), got {index}")
+    size = -(-int(total_rows) // int(parts))
+    return min(index * size, total_rows), min((index + 1) * size, total_rows)
+
+
+def owned_pieces(
+    total_rows: int, parts: int, row_start: int, row_stop: int
+) -> list[tuple[int, int, int, int]]:
+    """The shards that overlap global rows ``[row_start, row_stop)``, as ``(shard index, the
+    shard's first row, lo, hi)`` with ``[lo, hi)`` the overlap: what one rank has to read."""
+    pieces = []
+    for index in range(parts):
+        start, stop = split_rows(total_rows, parts, index)
+        lo, hi = max(start, row_start), min(stop, row_stop)
+        if lo < hi:
+            pieces.append((index, start, lo, hi))
+    return pieces
+
+
+def ple_prefixes(names: Iterable[str]) -> list[str]:
+    """Every PLE layer prefix among tensor names, in decoder layer order (the first number in
+    the prefix), then by name."""
+    found = {m["prefix"] for name in names if (m := _PLE_KEY.match(name))}
+    return sorted(found, key=lambda p: (_decoder_layer(p) is None, _decoder_layer(p) or 0, p))
+
+
+def _decoder_layer(prefix: str) -> int | None:
+    """The first all-digit component of a prefix (``model.layers.7.ple...`` -> 7), or None."""
+    match = _LAYER_NUMBER.search(prefix)
+    return None if match is None else int(match.group(1))
+
+
+def find_prefix(names: Iterable[str], config: NGramConfig, layer: int) -> str:
+    """The prefix of dense PLE layer ``layer``: the prefix whose decoder layer number is
+    ``config.ple_layer_ids[layer]`` when set, else the ``layer``-th PLE prefix in decoder order."""
+    prefixes = ple_prefixes(names)
+    if not prefixes:
+        raise ValueError(
+            "the checkpoint holds no PLE tensors (*.layer_multipliers, "
+            "*.ngram_embedding.shard_N.weight); pass prefix= or check the path"
+        )
+    numbered: dict[int, list[str]] = {}
+    for prefix in prefixes:
+        if (number := _decoder_layer(prefix)) is not None:
+            numbered.setdefault(number, []).append(prefix)
+    if config.ple_layer_ids is not None:
+        if layer >= len(config.ple_layer_ids):
+            raise ValueError(f"layer {layer} is past ple_layer_ids {config.ple_layer_ids}")
+        wanted = f"decoder layer {config.ple_layer_ids[layer]} (ple_layer_ids[{layer}])"
+        candidates = numbered.get(config.ple_layer_ids[layer], [])
+    elif len(prefixes) == 1:
+        wanted, candidates = "layer 0", prefixes if layer == 0 else []
+    else:
+        order = sorted(numbered)
+        wanted = f"the PLE layer at position {layer} in decoder order"
+        candidates = numbered[order[layer]] if layer < len(order) else []
+    if len(candidates) == 1:
+        return candidates[0]
+    raise ValueError(
+        f"cannot tell which PLE prefix is {wanted}: "
+        f"{'several match' if candidates else 'none matches'}; found {', '.join(prefixes)}. "
+        "Pass prefix= explicitly"
+    )
+
+
+def verify_buffers(checkpoint: Checkpoint, prefix: str, layout: LayerLayout) -> None:
+    """The three int64 hash buffers must equal the derived layout in shape and every value."""
+    expected = dict(
+        zip(BUFFERS, (layout.multipliers, layout.head_sizes, layout.head_offsets), strict=True)
+    )
+    for buffer, want in expected.items():
+        name = f"{prefix}.{buffer}"
+        info = checkpoint.info(name)
+        if not np.issubdtype(DTYPES.get(info.dtype, np.dtype(object)), np.integer):
+            raise ValueError(f"{name} must be an integer buffer (I64), got dtype {info.dtype}")
+        if info.shape != want.shape:
+            raise ValueError(
+                f"{name} has shape {info.shape} but the layout of layer {layout.layer} "
+                f"needs {want.shape}"
+            )
+        got = checkpoint.read(name).astype(np.int64)
+        differ = np.flatnonzero(got != want)
+        if differ.size:
+            i = int(differ[0])
+            raise ValueError(
+                f"{name} differs from the layout of layer {layout.layer} first at index {i}: "
+                f"checkpoint has {int(got[i])}, layout derives {int(want[i])}"
+            )
+
+
+def table_shards(checkpoint: Checkpoint, prefix: str, layout: LayerLayout) -> tuple[str, list]:
+    """Check every shard's presence, index, shape and dtype from the headers alone; return the
+    table's safetensors dtype and the shard names by index."""
+    parts = layout.config.split_ngram_parts
+    found: dict[int, str] = {}
+    for name in checkpoint.tensors:
+        if name.startswith(prefix + ".") and (m := _SHARD.match(name[len(prefix) + 1 :])):
+            found[int(m.group(1))] = name
+    past = sorted(i for i in found if i >= parts)
+    if past:
+        raise ValueError(
+            f"{found[past[0]]}: shard index {past[0]} is at or past "
+            f"split_ngram_parts={parts}"
+        )
+    missing = [i for i in range(parts) if i not in found]
+    if missing:
+        shown = ", ".join(map(str, missing[:20])) + (", ..." if len(missing) > 20 else "")
+        raise ValueError(
+            f"{len(missing)} of {parts} table shards missing under {prefix}: indexes {shown}"
+        )
+    names = [found[i] for i in range(parts)]
+    dtype = checkpoint.info(names[0]).dtype
+    if dtype not in TABLE_DTYPES:
+        raise ValueError(f"{names[0]} has dtype {dtype}; tables are {', '.join(TABLE_DTYPES)}")
+    for index, name in enumerate(names):
+        info = checkpoint.info(name)
+        start, stop = split_rows(layout.padded_rows, parts, index)
+        if info.shape != (stop - start, layout.head_dim):
+            raise ValueError(
+                f"{name} has shape {info.shape} but shard {index} of {layout.padded_rows} rows "
+                f"in {parts} parts must be {(stop - start, layout.head_dim)}"
+            )
+        if info.dtype != dtype:
+            raise ValueError(f"{name} has dtype {info.dtype} but {names[0]} has {dtype}")
+    return dtype, names
+
+
+def read_scale(checkpoint: Checkpoint, prefix: str, dtype: str) -> float | None:
+    """The float8 table's scale as a float (None for unscaled dtypes), checked."""
+    name = scale_key(prefix)
+    if dtype not in SCALED_DTYPES:
+        if name in checkpoint:
+            raise ValueError(f"{name} is present but the table is {dtype}, which takes no scale")
+        return None
+    info = checkpoint.info(name)
+    if info.dtype not in SCALE_DTYPES or len(info.shape) > 1 or np.prod(info.shape) != 1:
+        raise ValueError(
+            f"{name} must hold one float ({', '.join(SCALE_DTYPES)}), "
+            f"got {info.dtype} of shape {info.shape}"
+        )
+    return float(checkpoint.read(name).reshape(()))
+
+
+def load_ngram_embedding(
+    path: str | os.PathLike | Sequence[str | os.PathLike],
+    config: NGramConfig,
+    layer: int,
+    prefix: str | None = None,
+    placement: str = "cpu",
+    rank: int = 0,
+    world_size: int = 1,
+    progress: bool | None = None,
+):
+    """Load one PLE layer from a safetensors checkpoint into a ready ``NGramEmbedding``.
+
+    ``path``: a model folder (its ``model.safetensors.index.json``, else every
+    ``*.safetensors``), an index json, one file, or a list of files. ``layer`` is the dense PLE
+    index; ``prefix=None`` finds its tensors from the names (see :func:`find_prefix`). The hash
+    buffers are checked against the derived layout, every shard's shape and dtype against the
+    split, before any row is copied. Rows are copied shard by shard (peak extra memory: one
+    shard), or with ``placement="mmap"`` served straight from the mapped files. With
+    ``world_size > 1`` only this rank's rows (:func:`split_rows`) are read. ``progress``: a
+    tqdm bar (None: only on a terminal, and only if loading takes over a second).
+    """
+    if not isinstance(config, NGramConfig):
+        raise TypeError(f"config must be an NGramConfig, got {type(config).__name__}")
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
+    if config.head_dim is None:
+        raise ValueError("config has no embedding_dim (ple_embed_dim): the table size is unknown")
+    layout = layer_layout(config, layer)
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be an integer in [0, world_size={world_size}), got {rank!r}")
+    row_start, row_stop = split_rows(layout.padded_rows, world_size, rank)
+    checkpoint = Checkpoint.open(path, random_access=placement == "mmap")
+    if prefix is None:
+        prefix = find_prefix(checkpoint.tensors, config, layer)
+    verify_buffers(checkpoint, prefix, layout)
+    dtype, shards = table_shards(checkpoint, prefix, layout)
+    scale = read_scale(checkpoint, prefix, dtype)
+    pieces = [  # (shard name, rows [a, b) of the shard, their first global row)
+        (shards[index], lo - first, hi - first, lo)
+        for index, first, lo, hi in owned_pieces(
+            layout.padded_rows, config.split_ngram_parts, row_start, row_stop
+        )
+    ]
+    if placement == "mmap":
+        table = MappedTable(
+            [(lo, checkpoint.view(name)[a:b]) for name, a, b, lo in pieces],
+            layout.head_dim, DTYPES[dtype], scale, row_start, row_stop, layout.padded_rows,
+        )
+        return NGramEmbedding(layout, table)
+    table = EmbeddingTable.empty(
+        row_stop - row_start, layout.head_dim, DTYPES[dtype], placement=placement, scale=scale,
+        row_start=row_start, total_rows=layout.padded_rows,
+    )
+    row_bytes = layout.head_dim * DTYPES[dtype].itemsize
+    with tqdm(
+        total=(row_stop - row_start) * row_bytes, unit="B", unit_scale=True, unit_divisor=1024,
+        desc=f"loading {prefix}", disable=None if progress is None else not progress,
+        delay=1.0 if progress is None else 0.0,
+    ) as bar:
+        for name, a, b, lo in pieces:
+            table.write_rows(lo, checkpoint.read(name, a, b))
+            bar.update((b - a) * row_bytes)
+    return NGramEmbedding(layout, table)
+
+
+def ngram_tensors(
+    layout: LayerLayout,
+    weight,
+    scale=None,
+    parts: int | None = None,
+    prefix: str | None = None,
+) -> dict[str, np.ndarray]:
+    """One layer's tensors in the checkpoint layout: buffers, shards (views of ``weight``, no
+    copies) and the float8 scale. ``parts`` defaults to ``split_ngram_parts``; ``prefix`` to
+    :func:`default_prefix`."""
+    weight = to_host(weight)
+    parts = layout.config.split_ngram_parts if parts is None else parts
+    prefix = default_prefix(layout) if prefix is None else prefix
+    codes = {dtype: code for code, dtype in DTYPES.items() if code in TABLE_DTYPES}
+    if weight.dtype not in codes:
+        raise TypeError(
+            "weight must be float32, float16, bfloat16 or float8_e4m3fn, got " f"{weight.dtype}"
+        )
+    if weight.ndim != 2 or weight.shape != (layout.padded_rows, layout.head_dim):
+        raise ValueError(
+            f"weight must have shape (padded_rows, head_dim) = "
+            f"{(layout.padded_rows, layout.head_dim)}, got {tuple(weight.shape)}"
+        )
+    scaled = codes[weight.dtype] in SCALED_DTYPES
+    if scaled != (scale is not None):
+        raise ValueError(
+            f"scale is {'required' if scaled else 'only allowed'} for float8 tables "
+            f"(weight is {weight.dtype})"
+        )
+    tensors = {
+        f"{prefix}.{buffer}": np.array(values, dtype=np.int64)
+        for buffer, values in zip(
+            BUFFERS, (layout.multipliers, layout.head_sizes, layout.head_offsets), strict=True
+        )
+    }
+    for index in range(parts):
+        start, stop = split_rows(layout.padded_rows, parts, index)
+        tensors[shard_key(prefix, index)] = weight[start:stop]
+    if scaled:
+        scale = to_host(scale)
+        if scale.dtype not in (DTYPES[code] for code in SCALE_DTYPES):
+            scale = scale.astype(np.float32)
+        if scale.size != 1:
+            raise ValueError(f"scale must be a single value, got shape {scale.shape}")
+        tensors[scale_key(prefix)] = scale.reshape(())
+    return tensors
+
+
+def save_ngram_embedding(
+    path: str | os.PathLike,
+    layout: LayerLayout,
+    weight,
+    scale=None,
+    parts: int | None = None,
+    prefix: str | None = None,
+    num_files: int = 1,
+) -> list[str]:
+    """Write one layer in the checkpoint layout, atomically; return the files written.
+
+    ``path`` ending in ``.safetensors`` is a single file; anything else a folder with
+    ``num_files`` files and an index json (see :func:`write_checkpoint`). ``weight`` is the
+    padded table ``[padded_rows, head_dim]`` in float32, float16, bfloat16 or float8 e4m3 (then
+    with ``scale``); to write several layers in one checkpoint, merge their
+    :func:`ngram_tensors` and call :func:`write_checkpoint` once.
+    """
+    return write_checkpoint(path, ngram_tensors(layout, weight, scale, parts, prefix), num_files)

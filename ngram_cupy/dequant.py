@@ -1,0 +1,218 @@
+"""Storage formats of table rows and their exact decoding, shared by the Numba CPU and CUDA code.
+
+Rows are stored as float32, float16, bfloat16 or float8 e4m3 (``ml_dtypes`` types on the NumPy
+side, raw unsigned bits everywhere else). A value is decoded to float32, multiplied by the table's
+float32 scale, and rounded once, to nearest even, to the output type. Every function here works on
+integer bit patterns, so the CPU, the CUDA simulator and compiled CUDA give the same bits; NaNs
+come out as one canonical quiet NaN (CUDA and x86 disagree on NaN payloads). ``kernels/dequant.cuh``
+is the CUDA C twin of this file and is tested against it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+from llvmlite import ir
+from numba import float32, int64, types, uint32
+from numba.core.extending import intrinsic, overload, register_jitable
+
+# Format codes: compile-time constants of every kernel (the same numbers in dequant.cuh).
+FLOAT32, FLOAT16, BFLOAT16, FLOAT8_E4M3 = 0, 1, 2, 3
+
+
+@dataclass(frozen=True)
+class Format:
+    """One storage or output format: its code, its NumPy type, and the unsigned type of its bits."""
+
+    code: int
+    dtype: np.dtype
+    raw: np.dtype
+
+    @property
+    def name(self) -> str:
+        """The NumPy / ml_dtypes name, e.g. ``float8_e4m3fn``."""
+        return self.dtype.name
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per value."""
+        return self.dtype.itemsize
+
+
+FORMATS = (
+    Format(FLOAT32, np.dtype(np.float32), np.dtype(np.uint32)),
+    Format(FLOAT16, np.dtype(np.float16), np.dtype(np.uint16)),
+    Format(BFLOAT16, np.dtype(ml_dtypes.bfloat16), np.dtype(np.uint16)),
+    Format(FLOAT8_E4M3, np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(np.uint8)),
+)
+OUTPUT_CODES = (FLOAT32, FLOAT16, BFLOAT16)
+_ALIASES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16", "f8_e4m3": "float8_e4m3fn",
+            "float8_e4m3": "float8_e4m3fn", "fp8": "float8_e4m3fn", "half": "float16"}
+
+
+def storage_format(dtype, name: str = "dtype") -> Format:
+    """The format of a NumPy / ml_dtypes / torch dtype or its name; TypeError for anything else."""
+    text = str(dtype).removeprefix("torch.").lower()
+    text = _ALIASES.get(text, text)
+    for fmt in FORMATS:
+        if fmt.name == text:
+            return fmt
+    try:
+        numpy_dtype = np.dtype(dtype)
+    except TypeError:
+        numpy_dtype = None
+    for fmt in FORMATS:
+        if numpy_dtype == fmt.dtype:
+            return fmt
+    names = ", ".join(fmt.name for fmt in FORMATS)
+    raise TypeError(f"{name} must be one of {names}, got {dtype}")
+
+
+def output_format(dtype, name: str = "out_dtype") -> Format:
+    """An output format: float32, float16 or bfloat16."""
+    try:
+        fmt = storage_format(dtype, name)
+    except TypeError:
+        fmt = None
+    if fmt is None or fmt.code not in OUTPUT_CODES:
+        raise TypeError(f"{name} must be float32, float16 or bfloat16, got {dtype}")
+    return fmt
+
+
+def default_output(storage: Format) -> Format:
+    """float32 tables give float32, float16 give float16, bfloat16 and float8 give bfloat16."""
+    return FORMATS[BFLOAT16] if storage.code == FLOAT8_E4M3 else storage
+
+
+def reference_lookup(table: np.ndarray, ids: np.ndarray, scale, out_dtype) -> np.ndarray:
+    """Plain NumPy / ml_dtypes definition of a lookup: ``(float32(table[ids]) * scale)`` rounded.
+
+    Ids outside ``[0, rows)`` give zero rows. Tests compare every backend with this.
+    """
+    ids = np.asarray(ids, dtype=np.int64)
+    valid = (ids >= 0) & (ids < table.shape[0])
+    rows = table[np.where(valid, ids, 0)].astype(np.float32) * np.float32(scale)
+    rows[~valid] = 0
+    with np.errstate(over="ignore", invalid="ignore"):  # overflow to infinity is intended
+        rows = rows.astype(out_dtype)
+    return rows.reshape(ids.shape[0], ids.shape[1] * table.shape[1])
+
+
+# ---- bit casts: NumPy views in Python (the CUDA simulator), one LLVM bitcast when compiled ----
+
+def bits_to_float32(bits):
+    """The float32 whose bit pattern is ``bits`` (0 <= bits < 2**32)."""
+    return np.uint32(bits).view(np.float32)
+
+
+def float32_to_bits(value):
+    """The bit pattern of a float32 as a non-negative integer."""
+    return np.float32(value).view(np.uint32)
+
+
+@intrinsic
+def _bitcast_to_float32(typingctx, bits):
+    """uint32 -> float32, reinterpreting the bits."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(types.uint32), codegen
+
+
+@intrinsic
+def _bitcast_to_uint32(typingctx, value):
+    """float32 -> uint32, reinterpreting the bits."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return types.uint32(types.float32), codegen
+
+
+@overload(bits_to_float32)
+def _bits_to_float32_compiled(bits):
+    return lambda bits: _bitcast_to_float32(uint32(bits))
+
+
+@overload(float32_to_bits)
+def _float32_to_bits_compiled(value):
+    return lambda value: _bitcast_to_uint32(float32(value))
+
+
+# ---- decoding: raw bits of a stored value -> float32 (all integer work in int64) ----
+
+@register_jitable(inline="always")
+def decode(bits, code):
+    """The float32 value of stored bits in format ``code`` (exact: every format widens)."""
+    b = int64(bits)
+    if code == FLOAT32:
+        return bits_to_float32(b)
+    if code == BFLOAT16:
+        return bits_to_float32(b << 16)
+    if code == FLOAT16:
+        sign = (b & 0x8000) << 16
+        exponent = (b >> 10) & 0x1F
+        mantissa = b & 0x3FF
+        if exponent == 0:  # zero or subnormal: mantissa * 2**-24 (no float32 subnormal involved,
+            magnitude = float32(mantissa) * float32(2.0**-24)  # so flush-to-zero cannot bite)
+            return -magnitude if sign else magnitude
+        if exponent == 0x1F:  # infinity or NaN
+            return bits_to_float32(sign | 0x7F800000 | (mantissa << 13))
+        return bits_to_float32(sign | ((exponent + 112) << 23) | (mantissa << 13))
+    # FLOAT8_E4M3 ("fn": no infinities, NaN only at S.1111.111)
+    sign = (b & 0x80) << 24
+    exponent = (b >> 3) & 0xF
+    mantissa = b & 0x7
+    if exponent == 0:  # zero or subnormal: mantissa * 2**-9
+        magnitude = float32(mantissa) * float32(2.0**-9)
+        return -magnitude if sign else magnitude
+    if exponent == 0xF and mantissa == 0x7:
+        return bits_to_float32(0x7FC00000)
+    return bits_to_float32(sign | ((exponent + 120) << 23) | (mantissa << 20))
+
+
+# ---- encoding: float32 -> output bits, rounded to nearest even ----
+
+@register_jitable(inline="always")
+def _float16_bits(b):
+    """IEEE half bits of the non-NaN float32 bits ``b``, rounded to nearest even."""
+    sign = (b >> 16) & 0x8000
+    magnitude = b & 0x7FFFFFFF
+    if magnitude >= 0x477FF000:  # 65520 and up round to infinity
+        return sign | 0x7C00
+    if magnitude >= 0x38800000:  # normal half: rebias the exponent, round off 13 mantissa bits
+        rebiased = magnitude - 0x38000000
+        return sign | ((rebiased + 0xFFF + ((rebiased >> 13) & 1)) >> 13)
+    exponent = magnitude >> 23
+    if exponent < 102:  # below 2**-25: rounds to zero
+        return sign
+    significand = (magnitude & 0x7FFFFF) | 0x800000
+    shift = 126 - exponent  # units of the smallest subnormal, 2**-24
+    quotient = significand >> shift
+    remainder = significand & ((1 << shift) - 1)
+    half = 1 << (shift - 1)
+    if remainder > half or (remainder == half and (quotient & 1) == 1):
+        quotient += 1
+    return sign | quotient
+
+
+@register_jitable(inline="always")
+def encode(value, code):
+    """Bits of float32 ``value`` in output format ``code``, rounded to nearest even."""
+    b = int64(float32_to_bits(value))
+    if (b & 0x7FFFFFFF) > 0x7F800000:  # NaN: one canonical quiet NaN per format
+        if code == FLOAT32:
+            return int64(0x7FC00000)
+        return int64(0x7FC0) if code == BFLOAT16 else int64(0x7E00)
+    if code == FLOAT32:
+        return b
+    if code == BFLOAT16:
+        return (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+    return _float16_bits(b)
+
+
+@register_jitable(inline="always")
+def convert(bits, code, scale, out_code):
+    """Output bits of one stored value: decode, multiply by the float32 scale, round once."""
+    return encode(decode(bits, code) * scale, out_code)

@@ -1,0 +1,142 @@
+"""Ids and rows in one launch: the n-gram ids kernel fused with the table gather (Numba CUDA).
+
+Each block hashes its tokens into shared memory exactly as ``ids_cuda`` does (the same
+``hashing.write_token_ids``), optionally stores the ids, and then gathers and dequantises the rows
+of those ids (``dequant.convert``) with coalesced word loads, so the ids never make a round trip
+through global memory. The simulator runs this very kernel in CI against the CPU path.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import numpy as np
+from numba import cuda, int64, uint64
+
+from .dequant import FORMATS, convert
+from .hashing import write_token_ids
+from .ids_cuda import (
+    _configured,
+    _device_params,
+    _numba_stream,
+    _view,
+    clamp,
+    find_request,
+    staging_shape,
+)
+
+WORD_BYTES = (8, 4, 2, 1)
+
+
+def word_bytes(row_bytes: int, itemsize: int) -> int:
+    """The widest word (<= 8 bytes, >= one value) that tiles a row: one load per word."""
+    return next(w for w in WORD_BYTES if w >= itemsize and row_bytes % w == 0)
+
+
+@cache
+def fused_kernel(ngram_size: int, heads_per_ngram: int, head_dim: int, code: int, out_code: int,
+                 block: int | None = None):
+    """``(kernel, tokens per block)`` for one layer shape and (storage, output) format pair.
+
+    Not cached on disk: it inlines hashing.py, dequant.py and ids_cuda.py, which Numba's cache
+    would not watch. Table rows are read as ``[rows, words]`` unsigned words.
+    """
+    heads = (ngram_size - 1) * heads_per_ngram
+    shape = staging_shape(heads, block)
+    block = shape[0]
+    itemsize = FORMATS[code].itemsize
+    per_word = word_bytes(head_dim * itemsize, itemsize) // itemsize
+    words = head_dim // per_word
+    bits = 8 * itemsize
+    mask = (1 << bits) - 1
+
+    def kernel(tokens, query_start_loc, context, params, eos, table, row_start, scale, write_ids,
+               ids_out, out):
+        staged = cuda.shared.array(shape, int64)
+        lane = cuda.threadIdx.x
+        first = cuda.blockIdx.x * block
+        num_tokens = tokens.shape[0]
+        t = first + lane
+        if t < num_tokens:
+            request = find_request(query_start_loc, t)
+            start = clamp(int64(query_start_loc[request]), int64(0), int64(t))
+            write_token_ids(tokens, context, request, start, t, ngram_size, heads_per_ngram,
+                            eos, params[0], params[1], params[2], params[3], staged, lane)
+        cuda.syncthreads()
+        count = clamp(num_tokens - first, 0, block)
+        if write_ids:  # the caller wants the ids too
+            for flat in range(lane, count * heads, block):
+                row = flat // heads
+                head = flat - row * heads
+                ids_out[first + row, head] = staged[row, head]
+        rows = table.shape[0]
+        for flat in range(lane, count * heads * words, block):
+            item = flat // words
+            word = flat - item * words
+            row = item // heads
+            head = item - row * heads
+            local = staged[row, head] - row_start
+            column = head * head_dim + word * per_word
+            if 0 <= local < rows:
+                packed = uint64(table[local, word])
+                for k in range(per_word):
+                    value = (packed >> uint64(k * bits)) & uint64(mask)
+                    out[first + row, column + k] = convert(value, code, scale, out_code)
+            else:
+                for k in range(per_word):
+                    out[first + row, column + k] = 0
+
+    return cuda.jit(kernel), block
+
+
+def launch_fused(layout, tokens, query_start_loc, context, params, table_words, code: int,
+                 row_start: int, scale, write_ids: bool, ids_out, out, out_code: int, stream=0,
+                 block: int | None = None):
+    """Launch on Numba-ready arrays (device views; simulator arrays in tests).
+
+    ``table_words`` is the table as ``[rows, words]`` unsigned words (see ``word_bytes``),
+    ``out`` the raw ``[T, H * head_dim]`` output; the ids are written to ``ids_out`` (``[T, H]``
+    int64) when ``write_ids``, else ``ids_out`` is any int64 placeholder.
+    """
+    num_tokens = tokens.shape[0]
+    if num_tokens:
+        head_dim = out.shape[1] // layout.num_heads
+        kernel, block = fused_kernel(layout.ngram_size, layout.heads_per_ngram, head_dim, code,
+                                     out_code, block)
+        _configured(kernel, -(-num_tokens // block), block, stream)(
+            tokens, query_start_loc, context, params, layout.eos_token_id, table_words,
+            np.int64(row_start), np.float32(scale), write_ids, ids_out, out)
+    return out
+
+
+def table_words(rows, itemsize: int):
+    """A raw ``[rows, head_dim]`` table viewed as ``[rows, words]`` unsigned words."""
+    width = word_bytes(rows.shape[1] * itemsize, itemsize)
+    return rows.view(np.dtype(f"u{width}"))
+
+
+_placeholders: dict[int, object] = {}
+
+
+def fused_lookup_cuda(layout, table, tokens, query_start_loc, context, out, out_code: int,
+                      ids_out, stream):
+    """Fused ids + gather on checked, contiguous CuPy arrays, on the CuPy ``stream``.
+
+    ``table`` is an ``EmbeddingTable`` readable by the GPU; ``out`` its raw output array;
+    ``ids_out`` an int64 ``[T, H]`` CuPy array or None.
+    """
+    import cupy
+
+    device = out.device.id
+    write_ids = ids_out is not None
+    if not write_ids:
+        if device not in _placeholders:
+            _placeholders[device] = cupy.zeros((1, 1), dtype=np.int64)
+        ids_out = _placeholders[device]
+    scale = 1.0 if table.scale is None else table.scale
+    words = table_words(table.device_rows, table.format.itemsize)
+    launch_fused(layout, _view(tokens), _view(query_start_loc), _view(context),
+                 _device_params(layout, device), _view(words), table.format.code,
+                 table.row_start, scale, write_ids, _view(ids_out), _view(out), out_code,
+                 _numba_stream(device, stream.ptr))
+    return out

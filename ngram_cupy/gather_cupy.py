@@ -1,0 +1,122 @@
+"""GPU gather of table rows: launches ``kernels/gather.cu`` through a CuPy ``RawModule``.
+
+The table may live in device memory or in page-locked host memory mapped into the GPU (UVA): the
+kernel is the same. One instantiation is compiled per (storage format, output format, load width,
+id type), on first use, and cached by CuPy.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import cache
+from itertools import product
+from pathlib import Path
+
+import numpy as np
+
+from .dequant import FORMATS, OUTPUT_CODES
+
+KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
+THREADS_PER_BLOCK = 256
+VECTOR_BYTES = (16, 8, 4, 2, 1)
+ID_TYPES = {np.dtype(np.int32): "int", np.dtype(np.int64): "long long"}
+NVRTC_OPTIONS = ("-std=c++17",)
+_INCLUDE = re.compile(r'^#include "([^"]+)"$', re.MULTILINE)
+
+
+def kernel_source(name: str) -> str:
+    """A ``kernels/`` file with its local ``#include "..."`` headers pasted in.
+
+    Pasting (rather than ``-I``) makes the header part of the text CuPy hashes for its compile
+    cache, so editing a header recompiles.
+    """
+    text = (KERNEL_DIR / name).read_text()
+    return _INCLUDE.sub(lambda match: kernel_source(match.group(1)), text)
+
+
+def instance_name(code: int, out_code: int, vector_bytes: int, id_dtype) -> str:
+    """The C++ name of one instantiation of ``gather_rows``."""
+    return f"gather_rows<{code}, {out_code}, {vector_bytes}, {ID_TYPES[np.dtype(id_dtype)]}>"
+
+
+def all_instances() -> list[str]:
+    """Every instantiation the library can launch (the compile check builds them all)."""
+    return [
+        instance_name(fmt.code, out_code, vector_bytes, id_dtype)
+        for fmt, out_code, vector_bytes, id_dtype in product(FORMATS, OUTPUT_CODES, VECTOR_BYTES,
+                                                             ID_TYPES)
+        if vector_bytes >= fmt.itemsize
+    ]
+
+
+@cache
+def _kernel(name: str, device_id: int):
+    """One compiled instantiation on one device."""
+    import cupy
+
+    with cupy.cuda.Device(device_id):
+        module = cupy.RawModule(code=kernel_source("gather.cu"), options=NVRTC_OPTIONS,
+                                name_expressions=[name])
+        return module.get_function(name)
+
+
+def vector_bytes(row_bytes: int, itemsize: int, out_itemsize: int, table_address: int,
+                 out_address: int) -> int:
+    """Widest load (<= 16 bytes) that divides the row and keeps every load and store aligned."""
+    for width in VECTOR_BYTES:
+        store = min(16, width // itemsize * out_itemsize)
+        if (width >= itemsize and row_bytes % width == 0 and table_address % width == 0
+                and out_address % store == 0):
+            return width
+    raise ValueError("table rows are not aligned to their value size")
+
+
+def gather_rows(table, code: int, row_start: int, scale, ids, out, out_code: int,
+                expected=None, stream=None):
+    """Launch the gather: raw rows ``table[ids - row_start]`` dequantised into raw ``out``.
+
+    ``table`` is a CuPy ``[rows, head_dim]`` array of raw bits (device memory or mapped host
+    memory), ``ids`` a C-contiguous ``[T, H]`` int32/int64 CuPy array, ``out`` a C-contiguous raw
+    ``[T, H * head_dim]`` CuPy array; ``expected`` an optional int64 ``[T, H]`` array of ids whose
+    rows ``out`` already holds. Runs on ``stream`` (default: CuPy's current stream); no host sync.
+    """
+    import cupy
+
+    num_items = ids.size
+    rows, head_dim = table.shape
+    if num_items == 0 or head_dim == 0:
+        return out
+    itemsize = table.dtype.itemsize
+    width = vector_bytes(head_dim * itemsize, itemsize, out.dtype.itemsize, table.data.ptr,
+                         out.data.ptr)
+    chunks = head_dim * itemsize // width
+    kernel = _kernel(instance_name(code, out_code, width, ids.dtype), ids.device.id)
+    blocks = -(-num_items * chunks // THREADS_PER_BLOCK)
+    null = np.uint64(0)
+    with stream if stream is not None else cupy.cuda.get_current_stream():
+        kernel((blocks,), (THREADS_PER_BLOCK,),
+               (table, np.int64(rows), np.int64(row_start), ids,
+                null if expected is None else expected, np.int64(num_items), np.int32(chunks),
+                np.float32(scale), out))
+    return out
+
+
+def gather_unique_rows(table, code: int, row_start: int, scale, ids, out, out_code: int,
+                       stream=None):
+    """The gather with repeated ids fetched once: each row crosses PCIe (or HBM) a single time.
+
+    ``cupy.unique`` finds the distinct ids (its result size makes it wait for the GPU, so this
+    path is for large batches and cannot be captured in a CUDA graph); the distinct rows are
+    gathered and dequantised into a scratch block, which the same kernel then expands to ``out``.
+    """
+    import cupy
+
+    if ids.size == 0:
+        return out
+    with stream if stream is not None else cupy.cuda.get_current_stream():
+        unique, inverse = cupy.unique(ids.ravel(), return_inverse=True)
+        head_dim = table.shape[1]
+        rows = cupy.empty((unique.size, head_dim), dtype=out.dtype)
+        gather_rows(table, code, row_start, scale, unique.reshape(-1, 1), rows, out_code)
+        gather_rows(rows, out_code, 0, 1.0, inverse.reshape(ids.shape), out, out_code)
+    return out

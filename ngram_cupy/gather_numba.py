@@ -1,0 +1,107 @@
+"""CPU gather of table rows with Numba: parallel over tokens, GIL released, dequantisation fused.
+
+Float8, float16 and bfloat16 values convert through a table of every bit pattern's output (256
+or 65,536 entries, built once per format pair and scale with ``dequant.convert``), so the inner
+loop is a load, a lookup and a store; float32 values are converted directly. Both give exactly
+``dequant.convert``'s bits, as the GPU kernels do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from functools import cache
+
+import numpy as np
+from numba import int64, njit, prange
+
+from . import dequant
+from .dequant import FLOAT32, FORMATS, convert
+
+# Numba's on-disk cache only watches this file: the digest of dequant.py in the kernels' closure
+# changes the cache key whenever the shared decoding changes.
+DEQUANT_DIGEST = int.from_bytes(
+    hashlib.sha256(inspect.getsource(dequant).encode()).digest()[:7], "little")
+
+# Rows below which a thread pool costs more than it saves (decode batches of a few hundred tokens).
+PARALLEL_MIN_ROWS = 8192
+# Tokens per parallel work item.
+BLOCK = 64
+NO_EXPECTED = np.zeros((0, 0), dtype=np.int64)
+
+
+@cache
+def _gather_kernels(code: int, out_code: int, digest: int = DEQUANT_DIGEST):
+    """Serial and parallel gathers for one (storage, output) format pair, both ``nogil``."""
+    by_table = code != FLOAT32
+
+    def gather(table, row_start, scale, outputs, ids, expected, out):
+        rows, head_dim = table.shape
+        num_heads = ids.shape[1]
+        check = expected.shape[0] != 0 or (digest & 0) != 0  # digest: cache key only
+        for block in prange((ids.shape[0] + BLOCK - 1) // BLOCK):
+            # A token's rows are first copied together: their cache misses overlap instead of
+            # waiting one row at a time behind the conversion work.
+            staged = np.empty((num_heads, head_dim), table.dtype)
+            for t in range(block * BLOCK, min(block * BLOCK + BLOCK, ids.shape[0])):
+                for h in range(num_heads):
+                    local = int64(ids[t, h]) - row_start
+                    if 0 <= local < rows:
+                        staged[h] = table[local]
+                for h in range(num_heads):
+                    row_id = int64(ids[t, h])
+                    if check and expected[t, h] == row_id:
+                        continue  # already in ``out`` from the prefetch
+                    first = h * head_dim
+                    if 0 <= row_id - row_start < rows:
+                        for c in range(head_dim):
+                            if by_table:
+                                out[t, first + c] = outputs[staged[h, c]]
+                            else:
+                                out[t, first + c] = convert(staged[h, c], code, scale, out_code)
+                    else:
+                        for c in range(head_dim):
+                            out[t, first + c] = 0
+
+    serial = njit(cache=True, nogil=True)(gather)
+    parallel = njit(cache=True, nogil=True, parallel=True)(gather)
+    return serial, parallel
+
+
+@njit(cache=True)
+def _convert_all(code, scale, out_code, out):
+    """``out[b]``: the output bits of every stored bit pattern ``b``."""
+    for bits in range(out.size):
+        out[bits] = convert(bits, code, scale, out_code)
+    return out
+
+
+@cache
+def output_table(code: int, out_code: int, scale: float, digest: int = DEQUANT_DIGEST):
+    """The output bits of every bit pattern of a 1- or 2-byte format (read-only)."""
+    if code == FLOAT32:
+        return np.zeros(1, FORMATS[out_code].raw)  # unused: float32 converts directly
+    outputs = np.empty(1 << (8 * FORMATS[code].itemsize), FORMATS[out_code].raw)
+    _convert_all(code, np.float32(scale), out_code, outputs)
+    outputs.flags.writeable = False
+    return outputs
+
+
+def gather_rows(table: np.ndarray, code: int, row_start: int, scale: np.float32, ids: np.ndarray,
+                out: np.ndarray, out_code: int, expected: np.ndarray | None = None,
+                parallel: bool | None = None) -> np.ndarray:
+    """Write dequantised rows ``table[ids - row_start]`` (zeros outside the table) into ``out``.
+
+    ``table`` and ``out`` are raw unsigned views; ``ids`` is ``[T, H]`` int32/int64 and ``out``
+    ``[T, H * head_dim]``. With ``expected`` (int64, ``ids``' shape), heads whose id equals the
+    expected one are skipped: ``out`` already holds them. ``parallel=None`` uses threads for
+    large batches only.
+    """
+    serial_kernel, parallel_kernel = _gather_kernels(code, out_code)
+    if parallel is None:
+        parallel = ids.size >= PARALLEL_MIN_ROWS
+    kernel = parallel_kernel if parallel else serial_kernel
+    scale = np.float32(scale)
+    kernel(table, np.int64(row_start), scale, output_table(code, out_code, float(scale)), ids,
+           NO_EXPECTED if expected is None else expected, out)
+    return out

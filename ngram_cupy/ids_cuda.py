@@ -1,0 +1,219 @@
+"""The GPU path for n-gram ids and context rolling: Numba CUDA kernels on the caller's stream.
+
+The per-token arithmetic is ``hashing.write_token_ids``, the very code the CPU path compiles and
+the CUDA simulator runs in CI. A call is one kernel launch that reads nothing back to the host and
+never synchronises, so it can be captured in a CUDA graph. Since ``query_start_loc`` is not
+checked on the GPU, the kernels clamp every index they derive from it: wrong values give
+meaningless ids (each still inside its head's rows) but never a read or write out of bounds.
+
+The first call per layer and device uploads the layer's constants and compiles the kernel (cached
+on disk); make it before a graph capture.
+"""
+
+from __future__ import annotations
+
+import warnings
+from functools import cache, lru_cache
+
+import numpy as np
+from numba import config, cuda, int64
+from numba.core.errors import NumbaPerformanceWarning
+from numba.core.extending import register_jitable
+
+from .hashing import write_token_ids
+from .ids_numba import HASHING_DIGEST, roll_context_row
+from .layout import LayerLayout
+
+# Tokens per block (fewer for many heads): each thread hashes one token into shared memory, then
+# the block writes its ids as one contiguous run, so every warp store is coalesced. (Each thread
+# storing its own ``num_heads`` ids directly would hit 32 rows ``8 * num_heads`` bytes apart.)
+BLOCKS = (128, 64, 32)
+SHARED_BYTES = 48 * 1024  # static shared memory a block may use on every CUDA GPU
+# Requests per block in the context-rolling kernel (one thread per request).
+ADVANCE_BLOCK = 128
+
+
+def layout_params(layout: LayerLayout) -> np.ndarray:
+    """``int64 [4, max(n, H)]``: multipliers, head sizes, reciprocals (uint64 bits), offsets."""
+    heads = layout.num_heads
+    params = np.zeros((4, max(layout.ngram_size, heads)), dtype=np.int64)
+    params[0, : layout.ngram_size] = layout.multipliers
+    params[1, :heads] = layout.head_sizes
+    params[2, :heads] = layout.head_magics.view(np.int64)
+    params[3, :heads] = layout.head_offsets
+    return params
+
+
+def staging_shape(num_heads: int, block: int | None = None) -> tuple[int, int]:
+    """Shared ``[block, row]`` int64 staging for one block's ids: the largest block that fits,
+    unless given. ``row`` is odd, so the 8-byte stores of a half-warp land in distinct banks."""
+    row = num_heads | 1
+    for tokens in (block,) if block else BLOCKS:
+        if tokens * row * 8 <= SHARED_BYTES:
+            return tokens, row
+    raise ValueError(
+        f"{num_heads} heads per token do not fit the GPU kernel's {SHARED_BYTES} bytes of shared "
+        f"memory (at most {SHARED_BYTES // (8 * BLOCKS[-1]) - 1} heads)"
+    )
+
+
+@register_jitable(inline="always")
+def clamp(value, low, high):
+    """``value`` limited to ``[low, high]`` (Numba's CUDA target cannot type ``min(max(...))``)."""
+    if value < low:
+        return low
+    if value > high:
+        return high
+    return value
+
+
+@register_jitable(inline="always")
+def find_request(query_start_loc, t):
+    """The last request ``r < R`` with ``query_start_loc[r] <= t``, by binary search.
+
+    Reads only ``query_start_loc[1..R-1]``, and returns a valid row whatever those hold.
+    """
+    lo = 0
+    hi = query_start_loc.shape[0] - 1
+    while hi - lo > 1:
+        mid = (lo + hi) >> 1
+        if query_start_loc[mid] <= t:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@cache
+def ids_kernel(ngram_size: int, heads_per_ngram: int, block: int | None = None,
+               digest: int = HASHING_DIGEST):
+    """``(kernel, tokens per block)`` for one ``(ngram_size, heads_per_ngram)`` (and block).
+
+    All are constants of the closure, so the order and head loops unroll and the staging index
+    arithmetic divides by a constant; ``digest`` keys Numba's disk cache to hashing.py.
+    """
+    heads = (ngram_size - 1) * heads_per_ngram
+    shape = staging_shape(heads, block)
+    block = shape[0]
+
+    def kernel(tokens, query_start_loc, context, params, eos, out):
+        staged = cuda.shared.array(shape, int64)
+        lane = cuda.threadIdx.x
+        first = cuda.blockIdx.x * block + (digest & 0)  # digest: part of the cache key only
+        num_tokens = tokens.shape[0]
+        t = first + lane
+        if t < num_tokens:
+            request = find_request(query_start_loc, t)
+            start = clamp(int64(query_start_loc[request]), int64(0), int64(t))
+            write_token_ids(tokens, context, request, start, t, ngram_size, heads_per_ngram,
+                            eos, params[0], params[1], params[2], params[3], staged, lane)
+        cuda.syncthreads()
+        count = clamp(num_tokens - first, 0, block) * heads
+        for flat in range(lane, count, block):
+            row = flat // heads
+            head = flat - row * heads
+            out[first + row, head] = staged[row, head]
+
+    return cuda.jit(cache=True)(kernel), block
+
+
+# Not cached on disk: it inlines code from ids_numba.py, which Numba's cache would not watch
+# (and it compiles in a fraction of a second).
+@cuda.jit
+def advance_context_kernel(tokens, query_start_loc, context, out):
+    """One thread per request rolls its row as the CPU does, so ``out`` may alias ``context``."""
+    r = cuda.grid(1)
+    if r < out.shape[0]:
+        end = clamp(int64(query_start_loc[r + 1]), int64(0), int64(tokens.shape[0]))
+        start = clamp(int64(query_start_loc[r]), int64(0), end)
+        roll_context_row(tokens, context, r, start, end, out)
+
+
+@lru_cache(maxsize=1024)
+def _configuration(kernel, grid: int, block: int, stream):
+    """``kernel[grid, block, stream]``, built once: Numba warns of grids under 128 blocks,
+    which decode steps are by design."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NumbaPerformanceWarning)
+        return kernel[grid, block, stream]
+
+
+def _configured(kernel, grid: int, block: int, stream):
+    """A launchable kernel; the simulator's ``kernel[...]`` reconfigures the kernel itself."""
+    if config.ENABLE_CUDASIM:
+        return kernel[grid, block, stream]
+    return _configuration(kernel, grid, block, stream)
+
+
+def launch_ngram_ids(layout: LayerLayout, tokens, query_start_loc, context, params, out,
+                     stream=0, block: int | None = None):
+    """Launch the ids kernel on Numba-ready arrays (device views; simulator arrays in tests)."""
+    num_tokens = tokens.shape[0]
+    if num_tokens:
+        kernel, block = ids_kernel(layout.ngram_size, layout.heads_per_ngram, block)
+        _configured(kernel, -(-num_tokens // block), block, stream)(
+            tokens, query_start_loc, context, params, layout.eos_token_id, out)
+    return out
+
+
+def launch_advance_context(tokens, query_start_loc, context, out, stream=0):
+    """Launch the context-rolling kernel on Numba-ready arrays."""
+    num_requests = out.shape[0]
+    if num_requests:
+        grid = -(-num_requests // ADVANCE_BLOCK)
+        _configured(advance_context_kernel, grid, ADVANCE_BLOCK, stream)(
+            tokens, query_start_loc, context, out)
+    return out
+
+
+@lru_cache(maxsize=256)
+def _numba_view(device: int, pointer: int, shape: tuple, strides: tuple, typestr: str):
+    """A Numba device array over CuPy memory, made once per (pointer, shape, dtype).
+
+    A view owns nothing, so one made for an earlier array at the same address is still exact;
+    it carries no stream, so Numba's launch does not synchronise on it (the CAI v3 rule).
+    """
+    desc = dict(shape=shape, strides=strides, typestr=typestr, data=(pointer, False), version=3)
+    return cuda.from_cuda_array_interface(desc, owner=None, sync=False)
+
+
+def _view(array):
+    """The Numba view of a CuPy array (the current device must be the array's)."""
+    return _numba_view(array.device.id, array.data.ptr, array.shape, array.strides,
+                       array.dtype.str)
+
+
+@lru_cache(maxsize=64)
+def _numba_stream(device: int, handle: int):
+    """Numba's wrapper of a CUDA stream handle (0: the legacy default stream)."""
+    return cuda.external_stream(handle) if handle else 0
+
+
+_params: dict[tuple[LayerLayout, int], tuple] = {}
+
+
+def _device_params(layout: LayerLayout, device: int):
+    """The layer's constants on ``device`` (uploaded on first use) and their Numba view."""
+    key = (layout, device)
+    if key not in _params:
+        import cupy
+
+        array = cupy.asarray(layout_params(layout))
+        cupy.cuda.get_current_stream().synchronize()  # once: then any stream may read it
+        _params[key] = (array, _view(array))
+    return _params[key][1]
+
+
+def ngram_ids_cuda(layout: LayerLayout, tokens, query_start_loc, context, out, stream):
+    """Write ids of checked, contiguous CuPy arrays into ``out`` on the CuPy ``stream``."""
+    device = out.device.id
+    launch_ngram_ids(layout, _view(tokens), _view(query_start_loc), _view(context),
+                     _device_params(layout, device), _view(out), _numba_stream(device, stream.ptr))
+    return out
+
+
+def advance_context_cuda(tokens, query_start_loc, context, out, stream):
+    """Roll contexts of checked, contiguous CuPy arrays into ``out`` on the CuPy ``stream``."""
+    launch_advance_context(_view(tokens), _view(query_start_loc), _view(context), _view(out),
+                           _numba_stream(out.device.id, stream.ptr))
+    return out

@@ -1,0 +1,107 @@
+"""The prefetch protocol: start a gather early, join it at the next lookup.
+
+A prefetch gathers into a staging buffer and remembers the ids it gathered; ``lookup`` always
+joins it (the in-flight gather owns the staging buffer, even when other ids are asked for) and
+then re-gathers only the heads whose ids differ. On the GPU the gather runs on a private CUDA
+stream ordered by events, with no host synchronisation; on the CPU it runs on a worker thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class Pending:
+    """An issued prefetch: the ids it gathered (int64 copy) and the rows it writes."""
+
+    ids: Any
+    rows: Any
+    out_code: int
+
+
+class Buffers:
+    """Arrays allocated once per (role, shape, dtype): their addresses stay put, so CUDA graphs
+    captured over them replay correctly."""
+
+    def __init__(self, empty: Callable[..., Any]):
+        self._empty = empty
+        self._arrays: dict[tuple, Any] = {}
+
+    def get(self, role: str, shape: tuple[int, ...], dtype) -> Any:
+        """The buffer for this role, shape and dtype, allocated on first use."""
+        key = (role, tuple(shape), str(dtype))
+        if key not in self._arrays:
+            self._arrays[key] = self._empty(shape, dtype=dtype)
+        return self._arrays[key]
+
+
+class ThreadPrefetcher:
+    """CPU prefetch: one worker thread runs the gather (Numba releases the GIL) while the caller
+    goes on; ``join`` waits for it and re-raises whatever it raised."""
+
+    def __init__(self) -> None:
+        self._executor: ThreadPoolExecutor | None = None
+        self._future: Future | None = None
+        self._pending: Pending | None = None
+
+    def start(self, pending: Pending, gather: Callable[[], object]) -> None:
+        """Run ``gather`` on the worker; the caller has joined the previous prefetch."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ngram-prefetch")
+        self._pending = pending
+        self._future = self._executor.submit(gather)
+
+    def join(self) -> Pending | None:
+        """Wait for the issued prefetch, if any; its exception, if it raised, surfaces here."""
+        future, pending = self._future, self._pending
+        self._future = self._pending = None
+        if future is not None:
+            future.result()
+        return pending
+
+    def close(self) -> None:
+        """Wait for the worker and stop it; an abandoned prefetch's result (or error) is dropped."""
+        if self._future is not None:
+            self._future.exception()
+        self._future = self._pending = None
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+
+class StreamPrefetcher:
+    """GPU prefetch: the gather runs on a private stream that first waits for an event recorded
+    on the caller's stream; ``join`` makes the caller's stream wait for the gather's event."""
+
+    def __init__(self) -> None:
+        import cupy
+
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        self._ready = cupy.cuda.Event(disable_timing=True)
+        self._done = cupy.cuda.Event(disable_timing=True)
+        self._pending: Pending | None = None
+
+    def start(self, caller, pending: Pending, gather: Callable[[], object]) -> None:
+        """Enqueue ``gather`` on the private stream behind everything already on ``caller``."""
+        self._ready.record(caller)
+        self.stream.wait_event(self._ready)
+        with self.stream:
+            gather()
+        self._done.record(self.stream)
+        self._pending = pending
+
+    def join(self, caller) -> Pending | None:
+        """Order ``caller`` after the issued prefetch, if any (device-side: no host wait)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            caller.wait_event(self._done)
+        return pending
+
+    def close(self) -> None:
+        """Let the private stream drain: its gather may still read the table."""
+        self._pending = None
+        self.stream.synchronize()

@@ -1,0 +1,279 @@
+"""Safetensors checkpoints as one name space over one or many files: read memory-mapped, written
+atomically.
+
+Data is read through the ``safetensors`` package, one row range at a time. Its NumPy loader
+cannot build ``F8_E4M3`` tensors, and builds ``BF16`` only in some releases, so those are read
+from the file's own layout instead: an 8-byte little-endian header length, a JSON header giving
+each tensor's dtype, shape and byte range, then the raw bytes, viewed with the ``ml_dtypes``
+type. The same layout gives the zero-copy ``mmap`` views the ``mmap`` table placement serves
+rows from.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import mmap
+import os
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+INDEX_FILE = "model.safetensors.index.json"
+
+# Safetensors dtype codes and the NumPy (or ml_dtypes) types that hold them.
+DTYPES: dict[str, np.dtype] = {
+    "BOOL": np.dtype(np.bool_),
+    "U8": np.dtype(np.uint8),
+    "I8": np.dtype(np.int8),
+    "I16": np.dtype(np.int16),
+    "U16": np.dtype(np.uint16),
+    "I32": np.dtype(np.int32),
+    "U32": np.dtype(np.uint32),
+    "I64": np.dtype(np.int64),
+    "U64": np.dtype(np.uint64),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F32": np.dtype(np.float32),
+    "F64": np.dtype(np.float64),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+}
+# Dtypes whose NumPy type comes from ml_dtypes: the safetensors NumPy loader cannot build
+# F8_E4M3 (and BF16 only in some releases), so these are read from the file's bytes instead.
+_MAPPED_ONLY = frozenset({"BF16", "F8_E4M3"})
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lives: its file, safetensors dtype code, shape and absolute byte range."""
+
+    name: str
+    path: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+def read_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
+    """The tensors of one safetensors file, from its header alone (no tensor data is read)."""
+    path = os.fspath(path)
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        length = int.from_bytes(f.read(8), "little")
+        if size < 8 or length > size - 8:
+            raise ValueError(f"{path} is not a safetensors file (bad header length)")
+        try:
+            header = json.loads(f.read(length))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path} is not a safetensors file: {e}") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path} is not a safetensors file (header is not a JSON object)")
+    data_start = 8 + length
+    infos = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape = entry["dtype"], tuple(entry["shape"])
+            begin, end = entry["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"{path}: malformed header entry for tensor {name}") from None
+        if dtype in DTYPES and end - begin != math.prod(shape) * DTYPES[dtype].itemsize:
+            raise ValueError(f"{path}: tensor {name} has {end - begin} bytes for shape {shape}")
+        if not 0 <= begin <= end <= size - data_start:
+            raise ValueError(f"{path}: tensor {name} lies outside the file (truncated?)")
+        infos[name] = TensorInfo(name, path, dtype, shape, data_start + begin, data_start + end)
+    return infos
+
+
+def checkpoint_paths(path: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
+    """The safetensors files of a checkpoint: a folder (its index json, else every
+    ``*.safetensors`` in it), an index json, one file, or a list of files."""
+    if isinstance(path, (str, os.PathLike)):
+        path = Path(path)
+        if path.is_dir():
+            index = path / INDEX_FILE
+            if index.is_file():
+                return _indexed_paths(index)
+            files = sorted(str(p) for p in path.glob("*.safetensors"))
+            if not files:
+                raise ValueError(f"no *.safetensors files in {path}")
+            return files
+        if path.name.endswith(".json"):
+            return _indexed_paths(path)
+        paths = [path]
+    elif isinstance(path, Sequence):
+        paths = [Path(p) for p in path]
+        if not paths:
+            raise ValueError("path is an empty list of checkpoint files")
+    else:
+        raise TypeError(f"path must be a path or a list of paths, got {type(path).__name__}")
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        raise ValueError(f"checkpoint file(s) not found: {', '.join(missing)}")
+    return [str(p) for p in paths]
+
+
+def _indexed_paths(index: Path) -> list[str]:
+    """The files named by an index json's ``weight_map``, each once, in the order first named."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"{index} is not a safetensors index (no weight_map): {e}") from None
+    names = list(dict.fromkeys(weight_map.values()))
+    missing = [n for n in names if not (index.parent / n).is_file()]
+    if missing:
+        raise ValueError(f"files named in {index} are missing: {', '.join(missing)}")
+    return [str(index.parent / n) for n in names]
+
+
+class Checkpoint:
+    """The tensors of one or several safetensors files, by name; data is read only on demand.
+
+    ``random_access=True`` advises the kernel (``madvise(MADV_RANDOM)``) that mapped views are
+    read row by row, so a lookup does not pull in read-ahead it will never use.
+    """
+
+    def __init__(self, paths: Iterable[str | os.PathLike], random_access: bool = False):
+        self.tensors: dict[str, TensorInfo] = {}
+        for path in paths:
+            for name, info in read_header(path).items():
+                if name in self.tensors:
+                    raise ValueError(
+                        f"tensor {name} appears in both {self.tensors[name].path} and {path}"
+                    )
+                self.tensors[name] = info
+        self.random_access = random_access
+        self._mappings: dict[str, mmap.mmap] = {}
+
+    @classmethod
+    def open(cls, path, random_access: bool = False) -> Checkpoint:
+        """A checkpoint from anything :func:`checkpoint_paths` accepts."""
+        return cls(checkpoint_paths(path), random_access)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def info(self, name: str) -> TensorInfo:
+        """The tensor's file, dtype, shape and bytes; a ValueError naming it when absent."""
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise ValueError(f"the checkpoint has no tensor {name}") from None
+
+    def read(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Rows ``[start, stop)`` of a tensor (all of a 0-d one) as a NumPy array.
+
+        Read through ``safetensors``, or for BF16 and F8_E4M3 straight from the bytes the header
+        locates. Either way only those rows' bytes are read, into a fresh array: nothing stays
+        mapped, so loading a table shard by shard holds one shard at a time.
+        """
+        info = self.info(name)
+        if info.dtype not in DTYPES:
+            raise ValueError(f"tensor {name} has dtype {info.dtype}, which is not supported")
+        if info.dtype in _MAPPED_ONLY:
+            return _read_rows(info, start, stop)
+        with safe_open(info.path, framework="numpy") as f:
+            if not info.shape:
+                return f.get_tensor(name)
+            stop = info.shape[0] if stop is None else stop
+            if stop <= start:
+                return np.empty((0, *info.shape[1:]), dtype=DTYPES[info.dtype])
+            return f.get_slice(name)[start:stop]
+
+    def view(self, name: str) -> np.ndarray:
+        """A zero-copy, read-only view of a tensor in its mapped file."""
+        info = self.info(name)
+        if info.dtype not in DTYPES:
+            raise ValueError(f"tensor {name} has dtype {info.dtype}, which is not supported")
+        dtype = DTYPES[info.dtype]
+        count = math.prod(info.shape)
+        if count == 0:
+            return np.empty(info.shape, dtype=dtype)
+        mapping = self._mapping(info.path)
+        return np.frombuffer(mapping, dtype=dtype, count=count, offset=info.begin).reshape(
+            info.shape
+        )
+
+    def _mapping(self, path: str) -> mmap.mmap:
+        """The read-only mapping of one file, made once and kept while views of it live."""
+        if path not in self._mappings:
+            with open(path, "rb") as f:
+                mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            if self.random_access and hasattr(mapping, "madvise"):
+                mapping.madvise(mmap.MADV_RANDOM)
+            self._mappings[path] = mapping
+        return self._mappings[path]
+
+
+def _read_rows(info: TensorInfo, start: int, stop: int | None) -> np.ndarray:
+    """Rows ``[start, stop)`` of a tensor (all of a 0-d one) read from its file's bytes."""
+    dtype = DTYPES[info.dtype]
+    rows, row_shape = (info.shape[0], info.shape[1:]) if info.shape else (1, ())
+    stop = rows if stop is None else min(stop, rows)
+    start = min(start, stop)
+    row_bytes = math.prod(row_shape) * dtype.itemsize
+    data = np.fromfile(info.path, dtype=np.uint8, count=(stop - start) * row_bytes,
+                       offset=info.begin + start * row_bytes)
+    return data.view(dtype).reshape((stop - start, *row_shape) if info.shape else ())
+
+
+def write_checkpoint(
+    path: str | os.PathLike, tensors: Mapping[str, np.ndarray], num_files: int = 1
+) -> list[str]:
+    """Write tensors as safetensors, atomically; return the files written.
+
+    ``path`` ending in ``.safetensors`` is one file. Otherwise it is a folder that gets
+    ``num_files`` files (tensors split in order, by count) and a ``model.safetensors.index.json``.
+    Every file is written to a temporary name first and renamed into place only when all are
+    complete, the index last, so readers never see a half-written checkpoint.
+    """
+    if isinstance(num_files, bool) or not isinstance(num_files, int) or num_files < 1:
+        raise ValueError(f"num_files must be a positive integer, got {num_files!r}")
+    path = Path(path)
+    names = list(tensors)
+    if path.name.endswith(".safetensors"):
+        if num_files != 1:
+            raise ValueError(f"num_files={num_files} needs a folder path, got the file {path}")
+        groups = {path: names}
+        index = None
+    else:
+        path.mkdir(parents=True, exist_ok=True)
+        num_files = min(num_files, max(1, len(names)))
+        groups = {
+            path / f"model-{i + 1:05d}-of-{num_files:05d}.safetensors": list(group)
+            for i, group in enumerate(np.array_split(np.array(names, dtype=object), num_files))
+        }
+        weight_map = {name: file.name for file, group in groups.items() for name in group}
+        total = sum(np.asarray(a).nbytes for a in tensors.values())
+        index = {"metadata": {"total_size": int(total)}, "weight_map": weight_map}
+    staged: list[tuple[str, Path]] = []
+    try:
+        for file, group in groups.items():
+            staged.append((_temporary(file), file))
+            save_file({n: np.ascontiguousarray(tensors[n]) for n in group}, staged[-1][0])
+        if index is not None:
+            staged.append((_temporary(path / INDEX_FILE), path / INDEX_FILE))
+            Path(staged[-1][0]).write_text(json.dumps(index, indent=2, sort_keys=True))
+        for temporary, final in staged:
+            os.replace(temporary, final)
+    finally:
+        for temporary, _ in staged:
+            if os.path.exists(temporary):
+                os.remove(temporary)
+    return [str(file) for file in groups]
+
+
+def _temporary(final: Path) -> str:
+    """A fresh hidden file next to ``final``, so the closing rename stays on one file system."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(dir=final.parent, prefix=f".{final.name}.", suffix=".tmp")
+    os.close(fd)
+    return name

@@ -1,0 +1,514 @@
+"""Checkpoints: safetensors files, the SPEC layout, verified loading, the mmap placement and the
+shard / rank arithmetic, all on real files (each error test plants exactly one defect)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+import ngram_cupy as nc
+from ngram_cupy import checkpoint as ck
+from ngram_cupy.dequant import default_output, reference_lookup, storage_format
+from ngram_cupy.safetensors_files import Checkpoint, checkpoint_paths, read_header, write_checkpoint
+
+# 4 heads of prime sizes 11, 13, 17, 19: 60 rows padded to 64, cut in 6 shards of 11 (the last 9).
+TINY = nc.NGramConfig(
+    vocab_size=50, ngram_size=3, heads_per_ngram=2, ngram_vocab_size_base=11, eos_token_id=0,
+    embedding_dim=16, make_ngram_vocab_size_divisible_by=8, split_ngram_parts=6,
+)
+DTYPES = {
+    "float32": np.float32,
+    "float16": np.float16,
+    "bfloat16": ml_dtypes.bfloat16,
+    "float8": ml_dtypes.float8_e4m3fn,
+}
+SCALE = np.array(0.375, dtype=ml_dtypes.bfloat16)
+PREFIX = "model.layers.0.ple.ple_embedding"
+
+
+def tiny_weight(dtype, layout=None, seed=0):
+    """A random padded table for the tiny layout in ``dtype`` (fp8 values in its normal range)."""
+    layout = layout or nc.layer_layout(TINY, 0)
+    values = np.random.default_rng(seed).uniform(-4, 4, (layout.padded_rows, layout.head_dim))
+    return values.astype(np.float32).astype(dtype)
+
+
+def tiny_tensors(dtype=np.float32, layer=0, prefix=PREFIX):
+    """The tiny layer's tensors, ready for a defect to be planted."""
+    layout = nc.layer_layout(TINY, layer)
+    scale = SCALE if dtype == ml_dtypes.float8_e4m3fn else None
+    return ck.ngram_tensors(layout, tiny_weight(dtype, layout), scale, prefix=prefix)
+
+
+def write(tmp_path, tensors, name="ckpt.safetensors"):
+    """Tensors written as one safetensors file (no atomic helper: the defect goes in as is)."""
+    path = tmp_path / name
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(path))
+    return path
+
+
+# --- safetensors files ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_read_every_dtype_and_row_range(tmp_path, dtype):
+    weight = tiny_weight(dtype)
+    path = write(tmp_path, {"w": weight, "s": np.array(1.5, np.float32)})
+    checkpoint = Checkpoint.open(path)
+    info = checkpoint.info("w")
+    assert info.shape == weight.shape and checkpoint.read("s") == 1.5
+    for start, stop in [(0, None), (3, 17), (63, 64), (5, 5)]:
+        rows = checkpoint.read("w", start, stop)
+        assert rows.dtype == weight.dtype
+        np.testing.assert_array_equal(rows.view(np.uint8), weight[start:stop].view(np.uint8))
+    view = checkpoint.view("w")
+    np.testing.assert_array_equal(view.view(np.uint8), weight.view(np.uint8))
+    assert not view.flags.writeable
+
+
+def test_fp8_reader_uses_the_header_offsets(tmp_path):
+    """Several F8 tensors in one file: each view must start at its own data offset."""
+    tensors = {f"t{i}": tiny_weight(ml_dtypes.float8_e4m3fn, seed=i)[: 5 + i] for i in range(4)}
+    tensors["pad"] = np.arange(7, dtype=np.int16)  # shifts the data section
+    checkpoint = Checkpoint.open(write(tmp_path, tensors))
+    for name, array in tensors.items():
+        assert checkpoint.info(name).end - checkpoint.info(name).begin == array.nbytes
+        np.testing.assert_array_equal(checkpoint.read(name).view(np.uint8), array.view(np.uint8))
+
+
+def test_truncated_file_is_rejected(tmp_path):
+    path = write(tmp_path, {"w": tiny_weight(np.float32)})
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - 4)
+    with pytest.raises(ValueError, match="tensor w lies outside the file"):
+        read_header(path)
+
+
+def test_not_a_safetensors_file(tmp_path):
+    path = tmp_path / "junk.safetensors"
+    path.write_bytes(b"\xff" * 64)
+    with pytest.raises(ValueError, match="not a safetensors file"):
+        Checkpoint.open(path)
+
+
+def test_tensor_in_two_files_is_rejected(tmp_path):
+    a = write(tmp_path, {"w": np.zeros(3, np.float32)}, "a.safetensors")
+    b = write(tmp_path, {"w": np.ones(3, np.float32)}, "b.safetensors")
+    with pytest.raises(ValueError, match="tensor w appears in both"):
+        Checkpoint([a, b])
+
+
+def test_paths_of_folder_index_file_and_list(tmp_path):
+    tensors = {f"t{i}": np.full(3, i, np.float32) for i in range(5)}
+    files = write_checkpoint(tmp_path / "model", tensors, num_files=3)
+    assert len(files) == 3
+    index = tmp_path / "model" / "model.safetensors.index.json"
+    weight_map = json.loads(index.read_text())["weight_map"]
+    assert sorted(weight_map) == sorted(tensors)
+    assert checkpoint_paths(tmp_path / "model") == files == checkpoint_paths(index)
+    assert checkpoint_paths(files[::-1]) == files[::-1]
+    index.unlink()  # a folder without an index: every *.safetensors in it
+    assert checkpoint_paths(tmp_path / "model") == sorted(files)
+    checkpoint = Checkpoint.open(tmp_path / "model")
+    for name, array in tensors.items():
+        np.testing.assert_array_equal(checkpoint.read(name), array)
+
+
+def test_index_naming_a_missing_file(tmp_path):
+    write_checkpoint(tmp_path, {"a": np.zeros(2), "b": np.ones(2)}, num_files=2)
+    os.remove(tmp_path / "model-00002-of-00002.safetensors")
+    with pytest.raises(ValueError, match="model-00002-of-00002.safetensors"):
+        checkpoint_paths(tmp_path)
+
+
+@pytest.mark.parametrize("path", ["nothing-here.safetensors", []])
+def test_missing_checkpoint(tmp_path, path):
+    with pytest.raises(ValueError, match="not found|empty list"):
+        checkpoint_paths(tmp_path / path if path else path)
+
+
+def test_write_is_atomic(tmp_path):
+    path = tmp_path / "one.safetensors"
+    write_checkpoint(path, {"w": np.arange(4, dtype=np.float32)})
+    before = path.read_bytes()
+    with pytest.raises(Exception):  # noqa: B017 -- safetensors' own error type for object arrays
+        write_checkpoint(path, {"w": np.array([object()] * 4)})
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["one.safetensors"]
+
+
+# --- shard and rank arithmetic ----------------------------------------------------------------
+
+RELEASED_ROWS, RELEASED_PARTS = 320_001_536, 128
+
+
+def test_released_layout_rows(released_config):
+    assert nc.layer_layout(released_config, 0).padded_rows == RELEASED_ROWS
+
+
+def test_released_shards():
+    shards = [ck.split_rows(RELEASED_ROWS, RELEASED_PARTS, i) for i in range(RELEASED_PARTS)]
+    assert shards[0] == (0, 2_500_012) and shards[-1] == (317_501_524, RELEASED_ROWS)
+    assert {stop - start for start, stop in shards} == {2_500_012}  # 128 divides the rows
+    assert all(a[1] == b[0] for a, b in zip(shards[:-1], shards[1:], strict=True))
+
+
+@pytest.mark.parametrize(
+    "world, expected",
+    [
+        (2, [(0, 160_000_768), (160_000_768, 320_001_536)]),
+        (3, [(0, 106_667_179), (106_667_179, 213_334_358), (213_334_358, 320_001_536)]),
+        (8, [(i * 40_000_192, (i + 1) * 40_000_192) for i in range(8)]),
+    ],
+)
+def test_released_rank_slices(world, expected):
+    assert [ck.split_rows(RELEASED_ROWS, world, r) for r in range(world)] == expected
+
+
+def test_released_rank_reads_only_its_shards():
+    # Rank 1 of 3 starts inside shard 42 and ends inside shard 85.
+    pieces = ck.owned_pieces(RELEASED_ROWS, RELEASED_PARTS, 106_667_179, 213_334_358)
+    assert [p[0] for p in pieces] == list(range(42, 86))
+    assert pieces[0] == (42, 105_000_504, 106_667_179, 107_500_516)
+    assert pieces[-1] == (85, 212_501_020, 212_501_020, 213_334_358)
+    assert sum(hi - lo for _, _, lo, hi in pieces) == 106_667_179
+
+
+def test_uneven_split_leaves_empty_tail_shards():
+    # ceil(10 / 8) = 2 rows per shard: shards 5, 6, 7 are empty, as in the reference loader.
+    assert [ck.split_rows(10, 8, i) for i in range(8)] == [
+        (0, 2), (2, 4), (4, 6), (6, 8), (8, 10), (10, 10), (10, 10), (10, 10)
+    ]
+    assert ck.owned_pieces(10, 8, 3, 10) == [
+        (1, 2, 3, 4), (2, 4, 4, 6), (3, 6, 6, 8), (4, 8, 8, 10)
+    ]
+
+
+@pytest.mark.parametrize("args", [(10, 0, 0), (10, 3, 3), (-1, 2, 0), (10, 2, -1)])
+def test_split_rows_rejects_bad_arguments(args):
+    with pytest.raises(ValueError):
+        ck.split_rows(*args)
+
+
+# --- prefixes ---------------------------------------------------------------------------------
+
+
+def _names(*layers):
+    return [f"model.layers.{i}.ple.ple_embedding.layer_multipliers" for i in layers] + [
+        f"model.layers.{i}.mlp.up_proj.weight" for i in range(12)
+    ]
+
+
+def test_prefix_in_decoder_order_not_text_order():
+    names = _names(10, 2, 9)
+    assert ck.ple_prefixes(names) == [f"model.layers.{i}.ple.ple_embedding" for i in (2, 9, 10)]
+    assert ck.find_prefix(names, TINY, 2) == "model.layers.10.ple.ple_embedding"
+
+
+def test_prefix_through_ple_layer_ids():
+    config = nc.NGramConfig(**{**TINY.__dict__, "ple_layer_ids": (2, 9, 10)})
+    assert ck.find_prefix(_names(10, 2, 9), config, 1) == "model.layers.9.ple.ple_embedding"
+
+
+def test_prefix_single_layer_without_number():
+    assert ck.find_prefix(["ple.layer_multipliers"], TINY, 0) == "ple"
+
+
+@pytest.mark.parametrize(
+    "names, layer, ids, match",
+    [
+        (_names(), 0, None, "no PLE tensors"),
+        (_names(1, 5), 2, None, "none matches; found model.layers.1.ple.ple_embedding, "
+         "model.layers.5.ple.ple_embedding"),
+        (_names(3) + ["mtp.layers.3.ple.layer_multipliers"], 0, None, "several match"),
+        (_names(3, 4), 0, (7, 8), "decoder layer 7 .* none matches"),
+        (_names(3), 1, (3,), "past ple_layer_ids"),
+    ],
+)
+def test_prefix_errors_list_what_was_found(names, layer, ids, match):
+    config = nc.NGramConfig(**{**TINY.__dict__, "ple_layer_ids": ids})
+    with pytest.raises(ValueError, match=match):
+        ck.find_prefix(names, config, layer)
+
+
+# --- loading: round trips ---------------------------------------------------------------------
+
+PLACEMENTS = ("cpu", "host", "mmap")
+ALL_IDS = np.arange(-2, 66).reshape(-1, 4)  # every row of the tiny table, and 2 beyond each end
+
+
+def expected_lookup(weight, ids, scale=None, out_dtype=None):
+    """The plain NumPy lookup every placement must reproduce."""
+    fmt = storage_format(weight.dtype)
+    out_dtype = default_output(fmt).dtype if out_dtype is None else out_dtype
+    return reference_lookup(weight, ids, 1.0 if scale is None else float(scale), out_dtype)
+
+
+def assert_same_bits(got, want):
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_round_trip(tmp_path, dtype, placement):
+    layout = nc.layer_layout(TINY, 0)
+    weight = tiny_weight(dtype)
+    scale = SCALE if dtype == ml_dtypes.float8_e4m3fn else None
+    files = nc.save_ngram_embedding(tmp_path / "model", layout, weight, scale, num_files=3)
+    assert len(files) == 3
+    embedding = nc.load_ngram_embedding(tmp_path / "model", TINY, 0, placement=placement)
+    assert embedding.layout is layout and embedding.table.total_rows == layout.padded_rows
+    assert_same_bits(embedding.table.lookup(ALL_IDS), expected_lookup(weight, ALL_IDS, scale))
+    assert_same_bits(
+        embedding.table.lookup(ALL_IDS, out_dtype=np.float32),
+        expected_lookup(weight, ALL_IDS, scale, np.float32),
+    )
+    tokens, starts = np.array([3, 7, 0, 9, 9, 41]), np.array([0, 4, 6])
+    context = np.array([[5, 6], [0, 0]])
+    ids = nc.compute_ngram_ids(layout, tokens, starts, context)
+    assert_same_bits(
+        embedding.forward(tokens, starts, context), expected_lookup(weight, ids, scale)
+    )
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_rank_slices_load_only_their_rows(tmp_path, monkeypatch, placement):
+    layout = nc.layer_layout(TINY, 0)
+    weight = tiny_weight(np.float16)
+    nc.save_ngram_embedding(tmp_path / "one.safetensors", layout, weight)
+    read = []
+    monkeypatch.setattr(Checkpoint, "read", _recording(Checkpoint.read, read))
+    monkeypatch.setattr(Checkpoint, "view", _recording(Checkpoint.view, read))
+    parts = []
+    for rank in range(3):  # rows [0, 22), [22, 44), [44, 64); shards of 11 rows
+        read.clear()
+        table = nc.load_ngram_embedding(tmp_path / "one.safetensors", TINY, 0,
+                                        placement=placement, rank=rank, world_size=3).table
+        shards = sorted({name for name in read if "shard_" in name})
+        assert shards == [ck.shard_key(PREFIX, i) for i in ((0, 1), (2, 3), (4, 5))[rank]]
+        parts.append(table.lookup(ALL_IDS, out_dtype=np.float32))
+    assert_same_bits(np.sum(parts, axis=0), expected_lookup(weight, ALL_IDS, None, np.float32))
+
+
+def _recording(method, log):
+    """``method`` that also appends the tensor name it is asked for to ``log``."""
+    def spy(self, name, *args):
+        log.append(name)
+        return method(self, name, *args)
+
+    return spy
+
+
+def test_mmap_serves_rows_from_the_file(tmp_path):
+    """Rows come from the mapping: a byte changed in the file shows up in the next lookup."""
+    layout = nc.layer_layout(TINY, 0)
+    weight = tiny_weight(np.float32)
+    path = tmp_path / "one.safetensors"
+    nc.save_ngram_embedding(path, layout, weight)
+    table = nc.load_ngram_embedding(path, TINY, 0, placement="mmap").table
+    loaded = nc.load_ngram_embedding(path, TINY, 0).table
+    info = Checkpoint.open(path).info(ck.shard_key(PREFIX, 2))
+    with open(path, "r+b") as f:
+        f.seek(info.begin)  # row 22 = first row of shard 2
+        f.write(np.full(4, 7.0, np.float32).tobytes())
+    ids = np.array([[22, 21, 23, 22]])
+    assert table.lookup(ids)[0, :4].tolist() == [7.0] * 4
+    assert_same_bits(table.lookup(ids)[:, 4:12], loaded.lookup(ids)[:, 4:12])
+    assert loaded.lookup(ids)[0, :4].tolist() == weight[22].tolist()
+
+
+def test_mmap_prefetch_then_lookup(tmp_path):
+    """A lookup after a prefetch re-reads only the changed heads, and is still exact."""
+    layout = nc.layer_layout(TINY, 0)
+    weight = tiny_weight(ml_dtypes.float8_e4m3fn)
+    nc.save_ngram_embedding(tmp_path / "m", layout, weight, SCALE, num_files=2)
+    table = nc.load_ngram_embedding(tmp_path / "m", TINY, 0, placement="mmap").table
+    changed = ALL_IDS.copy()
+    changed[::3, 1] = (changed[::3, 1] + 17) % 70 - 2
+    for prefetched, asked in [(ALL_IDS, ALL_IDS), (ALL_IDS, changed), (changed, ALL_IDS[:5])]:
+        table.prefetch(prefetched)
+        assert_same_bits(table.lookup(asked), expected_lookup(weight, asked, SCALE))
+    table.close()
+
+
+def test_two_layers_in_one_checkpoint(tmp_path):
+    weights = {layer: tiny_weight(ml_dtypes.bfloat16, nc.layer_layout(TINY, layer), layer)
+               for layer in (0, 1)}
+    tensors = {}
+    for layer, decoder_layer in ((0, 3), (1, 11)):
+        tensors.update(ck.ngram_tensors(nc.layer_layout(TINY, layer), weights[layer],
+                                        prefix=f"model.layers.{decoder_layer}.ple.ple_embedding"))
+    write_checkpoint(tmp_path / "model", tensors, num_files=2)
+    for layer in (0, 1):
+        table = nc.load_ngram_embedding(tmp_path / "model", TINY, layer).table
+        ids = np.arange(table.total_rows).reshape(-1, 1)
+        assert_same_bits(table.lookup(ids), expected_lookup(weights[layer], ids))
+
+
+def test_progress_bar_only_when_asked_or_on_a_terminal(tmp_path, capsys):
+    nc.save_ngram_embedding(tmp_path / "one.safetensors", nc.layer_layout(TINY, 0),
+                            tiny_weight(np.float32))
+    nc.load_ngram_embedding(tmp_path / "one.safetensors", TINY, 0)
+    assert capsys.readouterr().err == ""
+    nc.load_ngram_embedding(tmp_path / "one.safetensors", TINY, 0, progress=True)
+    assert f"loading {PREFIX}" in capsys.readouterr().err
+
+
+# --- loading: every error, one defect planted per file ----------------------------------------
+
+
+def _load(tmp_path, tensors, config=TINY, **kwargs):
+    return nc.load_ngram_embedding(write(tmp_path, tensors), config, 0, **kwargs)
+
+
+def _buffer(name):
+    return f"{PREFIX}.{name}"
+
+
+def test_wrong_multiplier_value(tmp_path):
+    tensors = tiny_tensors()
+    good = int(tensors[_buffer("layer_multipliers")][1])
+    tensors[_buffer("layer_multipliers")][1] += 2
+    match = (rf"layer_multipliers differs .* first at index 1: checkpoint has {good + 2}, "
+             rf"layout derives {good}")
+    with pytest.raises(ValueError, match=match):
+        _load(tmp_path, tensors)
+
+
+def test_wrong_head_size_value(tmp_path):
+    tensors = tiny_tensors()
+    tensors[_buffer("ngram_heads_vocab_sizes")][3] = 23
+    with pytest.raises(ValueError, match="ngram_heads_vocab_sizes .* index 3: checkpoint has 23, "
+                                         "layout derives 19"):
+        _load(tmp_path, tensors)
+
+
+def test_wrong_offsets_shape(tmp_path):
+    tensors = tiny_tensors()
+    tensors[_buffer("ngram_heads_offsets")] = tensors[_buffer("ngram_heads_offsets")][:3]
+    with pytest.raises(ValueError, match=r"ngram_heads_offsets has shape \(3,\) .* needs \(4,\)"):
+        _load(tmp_path, tensors)
+
+
+def test_float_buffer(tmp_path):
+    tensors = tiny_tensors()
+    tensors[_buffer("ngram_heads_offsets")] = tensors[_buffer("ngram_heads_offsets")] * 1.0
+    with pytest.raises(ValueError, match="ngram_heads_offsets must be an integer buffer"):
+        _load(tmp_path, tensors)
+
+
+def test_missing_buffer(tmp_path):
+    tensors = tiny_tensors()
+    del tensors[_buffer("ngram_heads_vocab_sizes")]
+    with pytest.raises(ValueError, match="no tensor .*ngram_heads_vocab_sizes"):
+        _load(tmp_path, tensors)
+
+
+def test_missing_shards_listed(tmp_path):
+    tensors = tiny_tensors()
+    del tensors[ck.shard_key(PREFIX, 1)], tensors[ck.shard_key(PREFIX, 4)]
+    with pytest.raises(ValueError, match="2 of 6 table shards missing .*: indexes 1, 4$"):
+        _load(tmp_path, tensors)
+
+
+def test_shard_index_past_parts(tmp_path):
+    tensors = tiny_tensors()
+    tensors[ck.shard_key(PREFIX, 6)] = tensors[ck.shard_key(PREFIX, 5)]
+    with pytest.raises(ValueError, match=r"shard_6\.weight: shard index 6 is at or past "
+                                         r"split_ngram_parts=6"):
+        _load(tmp_path, tensors)
+
+
+def test_wrong_shard_shape(tmp_path):
+    tensors = tiny_tensors()
+    tensors[ck.shard_key(PREFIX, 2)] = tensors[ck.shard_key(PREFIX, 2)][:10]
+    with pytest.raises(ValueError, match=r"shard_2\.weight has shape \(10, 4\) .* must be "
+                                         r"\(11, 4\)"):
+        _load(tmp_path, tensors)
+
+
+def test_wrong_shard_dtype(tmp_path):
+    tensors = tiny_tensors()
+    tensors[ck.shard_key(PREFIX, 3)] = tensors[ck.shard_key(PREFIX, 3)].astype(np.float16)
+    with pytest.raises(ValueError, match=r"shard_3\.weight has dtype F16 but .*shard_0\.weight "
+                                         "has F32"):
+        _load(tmp_path, tensors)
+
+
+def test_unsupported_table_dtype(tmp_path):
+    tensors = {name: a.astype(np.int32) if "shard_" in name else a
+               for name, a in tiny_tensors().items()}
+    with pytest.raises(ValueError, match=r"shard_0\.weight has dtype I32; tables are"):
+        _load(tmp_path, tensors)
+
+
+def test_fp8_without_scale(tmp_path):
+    tensors = tiny_tensors(ml_dtypes.float8_e4m3fn)
+    del tensors[ck.scale_key(PREFIX)]
+    with pytest.raises(ValueError, match=r"no tensor .*ngram_embedding\.weight_scale"):
+        _load(tmp_path, tensors)
+
+
+def test_scale_on_an_unscaled_table(tmp_path):
+    tensors = tiny_tensors(ml_dtypes.bfloat16)
+    tensors[ck.scale_key(PREFIX)] = SCALE
+    with pytest.raises(ValueError, match="weight_scale is present but the table is BF16"):
+        _load(tmp_path, tensors)
+
+
+def test_scale_of_several_values(tmp_path):
+    tensors = tiny_tensors(ml_dtypes.float8_e4m3fn)
+    tensors[ck.scale_key(PREFIX)] = np.ones(2, ml_dtypes.bfloat16)
+    with pytest.raises(ValueError, match=r"weight_scale must hold one float .* shape \(2,\)"):
+        _load(tmp_path, tensors)
+
+
+def test_hashstats_and_token_lookup_ignored(tmp_path):
+    tensors = tiny_tensors()
+    tensors[f"{PREFIX}.hashstats_counts"] = np.zeros((3, 5), np.int32)
+    tensors[f"{PREFIX}.ngram_embedding.hashstats_hits"] = np.zeros(7, np.int64)
+    tensors[f"{PREFIX}.token_lookup"] = np.zeros((2, 2), np.float32)
+    table = _load(tmp_path, tensors).table
+    weight = np.concatenate([tensors[ck.shard_key(PREFIX, i)] for i in range(6)])
+    assert_same_bits(table.lookup(ALL_IDS), expected_lookup(weight, ALL_IDS))
+
+
+def test_config_without_embedding_dim(tmp_path):
+    config = nc.NGramConfig(**{**TINY.__dict__, "embedding_dim": None})
+    with pytest.raises(ValueError, match="no embedding_dim"):
+        _load(tmp_path, tiny_tensors(), config)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(placement="disk"), "placement must be one of"),
+        (dict(rank=2, world_size=2), "rank must be an integer in"),
+        (dict(world_size=0), "world_size must be a positive integer"),
+    ],
+)
+def test_bad_load_arguments(tmp_path, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        _load(tmp_path, tiny_tensors(), **kwargs)
+
+
+@pytest.mark.parametrize(
+    "weight, scale, match",
+    [
+        (tiny_weight(np.float32)[:-1], None, "weight must have shape"),
+        (tiny_weight(np.float64), None, "weight must be float32"),
+        (tiny_weight(ml_dtypes.float8_e4m3fn), None, "scale is required"),
+        (tiny_weight(np.float16), 0.5, "scale is only allowed"),
+    ],
+)
+def test_save_rejects_bad_tables(tmp_path, weight, scale, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        nc.save_ngram_embedding(tmp_path / "x.safetensors", nc.layer_layout(TINY, 0), weight,
+                                scale)
+    assert not list(tmp_path.iterdir())

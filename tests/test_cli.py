@@ -1,0 +1,318 @@
+"""The ngram-cupy command line: results match the library, files are atomic, errors are one line."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import pty
+import signal
+import struct
+import subprocess
+import sys
+import termios
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ngram_cupy as nc
+
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+pytest.importorskip("tqdm")
+
+from ngram_cupy.cli import main, parse_bytes  # noqa: E402
+from ngram_cupy.stats import ngram_stats  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+CORPUS = ROOT / "data" / "stdlib_docstrings.parquet"
+CONFIG = ROOT / "data" / "config.json"
+# A one-head config: streaming tests then cost little beyond reading and writing.
+SMALL = dict(vocab_size=248320, eos_token_id=248044, ngram_size=2, heads_per_ngram=1,
+             ngram_vocab_size_base=1000)
+
+
+def run(argv: list, capsys) -> tuple[int, str, str]:
+    """Run the command in this process: (exit status, stdout, stderr)."""
+    status = main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+def run_subprocess(argv: list, **kwargs) -> subprocess.Popen:
+    """Start ``python -m ngram_cupy ARGV`` from the repository root."""
+    return subprocess.Popen([sys.executable, "-m", "ngram_cupy", *map(str, argv)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+
+
+def small_config(tmp_path: Path) -> Path:
+    """The one-head config as a file."""
+    path = tmp_path / "small.json"
+    path.write_text(json.dumps(SMALL))
+    return path
+
+
+def write_tokens(path: Path, row_groups: int, rows: int = 1000, length: int = 500) -> None:
+    """A Parquet token file of random valid tokens, ``row_groups`` groups of ``rows`` rows."""
+    rng = np.random.default_rng(0)
+    schema = pa.schema([("tokens", pa.list_(pa.int32()))])
+    offsets = np.arange(0, rows * length + 1, length, dtype=np.int32)
+    with pq.ParquetWriter(path, schema) as writer:
+        for _ in range(row_groups):
+            tokens = rng.integers(0, SMALL["vocab_size"], rows * length, dtype=np.int32)
+            writer.write_table(pa.table({"tokens": pa.ListArray.from_arrays(offsets, tokens)}))
+
+
+def whole_document_ids(layout, table, doc_column: str | None) -> np.ndarray:
+    """Ids of every token, each document (a run of rows, or each row) computed whole."""
+    rows = table.column("tokens").to_pylist()
+    docs = table.column(doc_column).to_pylist() if doc_column else list(range(len(rows)))
+    documents: list[list[int]] = []
+    for i, row in enumerate(rows):
+        if i == 0 or docs[i] != docs[i - 1]:
+            documents.append([])
+        documents[-1].extend(row)
+    tokens = np.array([t for d in documents for t in d], dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum([len(d) for d in documents])]).astype(np.int64)
+    context = np.full((len(documents), layout.ngram_size - 1), layout.eos_token_id)
+    return nc.compute_ngram_ids(layout, tokens, starts, context)
+
+
+def output_ids(path: Path, column: str = "ngram_ids") -> np.ndarray:
+    """All ids of an output file as ``[T, H]``."""
+    ids = pq.read_table(path).column(column).combine_chunks()
+    return ids.values.values.to_numpy().reshape(len(ids.values), -1)
+
+
+def test_data_run_matches_library(tmp_path, capsys):
+    out = tmp_path / "ids.parquet"
+    status, stdout, err = run(["ids", CORPUS, out, "--config", CONFIG,
+                               "--doc-id-column", "doc_id"], capsys)
+    assert status == 0, err
+    assert stdout.startswith(f"wrote {out}: 526 rows, 892,297 tokens")
+    result = pq.read_table(out)
+    source = pq.read_table(CORPUS)
+    assert result.select(source.schema.names).equals(source)
+    layout = nc.layer_layout(nc.NGramConfig.from_hf(CONFIG), 0)
+    np.testing.assert_array_equal(output_ids(out), whole_document_ids(layout, source, "doc_id"))
+    assert os.listdir(tmp_path) == ["ids.parquet"]  # the temporary file is gone
+
+
+def test_arrow_ipc_inputs_folders_and_several_layers(tmp_path, capsys):
+    config = small_config(tmp_path)
+    table = pq.read_table(CORPUS).slice(100, 40)
+    layouts = [nc.layer_layout(nc.NGramConfig.from_hf(config), layer) for layer in (0, 2)]
+    expected = [whole_document_ids(layout, table, None) for layout in layouts]
+    with pa.ipc.new_file(tmp_path / "in.arrow", table.schema) as writer:
+        writer.write_table(table, max_chunksize=7)
+    with pa.ipc.new_stream(tmp_path / "in.stream", table.schema) as writer:
+        writer.write_table(table, max_chunksize=7)
+    (tmp_path / "folder").mkdir()
+    pq.write_table(table.slice(0, 25), tmp_path / "folder" / "a.parquet")
+    pq.write_table(table.slice(25), tmp_path / "folder" / "b.parquet")
+    for source in ("in.arrow", "in.stream", "folder"):
+        out = tmp_path / f"{source}.parquet"
+        status, _, err = run(["ids", tmp_path / source, out, "--config", config, "--layers", 0,
+                              2, "--batch-rows", 5, "--quiet"], capsys)
+        assert status == 0, err
+        for layer, ids in zip((0, 2), expected, strict=True):
+            np.testing.assert_array_equal(output_ids(out, f"ngram_ids_layer{layer}"), ids)
+
+
+def bad_cases(tmp_path: Path) -> dict[str, list]:
+    """Command lines with one user mistake each (the files they name: ``write_bad_files``)."""
+    ok = ["--config", CONFIG]
+    return {
+        "missing input": ["ids", tmp_path / "none.parquet", tmp_path / "o.parquet", *ok],
+        "missing output folder": ["ids", CORPUS, tmp_path / "no" / "o.parquet", *ok],
+        "not a token file": ["ids", tmp_path / "text.txt", tmp_path / "o.parquet", *ok],
+        "output is input": ["ids", CORPUS, CORPUS, *ok],
+        "wrong column": ["ids", CORPUS, tmp_path / "o.parquet", *ok, "--column", "text"],
+        "column not tokens": ["ids", CORPUS, tmp_path / "o.parquet", *ok, "--column", "source"],
+        "wrong doc column": ["ids", CORPUS, tmp_path / "o.parquet", *ok, "--doc-id-column", "d"],
+        "missing config": ["ids", CORPUS, tmp_path / "o.parquet", "--config", tmp_path / "x"],
+        "bad json config": ["ids", CORPUS, tmp_path / "o.parquet", "--config",
+                            tmp_path / "bad.json"],
+        "incomplete config": ["layout", "--config", tmp_path / "partial.json"],
+        "negative layer": ["ids", CORPUS, tmp_path / "o.parquet", *ok, "--layers", -1],
+        "stats wrong column": ["stats", CORPUS, *ok, "--column", "text"],
+        "gpu without a device": ["ids", CORPUS, tmp_path / "o.parquet", *ok, "--device", "gpu"],
+    }
+
+
+def write_bad_files(tmp_path: Path) -> None:
+    """A config that is not JSON, one that lacks keys, and a text file."""
+    (tmp_path / "bad.json").write_text("{not json")
+    (tmp_path / "partial.json").write_text(json.dumps({"vocab_size": 10}))
+    (tmp_path / "text.txt").write_text("hello")
+
+
+@pytest.mark.parametrize("case", list(bad_cases(Path("unused"))))
+def test_user_errors_print_one_line_and_exit_2(case, tmp_path, capsys):
+    if case == "gpu without a device":
+        from conftest import HAS_GPU
+
+        if HAS_GPU:
+            pytest.skip("a GPU is present")
+    write_bad_files(tmp_path)
+    status, stdout, err = run(bad_cases(tmp_path)[case], capsys)
+    assert status == 2
+    assert err.startswith("ngram-cupy: error: ") and err.count("\n") == 1, err
+    assert "Traceback" not in err and stdout == ""
+    assert not (tmp_path / "o.parquet").exists()
+    assert not [name for name in os.listdir(tmp_path) if name.endswith(".tmp")]
+
+
+def test_user_error_in_a_subprocess_has_no_traceback(tmp_path):
+    process = run_subprocess(["ids", CORPUS, tmp_path / "o.parquet", "--config", CONFIG,
+                              "--column", "text"])
+    stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode == 2
+    assert stderr == "ngram-cupy: error: token column 'text' not found; columns are " \
+                     "['doc_id', 'source', 'chunk', 'tokens']\n"
+
+
+def start_slow_run(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
+    """A long ``ids`` run in a subprocess, returned once its temporary output exists."""
+    source = tmp_path / "big.parquet"
+    write_tokens(source, row_groups=10, rows=2000, length=250)
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    process = run_subprocess(["ids", source, out_dir / "ids.parquet", "--config",
+                              small_config(tmp_path), "--batch-rows", 1, "--quiet"])
+    deadline = time.monotonic() + 120
+    while not os.listdir(out_dir):
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline, "the run never started writing"
+        time.sleep(0.02)
+    time.sleep(0.2)  # well inside the writing loop
+    assert process.poll() is None, "the run finished before it could be interrupted"
+    return process, out_dir
+
+
+@pytest.mark.parametrize("signum, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_interrupted_run_leaves_no_files(tmp_path, signum, status):
+    process, out_dir = start_slow_run(tmp_path)
+    try:
+        process.send_signal(signum)
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == status, stderr
+    assert "Traceback" not in stderr
+    assert os.listdir(out_dir) == []
+
+
+def test_killed_run_leaves_no_output_file(tmp_path):
+    process, out_dir = start_slow_run(tmp_path)
+    process.kill()
+    process.communicate(timeout=60)
+    assert process.returncode == -signal.SIGKILL
+    assert not (out_dir / "ids.parquet").exists()
+
+
+def peak_memory_of_run(tmp_path: Path, row_groups: int) -> int:
+    """Peak resident bytes of a fresh process running ``ids`` on a file of ``row_groups``."""
+    source = tmp_path / f"rg{row_groups}.parquet"
+    write_tokens(source, row_groups)
+    argv = ["ids", str(source), str(tmp_path / f"out{row_groups}.parquet"), "--config",
+            str(small_config(tmp_path)), "--quiet"]
+    code = ("import resource, sys\nfrom ngram_cupy.cli import main\n"
+            f"assert main({argv!r}) == 0\n"
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    return int(result.stdout.split()[-1]) * 1024  # Linux reports KiB
+
+
+def test_peak_memory_does_not_grow_with_file_length(tmp_path):
+    small = peak_memory_of_run(tmp_path, row_groups=2)
+    large = peak_memory_of_run(tmp_path, row_groups=20)  # 10M tokens: ~120 MB if held whole
+    assert large < small + 60 * 2**20, (small, large)
+
+
+def test_progress_bar_on_a_terminal(tmp_path):
+    source = tmp_path / "in.parquet"
+    write_tokens(source, row_groups=3, rows=50, length=100)
+    controller, terminal = pty.openpty()
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "ngram_cupy", "ids", str(source), str(tmp_path / "o.parquet"),
+         "--config", str(small_config(tmp_path)), "--batch-rows", "10"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=terminal)
+    os.close(terminal)
+    screen = b""
+    while True:
+        try:
+            chunk = os.read(controller, 4096)
+        except OSError:  # the terminal closed with the process
+            break
+        if not chunk:
+            break
+        screen += chunk
+    os.close(controller)
+    assert process.wait(timeout=120) == 0
+    text = screen.decode(errors="replace")
+    assert "150/150" in text and "rows/s" in text and "tokens/s" in text, text
+
+
+def test_progress_bar_off_without_a_terminal(tmp_path):
+    process = run_subprocess(["ids", CORPUS, tmp_path / "o.parquet", "--config",
+                              small_config(tmp_path)])
+    stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode == 0 and stderr == ""
+    assert stdout.startswith("wrote ") and stdout.count("\n") == 1
+
+
+def test_layout_command_prints_the_released_layout(capsys):
+    status, out, _ = run(["layout", "--config", CONFIG], capsys)
+    assert status == 0
+    for text in ("23703573157769 20109073645365 8052911324071", "320,001,446",
+                 "320,001,536", "128 shards", "head_dim 160", "47.7 GiB", "95.4 GiB",
+                 "190.7 GiB", "20,000,003"):
+        assert text in out, text
+    assert len([line for line in out.splitlines() if line.strip().split()[0].isdigit()]) == 16
+
+
+def test_layout_command_with_budgets_prints_the_placement_plan(capsys):
+    status, out, err = run(["layout", "--config", CONFIG, "--gpu-budget", "80GiB",
+                            "--host-budget", "100GiB", "--num-layers", 3], capsys)
+    assert status == 0, err
+    plan = out[out.index("placement of 3 layer table(s) as float8_e4m3fn"):]
+    assert "gpu : 1 tables, 47.68 GiB of a 80.00 GiB budget (layer 0)" in plan
+    assert "host: 2 tables, 95.37 GiB of a 100.00 GiB budget (layer 1, layer 2)" in plan
+    status, out, err = run(["layout", "--config", CONFIG, "--host-budget", "1TB", "--dtype",
+                            "float32"], capsys)
+    assert status == 0 and "host: 1 tables, 190.74 GiB" in out
+    for bad in (["--num-layers", 0], ["--dtype", "int4"]):
+        status, out, err = run(["layout", "--config", CONFIG, "--gpu-budget", "1G", *bad], capsys)
+        assert status == 2 and out == "" and err.count("\n") == 1, err
+
+
+def test_stats_command_and_plot(tmp_path, capsys):
+    table = pq.read_table(CORPUS).slice(0, 30)
+    source = tmp_path / "in.parquet"
+    pq.write_table(table, source)
+    plot = tmp_path / "stats.png"
+    status, out, err = run(["stats", source, "--config", CONFIG, "--doc-id-column", "doc_id",
+                            "--plot", plot, "--quiet"], capsys)
+    assert status == 0, err
+    assert plot.read_bytes().startswith(b"\x89PNG")
+    layout = nc.layer_layout(nc.NGramConfig.from_hf(CONFIG), 0)
+    stats, num_tokens = ngram_stats(table.to_batches(), layout, doc_id_column="doc_id")
+    assert f"{num_tokens:,} tokens" in out
+    lines = out.splitlines()
+    for s in stats:
+        cells = next(line for line in lines if line.split()[:2] == [str(s.head), str(s.order)])
+        assert f"{s.distinct_ngrams:,}" in cells and f"{s.rows_touched:,}" in cells
+
+
+def test_parse_bytes():
+    assert parse_bytes("80GiB") == 80 << 30 == parse_bytes("80G")
+    assert parse_bytes("1.5 TB") == 1_500_000_000_000
+    assert parse_bytes("4096") == 4096
+    with pytest.raises(Exception, match="not a size"):
+        parse_bytes("lots")

@@ -1,0 +1,293 @@
+"""The GPU gather kernels checked on the CPU (NVRTC, a host build of dequant.cuh, the Numba CUDA
+simulator, PTX), and GPU == CPU bit for bit on a device."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+from numba import cuda, types
+
+import ngram_cupy as nc
+from ngram_cupy import dequant, fused_cuda, gather_cupy
+from ngram_cupy.dequant import FORMATS, OUTPUT_CODES, reference_lookup
+from ngram_cupy.gather_numba import gather_rows
+
+KERNELS = sorted(gather_cupy.KERNEL_DIR.glob("*.cu"))
+# Template instantiations each kernels/*.cu must compile (files without templates: none).
+INSTANCES = {"gather.cu": gather_cupy.all_instances()}
+SIM_CHECK = Path(__file__).with_name("gather_sim_check.py")
+
+
+# ---------------------------------------------------------------- NVRTC, no GPU needed
+
+
+@pytest.mark.parametrize("arch", ["compute_80", "compute_90"])
+@pytest.mark.parametrize("path", KERNELS, ids=lambda p: p.name)
+def test_every_kernel_compiles_with_nvrtc(path, arch):
+    nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+    program = nvrtc.createProgram(gather_cupy.kernel_source(path.name), path.name, [], [])
+    try:
+        names = INSTANCES.get(path.name, [])
+        for name in names:
+            nvrtc.addNameExpression(program, name)
+        try:
+            nvrtc.compileProgram(program, [f"-arch={arch}", *gather_cupy.NVRTC_OPTIONS])
+        except nvrtc.NVRTCError:
+            pytest.fail(f"{path.name} does not compile for {arch}:\n"
+                        f"{nvrtc.getProgramLog(program)}")
+        ptx = nvrtc.getPTX(program).decode()
+        assert ptx.count(".entry") >= max(len(names), 1)
+        if path.name == "gather.cu":
+            # The released shape's instance loads 16 bytes at a time from the table.
+            lowered = nvrtc.getLoweredName(
+                program, gather_cupy.instance_name(dequant.FLOAT8_E4M3, dequant.BFLOAT16, 16,
+                                                   np.int64))
+            body = ptx[ptx.index(f".entry {lowered}"):]
+            body = body[: body.index("\n}\n")]
+            assert "ld.global.nc.v4.u32" in body and "st.global.v4.u32" in body
+            assert "div.s64" in body and "div.u32" in body  # 64-bit only past 2**31 pieces
+    finally:
+        nvrtc.destroyProgram(program)
+
+
+def test_every_format_pair_has_instances():
+    names = gather_cupy.all_instances()
+    assert len(names) == len(set(names)) == 2 * 3 * (3 + 4 + 4 + 5)
+    assert "gather_rows<3, 2, 16, long long>" in names
+    assert "gather_rows<0, 0, 2, int>" not in names  # no load narrower than a value
+
+
+@pytest.mark.parametrize("row_bytes, itemsize, out_itemsize, table, out, width", [
+    (160, 1, 2, 0, 0, 16),        # released fp8 rows: 10 x 16-byte loads per row
+    (160, 1, 2, 8, 0, 8),         # a table view starting 8 bytes in
+    (160, 1, 2, 0, 8, 4),         # out 8-aligned only: 4 values, one 8-byte store
+    (160, 1, 2, 0, 4, 2),         # out 4-aligned only: 2 values, one 4-byte store
+    (12, 4, 2, 0, 0, 4),          # three float32 values per row
+    (6, 2, 4, 0, 0, 2),
+    (7, 1, 4, 0, 0, 1),
+])
+def test_vector_width(row_bytes, itemsize, out_itemsize, table, out, width):
+    assert gather_cupy.vector_bytes(row_bytes, itemsize, out_itemsize, table, out) == width
+
+
+# ---------------------------------------------------------------- the C++ twin, built on the host
+
+HARNESS = """
+#define NGRAM_HOST_TEST
+#include "dequant.cuh"
+template <int C, int O>
+static void run(const unsigned* bits, long n, float scale, unsigned* out) {
+    for (long i = 0; i < n; ++i) out[i] = ngram::convert<C, O>(bits[i], scale);
+}
+#define PAIR(C, O) if (code == C && out_code == O) { run<C, O>(bits, n, scale, out); return; }
+extern "C" void convert_all(int code, int out_code, const unsigned* bits, long n, float scale,
+                            unsigned* out) {
+    PAIR(0, 0) PAIR(0, 1) PAIR(0, 2) PAIR(1, 0) PAIR(1, 1) PAIR(1, 2)
+    PAIR(2, 0) PAIR(2, 1) PAIR(2, 2) PAIR(3, 0) PAIR(3, 1) PAIR(3, 2)
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def host_dequant(tmp_path_factory):
+    """kernels/dequant.cuh compiled for the host (plain IEEE float32, no fast math)."""
+    compiler = shutil.which("g++") or shutil.which("clang++")
+    if compiler is None:
+        pytest.skip("no C++ compiler")
+    folder = tmp_path_factory.mktemp("dequant")
+    source = folder / "harness.cpp"
+    source.write_text(HARNESS)
+    library = folder / "harness.so"
+    subprocess.run([compiler, "-std=c++17", "-O2", "-shared", "-fPIC", "-ffp-contract=off",
+                    f"-I{gather_cupy.KERNEL_DIR}", str(source), "-o", str(library)], check=True)
+    convert_all = ctypes.CDLL(str(library)).convert_all
+    convert_all.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_long,
+                            ctypes.c_float, ctypes.c_void_p]
+    return convert_all
+
+
+def patterns(fmt) -> np.ndarray:
+    """Every bit pattern of a 1- or 2-byte format; edge and random patterns of float32."""
+    if fmt.itemsize < 4:
+        return np.arange(1 << (8 * fmt.itemsize), dtype=np.uint32)
+    rng = np.random.default_rng(0)
+    edges = [0, 0x80000000, 1, 0x007FFFFF, 0x00800000, 0x33000000, 0x33000001, 0x387FE000,
+             0x38800000, 0x477FEFFF, 0x477FF000, 0x7F7FFFFF, 0x7F800000, 0x7F800001, 0xFFC00000]
+    return np.concatenate([np.array(edges, np.uint32),
+                           rng.integers(0, 1 << 32, 200_000, dtype=np.uint64).astype(np.uint32)])
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_cuda_dequant_header_equals_the_python_one(host_dequant, fmt):
+    bits = patterns(fmt)
+    table = bits.astype(fmt.raw).reshape(-1, 1)
+    ids = np.arange(bits.size).reshape(-1, 1)
+    for out_code in OUTPUT_CODES:
+        for scale in (1.0, 0.5, 3.0e-5, -7.0, 1.0e30):
+            from_cuda_header = np.empty(bits.size, np.uint32)
+            host_dequant(fmt.code, out_code, bits.ctypes.data, bits.size, scale,
+                         from_cuda_header.ctypes.data)
+            out_raw = FORMATS[out_code].raw
+            from_numba = np.empty((bits.size, 1), out_raw)
+            gather_rows(table, fmt.code, 0, np.float32(scale), ids, from_numba, out_code)
+            np.testing.assert_array_equal(from_cuda_header.astype(out_raw), from_numba[:, 0],
+                                          err_msg=f"{fmt.name} -> {out_code}, scale {scale}")
+
+
+# ---------------------------------------------------------------- Numba CUDA: simulator and PTX
+
+
+def test_fused_kernel_in_the_simulator_matches_the_cpu_path():
+    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1"}
+    run = subprocess.run([sys.executable, str(SIM_CHECK)], env=env, capture_output=True,
+                         text=True, timeout=600, cwd=SIM_CHECK.parent)
+    assert run.returncode == 0, run.stderr[-4000:]
+    results = json.loads(run.stdout.strip().splitlines()[-1])
+    assert len(results) >= 3
+    failed = {name: error for name, error in results.items() if error != "ok"}
+    assert not failed, "\n".join(f"{name}:\n{error}" for name, error in failed.items())
+
+
+class _Device:
+    compute_capability = (9, 0)
+
+
+@pytest.mark.parametrize("cc", [(8, 0), (9, 0)], ids=str)
+@pytest.mark.parametrize("code, out_code, head_dim", [
+    (dequant.FLOAT8_E4M3, dequant.BFLOAT16, 160),  # the released rows: 8-byte words
+    (dequant.FLOAT32, dequant.FLOAT16, 3),
+    (dequant.BFLOAT16, dequant.FLOAT32, 5),
+])
+def test_fused_kernel_ptx(monkeypatch, cc, code, out_code, head_dim):
+    monkeypatch.setattr(cuda.dispatcher, "get_current_device", lambda: _Device)
+    kernel, _ = fused_cuda.fused_kernel(3, 8, head_dim, code, out_code)
+    width = fused_cuda.word_bytes(head_dim * FORMATS[code].itemsize, FORMATS[code].itemsize)
+    matrix = lambda dtype: types.Array(dtype, 2, "C")  # noqa: E731
+    vector = types.Array(types.int64, 1, "C")
+    signature = types.void(vector, vector, matrix(types.int64), matrix(types.int64), types.int64,
+                           matrix(getattr(types, f"uint{8 * width}")), types.int64,
+                           types.float32, types.boolean, matrix(types.int64),
+                           matrix(getattr(types, f"uint{8 * FORMATS[out_code].itemsize}")))
+    ptx = cuda.compile_ptx(kernel.py_func, signature, cc=cc)[0]
+    assert f".target sm_{cc[0]}{cc[1]}" in ptx
+    assert "bar.sync" in ptx and "mul.hi.u64" in ptx  # ids staged; division-free modulo
+    assert re.search(rf"ld\.global(\.nc)?\.[ubf]{8 * width}\b", ptx)  # one load per word
+
+
+# ---------------------------------------------------------------- on a GPU (skipped without one)
+
+
+def device_lookup(weight, ids, out_dtype, scale, **table_kwargs):
+    """The GPU lookup's result as NumPy (bfloat16 bits viewed back)."""
+    import cupy
+
+    table = nc.EmbeddingTable(weight, scale=scale, placement="gpu", **table_kwargs)
+    result = table.lookup(cupy.asarray(ids), out_dtype=out_dtype).get()
+    return result.view(np.dtype(out_dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", [np.float32, np.float16, ml_dtypes.bfloat16],
+                         ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_gpu_equals_cpu_on_every_bit_pattern(fmt, out_dtype):
+    bits = patterns(fmt)
+    for head_dim in (160, 8, 3):
+        rows = -(-bits.size // head_dim)
+        padded = np.resize(bits, rows * head_dim).astype(fmt.raw).view(fmt.dtype)
+        weight = padded.reshape(rows, head_dim)
+        rng = np.random.default_rng(head_dim)
+        for num_tokens, id_dtype in [(1, np.int64), (256, np.int32), (4097, np.int64)]:
+            ids = rng.integers(-3, rows + 3, (num_tokens, 16)).astype(id_dtype)
+            cpu = nc.EmbeddingTable(weight, scale=0.375).lookup(ids, out_dtype=out_dtype)
+            gpu = device_lookup(weight, ids, out_dtype, 0.375)
+            np.testing.assert_array_equal(gpu.view(np.uint8), cpu.view(np.uint8))
+
+
+@pytest.mark.gpu
+def test_gpu_shards_unaligned_out_and_reuse():
+    import cupy
+
+    rng = np.random.default_rng(1)
+    weight = (rng.standard_normal((1000, 160)) * 8).astype(ml_dtypes.float8_e4m3fn)
+    ids = rng.integers(-5, 1005, (300, 16))
+    expected = reference_lookup(weight, ids, 0.5, ml_dtypes.bfloat16)
+    total = np.zeros(expected.shape, np.float32)
+    for start, stop in [(0, 333), (333, 900), (900, 1000)]:
+        shard = nc.EmbeddingTable(weight[start:stop], scale=0.5, placement="gpu",
+                                  row_start=start, total_rows=1000)
+        total += shard.lookup(cupy.asarray(ids)).get().view(ml_dtypes.bfloat16).astype(
+            np.float32)
+    np.testing.assert_array_equal(total, expected.astype(np.float32))
+    table = nc.EmbeddingTable(weight, scale=0.5, placement="gpu")
+    backing = cupy.zeros(300 * 2560 + 4, cupy.uint16)
+    out = backing[2:-2].reshape(300, 2560)  # 4-byte aligned only: narrower loads
+    for _ in range(2):
+        assert table.lookup(cupy.asarray(ids.astype(np.int32)), out=out) is out
+        np.testing.assert_array_equal(out.get().view(ml_dtypes.bfloat16), expected)
+    assert not backing[:2].any() and not backing[-2:].any()
+
+
+@pytest.mark.gpu
+def test_fused_forward_equals_ids_then_lookup():
+    import cupy
+
+    config = nc.NGramConfig(vocab_size=248320, ngram_size=3, heads_per_ngram=8,
+                            ngram_vocab_size_base=20_000, eos_token_id=248044,
+                            embedding_dim=2560)
+    layout = nc.layer_layout(config, 0)
+    rng = np.random.default_rng(2)
+    weight = (rng.standard_normal((layout.padded_rows, 160)) * 8).astype(
+        ml_dtypes.float8_e4m3fn)
+    for placement in ("gpu", "host"):
+        table = nc.EmbeddingTable(weight, scale=0.25, placement=placement)
+        plain = nc.NGramEmbedding(layout, table)
+        fused = nc.NGramEmbedding(layout, table, fused=True)
+        for num_tokens, num_requests in [(1, 1), (256, 256), (5000, 3)]:
+            tokens = cupy.asarray(rng.integers(0, 248320, num_tokens))
+            starts = cupy.asarray(np.linspace(0, num_tokens, num_requests + 1).astype(np.int64))
+            context = cupy.asarray(rng.integers(0, 248320, (num_requests, 2)))
+            want = plain(tokens, starts, context).get()
+            np.testing.assert_array_equal(fused(tokens, starts, context).get(), want)
+            cpu = nc.NGramEmbedding(layout, nc.EmbeddingTable(weight, scale=0.25))
+            np.testing.assert_array_equal(
+                cpu(tokens.get(), starts.get(), context.get()).view(np.uint16), want)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_of_ids_and_lookup_replays():
+    import cupy
+
+    config = nc.NGramConfig(vocab_size=1000, ngram_size=3, heads_per_ngram=8,
+                            ngram_vocab_size_base=5000, eos_token_id=3, embedding_dim=2560)
+    layout = nc.layer_layout(config, 0)
+    rng = np.random.default_rng(3)
+    weight = (rng.standard_normal((layout.padded_rows, 160))).astype(ml_dtypes.float8_e4m3fn)
+    layer = nc.NGramEmbedding(layout, nc.EmbeddingTable(weight, scale=0.5, placement="gpu"))
+    tokens = cupy.asarray(rng.integers(0, 1000, 64))
+    starts = cupy.asarray(np.arange(0, 65, 8))
+    context = cupy.asarray(rng.integers(0, 1000, (8, 2)))
+    out = cupy.empty((64, 2560), cupy.uint16)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        layer(tokens, starts, context, out=out)  # warm-up: compile, allocate
+        stream.begin_capture()
+        layer(tokens, starts, context, out=out)
+        graph = stream.end_capture()
+        tokens[...] = cupy.asarray(rng.integers(0, 1000, 64))
+        out[...] = 0
+        graph.launch(stream)
+        stream.synchronize()
+    cpu = nc.NGramEmbedding(layout, nc.EmbeddingTable(weight, scale=0.5))
+    np.testing.assert_array_equal(out.get(),
+                                  cpu(tokens.get(), starts.get(), context.get()).view(np.uint16))

@@ -1,0 +1,325 @@
+"""The prefetch protocol on the CPU worker (always) and on a CUDA side stream (with a GPU);
+pinned host tables."""
+
+from __future__ import annotations
+
+import threading
+
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import HAS_GPU
+
+import ngram_cupy as nc
+from ngram_cupy import gather_numba, table as table_module
+from ngram_cupy.dequant import reference_lookup
+from ngram_cupy.pinned import PinnedBuffer
+
+SCALE = 0.75
+
+
+@pytest.fixture
+def weight():
+    rng = np.random.default_rng(0)
+    return (rng.standard_normal((200, 8)) * 4).astype(ml_dtypes.float8_e4m3fn)
+
+
+def expected(weight, ids, out_dtype=ml_dtypes.bfloat16):
+    return reference_lookup(weight, ids, SCALE, out_dtype)
+
+
+def random_ids(seed, shape=(33, 4), high=210):
+    return np.random.default_rng(seed).integers(-5, high, shape)
+
+
+def test_prefetch_then_lookup(weight):
+    table = nc.EmbeddingTable(weight, scale=SCALE)
+    ids = random_ids(1)
+    table.prefetch(ids)
+    np.testing.assert_array_equal(table.lookup(ids), expected(weight, ids))
+
+
+def test_the_prefetch_gathers_a_copy_of_the_ids(weight):
+    table = nc.EmbeddingTable(weight, scale=SCALE)
+    ids = random_ids(2)
+    original = ids.copy()
+    table.prefetch(ids)
+    ids[:] = 7  # the caller reuses its buffer at once
+    np.testing.assert_array_equal(table.lookup(original), expected(weight, original))
+
+
+def test_stale_prefetch_is_joined_then_the_changed_heads_regathered(weight, monkeypatch):
+    table = nc.EmbeddingTable(weight, scale=SCALE)
+    prefetched = random_ids(3)
+    asked = prefetched.copy()
+    asked[::3, 1] = random_ids(4, asked[::3, 1].shape)
+    finished = []
+    release = threading.Event()
+    real = gather_numba.gather_rows
+
+    def slow_gather(*args, **kwargs):  # the worker's gather, held until released
+        if threading.current_thread() is not threading.main_thread():
+            release.wait(5)
+            finished.append(True)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gather_numba, "gather_rows", slow_gather)
+    table.prefetch(prefetched)
+    threading.Timer(0.05, release.set).start()
+    result = table.lookup(asked)
+    assert finished == [True]  # joined: the stale gather finished before lookup returned
+    np.testing.assert_array_equal(result, expected(weight, asked))
+
+
+def test_a_stale_prefetch_of_another_shape_or_dtype_is_joined_too(weight):
+    table = nc.EmbeddingTable(weight, scale=SCALE)
+    table.prefetch(random_ids(5, (10, 4)))
+    ids = random_ids(6, (7, 4))
+    np.testing.assert_array_equal(table.lookup(ids), expected(weight, ids))
+    table.prefetch(ids)
+    result = table.lookup(ids, out_dtype=np.float32)
+    np.testing.assert_array_equal(result, expected(weight, ids, np.float32))
+
+
+def test_repeated_prefetch_keeps_the_last(weight):
+    table = nc.EmbeddingTable(weight, scale=SCALE)
+    first, second = random_ids(7), random_ids(8)
+    table.prefetch(first)
+    table.prefetch(second)
+    np.testing.assert_array_equal(table.lookup(second), expected(weight, second))
+    np.testing.assert_array_equal(table.lookup(first), expected(weight, first))
+
+
+def test_staging_buffers_are_allocated_once_per_shape(weight):
+    table = nc.EmbeddingTable(weight, scale=SCALE)
+    results = []
+    for seed in range(3):
+        ids = random_ids(seed)
+        table.prefetch(ids)
+        result = table.lookup(ids)
+        np.testing.assert_array_equal(result, expected(weight, ids))
+        results.append(result)
+    assert results[0] is results[1] is results[2]  # the one staging buffer of this shape
+    table.prefetch(random_ids(0, (5, 4)))
+    assert table.lookup(random_ids(0, (5, 4))) is not results[0]
+    fresh = table.lookup(random_ids(9))  # no prefetch: a new array
+    assert fresh is not results[0]
+
+
+def test_out_is_written_by_prefetch_and_lookup(weight):
+    table = nc.EmbeddingTable(weight, scale=SCALE)
+    ids = random_ids(10)
+    out = np.zeros((33, 32), ml_dtypes.bfloat16)
+    table.prefetch(ids, out=out)
+    assert table.lookup(ids, out=out) is out
+    np.testing.assert_array_equal(out, expected(weight, ids))
+    other = np.zeros_like(out)  # prefetched into staging, looked up into the caller's buffer
+    ids2 = random_ids(11)
+    table.prefetch(ids2)
+    assert table.lookup(ids2, out=other) is other
+    np.testing.assert_array_equal(other, expected(weight, ids2))
+    stale = random_ids(12)  # prefetched into one buffer, asked for other ids into another
+    table.prefetch(ids, out=out)
+    table.lookup(stale, out=other)
+    np.testing.assert_array_equal(other, expected(weight, stale))
+
+
+def test_an_error_in_the_worker_surfaces_at_lookup(weight, monkeypatch):
+    table = nc.EmbeddingTable(weight, scale=SCALE)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("disk on fire")
+
+    monkeypatch.setattr(gather_numba, "gather_rows", broken)
+    table.prefetch(random_ids(13))
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        table.lookup(random_ids(13))
+    monkeypatch.undo()
+    ids = random_ids(14)  # the failed prefetch is gone; the table works again
+    np.testing.assert_array_equal(table.lookup(ids), expected(weight, ids))
+    monkeypatch.setattr(gather_numba, "gather_rows", broken)
+    table.prefetch(ids)
+    with pytest.raises(RuntimeError, match="disk on fire"):  # or at the next prefetch
+        table.prefetch(ids)
+
+
+def test_the_worker_runs_beside_the_caller(weight, monkeypatch):
+    """The gather runs on another thread while prefetch has already returned."""
+    table = nc.EmbeddingTable(weight, scale=SCALE)
+    started, release = threading.Event(), threading.Event()
+    real = gather_numba.gather_rows
+
+    def gated(*args, **kwargs):
+        started.set()
+        release.wait(5)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gather_numba, "gather_rows", gated)
+    ids = random_ids(15)
+    table.prefetch(ids)
+    assert started.wait(5)  # prefetch returned while the gather waits on its own thread
+    release.set()
+    np.testing.assert_array_equal(table.lookup(ids), expected(weight, ids))
+
+
+def test_prefetch_argument_errors_are_raised_at_once(weight):
+    table = nc.EmbeddingTable(weight, scale=SCALE)
+    with pytest.raises(ValueError, match="ids must be 2-D"):
+        table.prefetch(np.zeros(3, np.int64))
+    with pytest.raises(ValueError, match="out must have shape"):
+        table.prefetch(np.zeros((3, 1), np.int64), out=np.zeros((3, 3), ml_dtypes.bfloat16))
+
+
+def test_close_finishes_the_worker(weight):
+    table = nc.EmbeddingTable(weight, scale=SCALE)
+    table.prefetch(random_ids(16))
+    table.close()
+    ids = random_ids(17)  # CPU tables stay usable after close (nothing was pinned)
+    np.testing.assert_array_equal(table.lookup(ids), expected(weight, ids))
+
+
+def test_embedding_start_prefetch_then_forward(weight):
+    config = nc.NGramConfig(vocab_size=60, ngram_size=3, heads_per_ngram=2,
+                            ngram_vocab_size_base=40, eos_token_id=1, embedding_dim=32)
+    layout = nc.layer_layout(config, 0)
+    rng = np.random.default_rng(18)
+    full = (rng.standard_normal((layout.padded_rows, 8)) * 4).astype(ml_dtypes.float8_e4m3fn)
+    layer = nc.NGramEmbedding(layout, nc.EmbeddingTable(full, scale=SCALE))
+    tokens = rng.integers(0, 60, 12)
+    starts = np.array([0, 5, 12])
+    context = rng.integers(0, 60, (2, 2))
+    ids = nc.compute_ngram_ids(layout, tokens, starts, context)
+    layer.start_prefetch(tokens, starts, context)
+    np.testing.assert_array_equal(layer.forward(tokens, starts, context), expected(full, ids))
+    other = rng.integers(0, 60, 12)  # a stale prefetch: other tokens than prefetched
+    layer.start_prefetch(tokens, starts, context)
+    np.testing.assert_array_equal(
+        layer(other, starts, context),
+        expected(full, nc.compute_ngram_ids(layout, other, starts, context)))
+
+
+@pytest.mark.skipif(HAS_GPU, reason="checks the error seen without a GPU")
+def test_pinning_without_a_gpu_is_a_clear_error():
+    with pytest.raises(RuntimeError, match="could not page-lock 4,096 bytes.*CUDA device"):
+        PinnedBuffer(4096)
+
+
+# ---------------------------------------------------------------- on a GPU (skipped without one)
+
+
+def device_tables(weight):
+    """The same rows resident on the GPU and pinned on the host."""
+    return (nc.EmbeddingTable(weight, scale=SCALE, placement="gpu"),
+            nc.EmbeddingTable(weight, scale=SCALE, placement="host"))
+
+
+@pytest.mark.gpu
+def test_host_table_is_pinned_mapped_and_exactly_sized(weight):
+    import cupy
+
+    table = nc.EmbeddingTable(weight, scale=SCALE, placement="host")
+    assert table.pinned and table.host_view.nbytes == weight.nbytes == table.nbytes
+    attributes = cupy.cuda.runtime.pointerGetAttributes(table.host_view.ctypes.data)
+    assert attributes.type == cupy.cuda.runtime.memoryTypeHost
+    table.host_view[0] = weight[1]  # writable in place, seen by the GPU at once
+    ids = cupy.zeros((1, 1), cupy.int64)
+    np.testing.assert_array_equal(table.lookup(ids).get().view(ml_dtypes.bfloat16),
+                                  expected(weight, [[1]]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 256, 4099])
+def test_host_lookups_equal_gpu_resident_ones(weight, num_tokens):
+    import cupy
+
+    gpu, host = device_tables(weight)
+    ids = cupy.asarray(random_ids(num_tokens, (num_tokens, 16)))
+    resident = gpu.lookup(ids).get()
+    np.testing.assert_array_equal(host.lookup(ids).get(), resident)
+    host.prefetch(ids)
+    np.testing.assert_array_equal(host.lookup(ids).get(), resident)
+    host.dedup = True
+    np.testing.assert_array_equal(host.lookup(ids).get(), resident)
+    np.testing.assert_array_equal(resident.view(ml_dtypes.bfloat16),
+                                  expected(weight, ids.get()))
+
+
+@pytest.mark.gpu
+def test_stale_prefetch_on_the_side_stream(weight):
+    import cupy
+
+    _, host = device_tables(weight)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    prefetched = cupy.asarray(random_ids(20, (512, 16)))
+    asked = prefetched.copy()
+    asked[::5] = cupy.asarray(random_ids(21, (103, 16)))
+    with stream:
+        host.prefetch(prefetched)
+        prefetched[...] = 0  # overwritten on the caller's stream after the prefetch: harmless
+        result = host.lookup(asked)
+    stream.synchronize()
+    np.testing.assert_array_equal(result.get().view(ml_dtypes.bfloat16),
+                                  expected(weight, asked.get()))
+
+
+@pytest.mark.gpu
+def test_prefetch_and_lookup_replay_in_a_cuda_graph(weight):
+    import cupy
+
+    _, host = device_tables(weight)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    ids = cupy.asarray(random_ids(22, (64, 16)))
+    out = cupy.empty((64, 128), cupy.uint16)
+    with stream:
+        host.prefetch(ids)  # warm-up: compiles and allocates the staging buffers
+        host.lookup(ids, out=out)
+        stream.begin_capture()
+        host.prefetch(ids)
+        host.lookup(ids, out=out)
+        graph = stream.end_capture()
+        for seed in (23, 24):
+            ids[...] = cupy.asarray(random_ids(seed, (64, 16)))
+            out[...] = 0
+            graph.launch(stream)
+            stream.synchronize()
+            np.testing.assert_array_equal(out.get().view(ml_dtypes.bfloat16),
+                                          expected(weight, ids.get()))
+
+
+@pytest.mark.gpu
+def test_close_releases_the_registration(weight):
+    import cupy
+
+    table = nc.EmbeddingTable(weight, scale=SCALE, placement="host")
+    pointer = table.host_view.ctypes.data
+    table.prefetch(cupy.asarray(random_ids(25)))
+    table.close()
+    with pytest.raises(cupy.cuda.runtime.CUDARuntimeError):  # no longer registered
+        cupy.cuda.runtime.hostUnregister(pointer)
+    buffer = PinnedBuffer(1 << 20)
+    assert buffer.registered
+    pointer = buffer.pointer
+    del buffer  # garbage collection releases it too
+    with pytest.raises(cupy.cuda.runtime.CUDARuntimeError):
+        cupy.cuda.runtime.hostUnregister(pointer)
+
+
+@pytest.mark.gpu
+def test_torch_stream_and_tensors(weight):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    gpu, host = device_tables(weight)
+    ids = torch.randint(-5, 210, (40, 16), device="cuda")
+    out = torch.empty(40, 128, dtype=torch.bfloat16, device="cuda")
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        host.prefetch(ids, stream=stream)
+        assert host.lookup(ids, out=out, stream=stream) is out
+    stream.synchronize()
+    np.testing.assert_array_equal(out.view(torch.int16).cpu().numpy(),
+                                  gpu.lookup(ids).get().view(np.int16))
+
+
+def test_module_exposes_the_gpu_check():
+    assert table_module._gpu_available() == HAS_GPU
