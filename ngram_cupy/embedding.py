@@ -12,8 +12,8 @@ import contextlib
 
 import numpy as np
 
-from .arrays import DEVICE, cuda_stream, placement
-from .checks import check_layout
+from .arrays import DEVICE, convert, cuda_stream, placement
+from .checks import check_layout, check_out
 from .layout import LayerLayout
 from .ngram_ids import _batch, compute_ngram_ids
 from .prefetch import Buffers
@@ -49,9 +49,12 @@ class NGramEmbedding:
         return compute_ngram_ids(self.layout, input_ids, query_start_loc, ngram_context,
                                  out=out, stream=stream)
 
-    def _ids(self, input_ids, query_start_loc, ngram_context, stream):
-        """Ids in a buffer kept per shape (stable under CUDA graphs; lookups copy what they
-        keep, so it is free again at once)."""
+    def _ids(self, input_ids, query_start_loc, ngram_context, stream, ids_out=None):
+        """Ids into ``ids_out``, else into a buffer kept per shape (stable under CUDA graphs;
+        lookups copy what they keep, so it is free again at once)."""
+        if ids_out is not None:
+            return self.compute_ids(input_ids, query_start_loc, ngram_context, out=ids_out,
+                                    stream=stream)
         side = placement(input_ids=input_ids, query_start_loc=query_start_loc,
                          ngram_context=ngram_context)
         if side not in self._ids_buffers:
@@ -69,8 +72,9 @@ class NGramEmbedding:
         self._prefetched = True
 
     def forward(self, input_ids, query_start_loc, ngram_context, out=None, out_dtype=None,
-                stream=None):
-        """``[T, num_heads * head_dim]`` embeddings of a packed batch (into ``out`` if given).
+                stream=None, ids_out=None):
+        """``[T, num_heads * head_dim]`` embeddings of a packed batch (into ``out`` if given;
+        the ``[T, num_heads]`` int64 ids into ``ids_out`` if given).
 
         After ``start_prefetch`` this joins the prefetch and re-gathers only rows whose ids
         differ from the prefetched ones.
@@ -81,13 +85,14 @@ class NGramEmbedding:
         self._prefetched = False
         if use_fused:
             return self._forward_fused(input_ids, query_start_loc, ngram_context, out, out_dtype,
-                                       stream)
-        ids = self._ids(input_ids, query_start_loc, ngram_context, stream)
+                                       stream, ids_out)
+        ids = self._ids(input_ids, query_start_loc, ngram_context, stream, ids_out)
         return self.table.lookup(ids, out=out, out_dtype=out_dtype, stream=stream)
 
     __call__ = forward
 
-    def _forward_fused(self, input_ids, query_start_loc, ngram_context, out, out_dtype, stream):
+    def _forward_fused(self, input_ids, query_start_loc, ngram_context, out, out_dtype, stream,
+                       ids_out):
         """Ids and rows in one launch (GPU)."""
         from .fused_cuda import fused_lookup_cuda
 
@@ -97,6 +102,13 @@ class NGramEmbedding:
             self.layout, stream, input_ids, query_start_loc, ngram_context, out)
         shape = (num_tokens, self.layout.num_heads)
         out_format, out = self.table.destination(DEVICE, shape, out, out_dtype, out_torch_dtype)
+        if ids_out is not None:
+            with stream:
+                side, arrays = convert(ids_out=ids_out)
+            if side != DEVICE:
+                raise ValueError("ids_out must be on the GPU, like the batch")
+            ids_out = arrays["ids_out"]
+            check_out("ids_out", ids_out, shape, np.int64)
         result = out
         with stream:
             if result is None:
@@ -104,7 +116,7 @@ class NGramEmbedding:
                                         dtype=self.table.public_dtype(DEVICE, out_format))
             with result.device:
                 fused_lookup_cuda(self.layout, self.table, tokens, starts, context,
-                                  result.view(out_format.raw), out_format.code, None, stream)
+                                  result.view(out_format.raw), out_format.code, ids_out, stream)
         return result if caller_out is None else caller_out
 
     def __repr__(self) -> str:

@@ -1,7 +1,7 @@
 """Ids and rows in one launch: the n-gram ids kernel fused with the table gather (Numba CUDA).
 
 Each block hashes its tokens into shared memory exactly as ``ids_cuda`` does (the same
-``hashing.write_token_ids``), optionally stores the ids, and then gathers and dequantises the rows
+``stage_token_ids``), optionally stores the ids, and then gathers and dequantises the rows
 of those ids (``dequant.convert``) with coalesced word loads, so the ids never make a round trip
 through global memory. The simulator runs this very kernel in CI against the CPU path.
 """
@@ -14,14 +14,13 @@ import numpy as np
 from numba import cuda, int64, uint64
 
 from .dequant import FORMATS, convert
-from .hashing import write_token_ids
 from .ids_cuda import (
     _configured,
     _device_params,
     _numba_stream,
     _view,
     clamp,
-    find_request,
+    stage_token_ids,
     staging_shape,
 )
 
@@ -55,15 +54,10 @@ def fused_kernel(ngram_size: int, heads_per_ngram: int, head_dim: int, code: int
         staged = cuda.shared.array(shape, int64)
         lane = cuda.threadIdx.x
         first = cuda.blockIdx.x * block
-        num_tokens = tokens.shape[0]
-        t = first + lane
-        if t < num_tokens:
-            request = find_request(query_start_loc, t)
-            start = clamp(int64(query_start_loc[request]), int64(0), int64(t))
-            write_token_ids(tokens, context, request, start, t, ngram_size, heads_per_ngram,
-                            eos, params[0], params[1], params[2], params[3], staged, lane)
+        stage_token_ids(tokens, query_start_loc, context, params, eos, ngram_size,
+                        heads_per_ngram, first + lane, staged, lane)
         cuda.syncthreads()
-        count = clamp(num_tokens - first, 0, block)
+        count = clamp(tokens.shape[0] - first, 0, block)
         if write_ids:  # the caller wants the ids too
             for flat in range(lane, count * heads, block):
                 row = flat // heads

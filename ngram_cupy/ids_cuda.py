@@ -84,6 +84,18 @@ def find_request(query_start_loc, t):
     return lo
 
 
+@register_jitable(inline="always")
+def stage_token_ids(tokens, query_start_loc, context, params, eos, ngram_size, heads_per_ngram,
+                    t, staged, row):
+    """Hash token ``t``, if it exists, into ``staged[row]`` (shared memory): a block's threads
+    stage one token each, then store or use the ids together. Shared with the fused kernel."""
+    if t < tokens.shape[0]:
+        request = find_request(query_start_loc, t)
+        start = clamp(int64(query_start_loc[request]), int64(0), int64(t))
+        write_token_ids(tokens, context, request, start, t, ngram_size, heads_per_ngram, eos,
+                        params[0], params[1], params[2], params[3], staged, row)
+
+
 @cache
 def ids_kernel(ngram_size: int, heads_per_ngram: int, block: int | None = None,
                digest: int = HASHING_DIGEST):
@@ -101,12 +113,8 @@ def ids_kernel(ngram_size: int, heads_per_ngram: int, block: int | None = None,
         lane = cuda.threadIdx.x
         first = cuda.blockIdx.x * block + (digest & 0)  # digest: part of the cache key only
         num_tokens = tokens.shape[0]
-        t = first + lane
-        if t < num_tokens:
-            request = find_request(query_start_loc, t)
-            start = clamp(int64(query_start_loc[request]), int64(0), int64(t))
-            write_token_ids(tokens, context, request, start, t, ngram_size, heads_per_ngram,
-                            eos, params[0], params[1], params[2], params[3], staged, lane)
+        stage_token_ids(tokens, query_start_loc, context, params, eos, ngram_size,
+                        heads_per_ngram, first + lane, staged, lane)
         cuda.syncthreads()
         count = clamp(num_tokens - first, 0, block) * heads
         for flat in range(lane, count, block):

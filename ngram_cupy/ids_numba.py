@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-from functools import lru_cache
+from functools import cache
 
 import numpy as np
 from numba import njit, prange
@@ -25,7 +25,7 @@ BLOCK = 2048
 PARALLEL_MIN_TOKENS = 16384
 
 
-@lru_cache(maxsize=None)
+@cache
 def _ids_kernels(ngram_size: int, heads_per_ngram: int, digest: int = HASHING_DIGEST):
     """Serial and parallel id kernels compiled for one ``(ngram_size, heads_per_ngram)``.
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache
 
 import numpy as np
 
@@ -141,7 +141,7 @@ class LayerLayout:
         return self.padded_rows * self.head_dim * itemsize
 
 
-@lru_cache(maxsize=None)
+@cache
 def layer_layout(config: NGramConfig, layer: int) -> LayerLayout:
     """The exact hash layout of dense PLE layer ``layer`` (0-based among the PLE layers), cached."""
     if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):

@@ -17,9 +17,11 @@ _REGISTER_FLAGS = 0x01 | 0x02
 
 
 def _unregister(pointer: int) -> None:
-    """Release one registration (the finaliser: must not refer to the buffer object)."""
+    """Release one registration once the GPU is done with it (the finaliser: it must not refer
+    to the buffer object)."""
     import cupy
 
+    cupy.cuda.runtime.deviceSynchronize()  # no kernel may still read the rows
     cupy.cuda.runtime.hostUnregister(pointer)
 
 
@@ -45,7 +47,7 @@ class PinnedBuffer:
         if nbytes <= 0:
             raise ValueError(f"nbytes must be positive, got {nbytes}")
         self.nbytes = int(nbytes)
-        self._map = mmap.mmap(-1, self.nbytes)
+        self._map = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE)  # anonymous, this process
         if hasattr(mmap, "MADV_HUGEPAGE"):  # fewer pages to lock and to map into the GPU
             self._map.madvise(mmap.MADV_HUGEPAGE)
         self.array = np.frombuffer(self._map, dtype=np.uint8)
@@ -60,6 +62,7 @@ class PinnedBuffer:
         except Exception as error:
             raise _registration_error(self.nbytes, error) from error
         self._finalizer = weakref.finalize(self, _unregister, self.pointer)
+        self._finalizer.atexit = False  # at exit the process's memory goes anyway
 
     @property
     def registered(self) -> bool:

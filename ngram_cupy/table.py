@@ -214,7 +214,8 @@ class EmbeddingTable:
         if rows.ndim != 2 or rows.shape[1] != self.head_dim:
             raise ValueError(f"rows must have shape [n, head_dim={self.head_dim}], got "
                              f"{tuple(rows.shape)}")
-        if storage_format(torch_dtype or rows.dtype, "rows") != self.format:
+        if not (_holds(rows, self.format) if torch_dtype is None
+                else storage_format(torch_dtype, "rows") == self.format):
             raise TypeError(f"rows must have dtype {self.format.name}, got "
                             f"{torch_dtype or rows.dtype}")
         if isinstance(start, bool) or not isinstance(start, (int, np.integer)):

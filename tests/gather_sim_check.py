@@ -8,17 +8,16 @@ outside the table fails. Inputs stay tiny: the simulator runs each GPU thread as
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-import traceback
 
 import numpy as np
 
 if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
     sys.exit("run with NUMBA_ENABLE_CUDASIM=1")
 
-from cuda_sim_check import layouts, random_batch  # noqa: E402  (bounds-checked FakeCUDAArray)
+import cuda_sim_check  # noqa: E402  (bounds-checked FakeCUDAArray, the runner)
+from cuda_sim_check import check, layouts, random_batch  # noqa: E402
 from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray  # noqa: E402
 
 import ngram_cupy as nc  # noqa: E402
@@ -54,12 +53,7 @@ def every_pattern_table(rng, rows, head_dim, fmt):
     return bits.astype(fmt.raw).view(fmt.dtype)
 
 
-CHECKS = {}
-
-
-def check(fn):
-    CHECKS[fn.__name__] = fn
-    return fn
+cuda_sim_check.CHECKS.clear()  # its runner runs only the checks below
 
 
 @check
@@ -107,17 +101,5 @@ def empty_batch_launches_nothing():
     assert rows.shape == (0, layout.num_heads * 4)
 
 
-def main() -> int:
-    results = {}
-    for name, fn in CHECKS.items():
-        try:
-            fn()
-            results[name] = "ok"
-        except Exception:
-            results[name] = traceback.format_exc()
-    print(json.dumps(results))
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cuda_sim_check.main())

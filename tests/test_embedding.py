@@ -57,6 +57,9 @@ def test_forward_out_and_out_dtype():
     np.testing.assert_array_equal(out, reference_lookup(weight, ids, 0.25, np.float32))
     half = layer(tokens, starts, context, out_dtype=np.float16)
     np.testing.assert_array_equal(half, reference_lookup(weight, ids, 0.25, np.float16))
+    ids_out = np.full_like(ids, -1)
+    layer(tokens, starts, context, out=out, ids_out=ids_out)
+    np.testing.assert_array_equal(ids_out, ids)
 
 
 def test_row_shards_sum_to_the_whole_layer():

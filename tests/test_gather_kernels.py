@@ -259,6 +259,10 @@ def test_fused_forward_equals_ids_then_lookup():
             context = cupy.asarray(rng.integers(0, 248320, (num_requests, 2)))
             want = plain(tokens, starts, context).get()
             np.testing.assert_array_equal(fused(tokens, starts, context).get(), want)
+            ids = cupy.full((num_tokens, layout.num_heads), -1, cupy.int64)
+            fused(tokens, starts, context, ids_out=ids)
+            np.testing.assert_array_equal(ids.get(), plain.compute_ids(tokens, starts,
+                                                                       context).get())
             cpu = nc.NGramEmbedding(layout, nc.EmbeddingTable(weight, scale=0.25))
             np.testing.assert_array_equal(
                 cpu(tokens.get(), starts.get(), context.get()).view(np.uint16), want)

@@ -11,7 +11,7 @@ import pytest
 from conftest import HAS_GPU
 
 import ngram_cupy as nc
-from ngram_cupy import gather_numba, table as table_module
+from ngram_cupy import gather_numba
 from ngram_cupy.dequant import reference_lookup
 from ngram_cupy.pinned import PinnedBuffer
 
@@ -213,6 +213,14 @@ def device_tables(weight):
             nc.EmbeddingTable(weight, scale=SCALE, placement="host"))
 
 
+@pytest.fixture
+def side_stream():
+    """A non-blocking CuPy stream (graphs cannot be captured on the legacy default stream)."""
+    import cupy
+
+    return cupy.cuda.Stream(non_blocking=True)
+
+
 @pytest.mark.gpu
 def test_host_table_is_pinned_mapped_and_exactly_sized(weight):
     import cupy
@@ -245,11 +253,10 @@ def test_host_lookups_equal_gpu_resident_ones(weight, num_tokens):
 
 
 @pytest.mark.gpu
-def test_stale_prefetch_on_the_side_stream(weight):
+def test_stale_prefetch_on_the_side_stream(weight, side_stream):
     import cupy
 
-    _, host = device_tables(weight)
-    stream = cupy.cuda.Stream(non_blocking=True)
+    host, stream = nc.EmbeddingTable(weight, scale=SCALE, placement="host"), side_stream
     prefetched = cupy.asarray(random_ids(20, (512, 16)))
     asked = prefetched.copy()
     asked[::5] = cupy.asarray(random_ids(21, (103, 16)))
@@ -263,11 +270,10 @@ def test_stale_prefetch_on_the_side_stream(weight):
 
 
 @pytest.mark.gpu
-def test_prefetch_and_lookup_replay_in_a_cuda_graph(weight):
+def test_prefetch_and_lookup_replay_in_a_cuda_graph(weight, side_stream):
     import cupy
 
-    _, host = device_tables(weight)
-    stream = cupy.cuda.Stream(non_blocking=True)
+    host, stream = nc.EmbeddingTable(weight, scale=SCALE, placement="host"), side_stream
     ids = cupy.asarray(random_ids(22, (64, 16)))
     out = cupy.empty((64, 128), cupy.uint16)
     with stream:
@@ -320,6 +326,3 @@ def test_torch_stream_and_tensors(weight):
     np.testing.assert_array_equal(out.view(torch.int16).cpu().numpy(),
                                   gpu.lookup(ids).get().view(np.int16))
 
-
-def test_module_exposes_the_gpu_check():
-    assert table_module._gpu_available() == HAS_GPU

@@ -1,0 +1,118 @@
+"""Launch Numba-compiled CUDA kernels through CuPy: Numba's shared arithmetic, CuPy's cheap launch.
+
+Numba's own launcher re-types and converts every array argument on each call (tens of
+microseconds for a handful of arrays, too slow for a decode step), and blocks on the stream a CUDA
+array interface names. Here each kernel is compiled once per device architecture and argument
+types to PTX by Numba, loaded with ``cupy.RawModule``, and launched by CuPy on the caller's stream
+with arrays passed in Numba's kernel ABI: for every array its meminfo and parent pointers (unused
+on the device, zero), size, itemsize, data pointer, then its shape and strides.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from numba import cuda, from_dtype, types
+
+_ENTRY = re.compile(r"\.entry\s+([\w$.]+)\s*\(")
+
+
+def entry_name(ptx: str) -> str:
+    """The single kernel entry point of a Numba-compiled PTX module."""
+    names = _ENTRY.findall(ptx)
+    if len(names) != 1:
+        raise RuntimeError(f"expected one kernel entry in the PTX, found {len(names)}")
+    return names[0]
+
+
+def entry_params(ptx: str) -> list[str]:
+    """The PTX parameter types (``u64``, ``f32``, ...) of the kernel entry, in order."""
+    start = _ENTRY.search(ptx).end()
+    body = ptx[start : ptx.index(")", start)]
+    return re.findall(r"\.param\s+\.(\w+)", body)
+
+
+def param_bytes(value: Any) -> int:
+    """Bytes one flattened argument occupies as a kernel parameter (a device array: a pointer)."""
+    return 8 if hasattr(value, "ndim") and value.ndim > 0 else np.dtype(value.dtype).itemsize
+
+
+def check_abi(ptx: str, args: tuple, name: str) -> None:
+    """The flattened arguments must match the kernel's PTX parameters one for one, in size."""
+    declared = [int(re.sub(r"\D", "", kind)) // 8 for kind in entry_params(ptx)]
+    passed = [param_bytes(x) for a in args for x in flatten(a)]
+    if declared != passed:
+        raise RuntimeError(
+            f"{name}: the compiled kernel's parameters (bytes {declared}) do not match the "
+            f"launcher's (bytes {passed}); this Numba version changed its kernel ABI"
+        )
+
+
+def numba_type(value: Any):
+    """The Numba type a kernel argument compiles for: C-contiguous arrays and typed scalars."""
+    if hasattr(value, "dtype") and getattr(value, "ndim", 0) > 0:
+        return types.Array(from_dtype(value.dtype), value.ndim, "C")
+    if isinstance(value, np.generic):
+        return from_dtype(value.dtype)
+    raise TypeError(f"kernel arguments must be arrays or NumPy scalars, got {type(value).__name__}")
+
+
+def flatten(value: Any) -> tuple:
+    """One argument as Numba's kernel ABI spells it (arrays expand, scalars pass as they are)."""
+    if hasattr(value, "dtype") and getattr(value, "ndim", 0) > 0:
+        return (np.uint64(0), np.uint64(0), np.int64(value.size), np.int64(value.itemsize),
+                value, *map(np.int64, value.shape), *map(np.int64, value.strides))
+    return (value,)
+
+
+def _signature_key(args: tuple) -> tuple:
+    """A cheap hashable key of the argument types (dtype and ndim of arrays, scalar dtypes)."""
+    return tuple((a.dtype.char, a.ndim) if hasattr(a, "ndim") else type(a) for a in args)
+
+
+class NumbaKernel:
+    """A ``cuda.jit``-style Python kernel launched through CuPy, compiled per device and types."""
+
+    def __init__(self, pyfunc: Callable, name: str | None = None) -> None:
+        self.pyfunc = pyfunc
+        self.name = name or pyfunc.__name__
+        self._functions: dict[tuple, Any] = {}
+
+    def ptx(self, args: tuple, cc: tuple[int, int]) -> str:
+        """PTX of the kernel for the types of ``args`` on compute capability ``cc``."""
+        signature = tuple(numba_type(a) for a in args)
+        return cuda.compile_ptx(self.pyfunc, signature, cc=cc)[0]
+
+    def _load(self, args: tuple, device) -> Any:
+        """Compile and load the kernel on ``device``; checked against Numba's ABI once."""
+        import cupy
+
+        capability = device.compute_capability  # e.g. "90"
+        ptx = self.ptx(args, (int(capability[:-1]), int(capability[-1])))
+        check_abi(ptx, args, self.name)
+        fd, path = tempfile.mkstemp(suffix=".ptx")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(ptx)
+            with device:
+                return cupy.RawModule(path=path).get_function(entry_name(ptx))
+        finally:
+            os.unlink(path)
+
+    def __call__(self, grid: int, block: int, args: tuple, stream) -> None:
+        """Launch on ``stream`` (a CuPy stream) of the current device."""
+        import cupy
+
+        device = cupy.cuda.Device()
+        key = (device.id, _signature_key(args))
+        function = self._functions.get(key)
+        if function is None:
+            function = self._functions[key] = self._load(args, device)
+        flat = tuple(x for a in args for x in flatten(a))
+        with stream:
+            function((grid,), (block,), flat)
