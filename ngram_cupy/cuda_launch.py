@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from numba import cuda, from_dtype, types
+from numba import config, cuda, from_dtype, types
 
 _ENTRY = re.compile(r"\.entry\s+([\w$.]+)\s*\(")
 
@@ -78,15 +78,16 @@ def _signature_key(args: tuple) -> tuple:
 class NumbaKernel:
     """A ``cuda.jit``-style Python kernel launched through CuPy, compiled per device and types."""
 
-    def __init__(self, pyfunc: Callable, name: str | None = None) -> None:
-        self.pyfunc = pyfunc
-        self.name = name or pyfunc.__name__
+    def __init__(self, py_func: Callable) -> None:
+        self.py_func = py_func
+        self.name = py_func.__name__
         self._functions: dict[tuple, Any] = {}
+        self._simulated = None
 
     def ptx(self, args: tuple, cc: tuple[int, int]) -> str:
         """PTX of the kernel for the types of ``args`` on compute capability ``cc``."""
         signature = tuple(numba_type(a) for a in args)
-        return cuda.compile_ptx(self.pyfunc, signature, cc=cc)[0]
+        return cuda.compile_ptx(self.py_func, signature, cc=cc)[0]
 
     def _load(self, args: tuple, device) -> Any:
         """Compile and load the kernel on ``device``; checked against Numba's ABI once."""
@@ -104,8 +105,17 @@ class NumbaKernel:
         finally:
             os.unlink(path)
 
-    def __call__(self, grid: int, block: int, args: tuple, stream) -> None:
-        """Launch on ``stream`` (a CuPy stream) of the current device."""
+    def __call__(self, grid: int, block: int, args: tuple, stream=None) -> None:
+        """Launch on ``stream`` (a CuPy stream; default: the current one) of the current device.
+
+        Under the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``) the same Python kernel runs on
+        simulator arrays instead, which is how CI executes it.
+        """
+        if config.ENABLE_CUDASIM:
+            if self._simulated is None:
+                self._simulated = cuda.jit(self.py_func)
+            self._simulated[grid, block](*args)
+            return
         import cupy
 
         device = cupy.cuda.Device()
@@ -114,5 +124,5 @@ class NumbaKernel:
         if function is None:
             function = self._functions[key] = self._load(args, device)
         flat = tuple(x for a in args for x in flatten(a))
-        with stream:
+        with stream if stream is not None else cupy.cuda.get_current_stream():
             function((grid,), (block,), flat)

@@ -93,9 +93,9 @@ def reference_lookup(table: np.ndarray, ids: np.ndarray, scale, out_dtype) -> np
     """
     ids = np.asarray(ids, dtype=np.int64)
     valid = (ids >= 0) & (ids < table.shape[0])
-    rows = table[np.where(valid, ids, 0)].astype(np.float32) * np.float32(scale)
-    rows[~valid] = 0
-    with np.errstate(over="ignore", invalid="ignore"):  # overflow to infinity is intended
+    with np.errstate(over="ignore", invalid="ignore"):  # inf * 0 and overflow are intended
+        rows = table[np.where(valid, ids, 0)].astype(np.float32) * np.float32(scale)
+        rows[~valid] = 0
         rows = rows.astype(out_dtype)
     return rows.reshape(ids.shape[0], ids.shape[1] * table.shape[1])
 

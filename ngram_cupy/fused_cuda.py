@@ -13,16 +13,9 @@ from functools import cache
 import numpy as np
 from numba import cuda, int64, uint64
 
+from .cuda_launch import NumbaKernel
 from .dequant import FORMATS, convert
-from .ids_cuda import (
-    _configured,
-    _device_params,
-    _numba_stream,
-    _view,
-    clamp,
-    stage_token_ids,
-    staging_shape,
-)
+from .ids_cuda import clamp, device_params, stage_token_ids, staging_shape
 
 WORD_BYTES = (8, 4, 2, 1)
 
@@ -37,8 +30,7 @@ def fused_kernel(ngram_size: int, heads_per_ngram: int, head_dim: int, code: int
                  block: int | None = None):
     """``(kernel, tokens per block)`` for one layer shape and (storage, output) format pair.
 
-    Not cached on disk: it inlines hashing.py, dequant.py and ids_cuda.py, which Numba's cache
-    would not watch. Table rows are read as ``[rows, words]`` unsigned words.
+    Table rows are read as ``[rows, words]`` unsigned words.
     """
     heads = (ngram_size - 1) * heads_per_ngram
     shape = staging_shape(heads, block)
@@ -49,8 +41,8 @@ def fused_kernel(ngram_size: int, heads_per_ngram: int, head_dim: int, code: int
     bits = 8 * itemsize
     mask = (1 << bits) - 1
 
-    def kernel(tokens, query_start_loc, context, params, eos, table, row_start, scale, write_ids,
-               ids_out, out):
+    def fused_ids_gather(tokens, query_start_loc, context, params, eos, table, row_start, scale,
+                     write_ids, ids_out, out):
         staged = cuda.shared.array(shape, int64)
         lane = cuda.threadIdx.x
         first = cuda.blockIdx.x * block
@@ -80,13 +72,13 @@ def fused_kernel(ngram_size: int, heads_per_ngram: int, head_dim: int, code: int
                 for k in range(per_word):
                     out[first + row, column + k] = 0
 
-    return cuda.jit(kernel), block
+    return NumbaKernel(fused_ids_gather), block
 
 
 def launch_fused(layout, tokens, query_start_loc, context, params, table_words, code: int,
-                 row_start: int, scale, write_ids: bool, ids_out, out, out_code: int, stream=0,
+                 row_start: int, scale, write_ids: bool, ids_out, out, out_code: int, stream=None,
                  block: int | None = None):
-    """Launch on Numba-ready arrays (device views; simulator arrays in tests).
+    """Launch on device arrays (simulator arrays in tests).
 
     ``table_words`` is the table as ``[rows, words]`` unsigned words (see ``word_bytes``),
     ``out`` the raw ``[T, H * head_dim]`` output; the ids are written to ``ids_out`` (``[T, H]``
@@ -97,9 +89,11 @@ def launch_fused(layout, tokens, query_start_loc, context, params, table_words, 
         head_dim = out.shape[1] // layout.num_heads
         kernel, block = fused_kernel(layout.ngram_size, layout.heads_per_ngram, head_dim, code,
                                      out_code, block)
-        _configured(kernel, -(-num_tokens // block), block, stream)(
-            tokens, query_start_loc, context, params, layout.eos_token_id, table_words,
-            np.int64(row_start), np.float32(scale), write_ids, ids_out, out)
+        kernel(-(-num_tokens // block), block,
+               (tokens, query_start_loc, context, params, np.int64(layout.eos_token_id),
+                table_words, np.int64(row_start), np.float32(scale), np.bool_(write_ids),
+                ids_out, out),
+               stream)
     return out
 
 
@@ -129,8 +123,6 @@ def fused_lookup_cuda(layout, table, tokens, query_start_loc, context, out, out_
         ids_out = _placeholders[device]
     scale = 1.0 if table.scale is None else table.scale
     words = table_words(table.device_rows, table.format.itemsize)
-    launch_fused(layout, _view(tokens), _view(query_start_loc), _view(context),
-                 _device_params(layout, device), _view(words), table.format.code,
-                 table.row_start, scale, write_ids, _view(ids_out), _view(out), out_code,
-                 _numba_stream(device, stream.ptr))
-    return out
+    return launch_fused(layout, tokens, query_start_loc, context, device_params(layout, device),
+                        words, table.format.code, table.row_start, scale, write_ids, ids_out, out,
+                        out_code, stream)

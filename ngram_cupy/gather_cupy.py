@@ -16,7 +16,9 @@ import numpy as np
 
 from .dequant import FORMATS, OUTPUT_CODES
 
-KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
+# kernels/ at the top of a source checkout; installed wheels carry it as ngram_cupy/kernels.
+_HERE = Path(__file__).resolve().parent
+KERNEL_DIR = next(p for p in (_HERE / "kernels", _HERE.parent / "kernels") if p.is_dir())
 THREADS_PER_BLOCK = 256
 VECTOR_BYTES = (16, 8, 4, 2, 1)
 ID_TYPES = {np.dtype(np.int32): "int", np.dtype(np.int64): "long long"}

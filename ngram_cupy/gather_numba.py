@@ -55,8 +55,13 @@ def prefetch_line(typingctx, array, row, column):
 
 
 @cache
-def _gather_kernels(code: int, out_code: int, digest: int = DEQUANT_DIGEST):
-    """Serial and parallel gathers for one (storage, output) format pair, both ``nogil``."""
+def _gather_kernel(code: int, out_code: int, parallel: bool, digest: int = DEQUANT_DIGEST):
+    """The gather for one (storage, output) format pair, threaded or not, ``nogil``.
+
+    Numba's disk cache keys an entry by the code and the closure's values, not by ``parallel=``,
+    so the serial gather is its own closure (one block); ``digest`` ties it to dequant.py.
+    """
+    block_size = BLOCK if parallel else 1 << 62
     by_table = code != FLOAT32
     line = CACHE_LINE // FORMATS[code].itemsize  # values per cache line
 
@@ -64,9 +69,9 @@ def _gather_kernels(code: int, out_code: int, digest: int = DEQUANT_DIGEST):
         rows, head_dim = table.shape
         num_tokens, num_heads = ids.shape
         check = expected.shape[0] != 0 or (digest & 0) != 0  # digest: cache key only
-        for block in prange((num_tokens + BLOCK - 1) // BLOCK):
-            last = min(block * BLOCK + BLOCK, num_tokens)
-            for t in range(block * BLOCK, last):
+        for block in prange((num_tokens + block_size - 1) // block_size):
+            last = min(block * block_size + block_size, num_tokens)
+            for t in range(block * block_size, last):
                 for h in range(num_heads):
                     ahead = int64(ids[t + 1, h]) - row_start if t + 1 < last else int64(-1)
                     if 0 <= ahead < rows:
@@ -88,9 +93,7 @@ def _gather_kernels(code: int, out_code: int, digest: int = DEQUANT_DIGEST):
                         for c in range(head_dim):
                             out[t, first + c] = 0
 
-    serial = njit(cache=True, nogil=True)(gather)
-    parallel = njit(cache=True, nogil=True, parallel=True)(gather)
-    return serial, parallel
+    return njit(cache=True, nogil=True, parallel=parallel)(gather)
 
 
 @njit(cache=True)
@@ -122,10 +125,9 @@ def gather_rows(table: np.ndarray, code: int, row_start: int, scale: np.float32,
     expected one are skipped: ``out`` already holds them. ``parallel=None`` uses threads for
     large batches only.
     """
-    serial_kernel, parallel_kernel = _gather_kernels(code, out_code)
     if parallel is None:
         parallel = ids.size >= PARALLEL_MIN_ROWS
-    kernel = parallel_kernel if parallel else serial_kernel
+    kernel = _gather_kernel(code, out_code, parallel)
     scale = np.float32(scale)
     kernel(table, np.int64(row_start), scale, output_table(code, out_code, float(scale)), ids,
            NO_EXPECTED if expected is None else expected, out)

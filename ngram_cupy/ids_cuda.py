@@ -6,22 +6,22 @@ never synchronises, so it can be captured in a CUDA graph. Since ``query_start_l
 checked on the GPU, the kernels clamp every index they derive from it: wrong values give
 meaningless ids (each still inside its head's rows) but never a read or write out of bounds.
 
-The first call per layer and device uploads the layer's constants and compiles the kernel (cached
-on disk); make it before a graph capture.
+Kernels are compiled by Numba and launched by CuPy (``cuda_launch``): a few microseconds of host
+time per call. The first call per layer and device uploads the layer's constants and compiles the
+kernel; make it before a graph capture.
 """
 
 from __future__ import annotations
 
-import warnings
-from functools import cache, lru_cache
+from functools import cache
 
 import numpy as np
-from numba import config, cuda, int64
-from numba.core.errors import NumbaPerformanceWarning
+from numba import cuda, int64
 from numba.core.extending import register_jitable
 
+from .cuda_launch import NumbaKernel
 from .hashing import write_token_ids
-from .ids_numba import HASHING_DIGEST, roll_context_row
+from .ids_numba import roll_context_row
 from .layout import LayerLayout
 
 # Tokens per block (fewer for many heads): each thread hashes one token into shared memory, then
@@ -97,21 +97,20 @@ def stage_token_ids(tokens, query_start_loc, context, params, eos, ngram_size, h
 
 
 @cache
-def ids_kernel(ngram_size: int, heads_per_ngram: int, block: int | None = None,
-               digest: int = HASHING_DIGEST):
+def ids_kernel(ngram_size: int, heads_per_ngram: int, block: int | None = None):
     """``(kernel, tokens per block)`` for one ``(ngram_size, heads_per_ngram)`` (and block).
 
     All are constants of the closure, so the order and head loops unroll and the staging index
-    arithmetic divides by a constant; ``digest`` keys Numba's disk cache to hashing.py.
+    arithmetic divides by a constant.
     """
     heads = (ngram_size - 1) * heads_per_ngram
     shape = staging_shape(heads, block)
     block = shape[0]
 
-    def kernel(tokens, query_start_loc, context, params, eos, out):
+    def ngram_ids_kernel(tokens, query_start_loc, context, params, eos, out):
         staged = cuda.shared.array(shape, int64)
         lane = cuda.threadIdx.x
-        first = cuda.blockIdx.x * block + (digest & 0)  # digest: part of the cache key only
+        first = cuda.blockIdx.x * block
         num_tokens = tokens.shape[0]
         stage_token_ids(tokens, query_start_loc, context, params, eos, ngram_size,
                         heads_per_ngram, first + lane, staged, lane)
@@ -122,13 +121,10 @@ def ids_kernel(ngram_size: int, heads_per_ngram: int, block: int | None = None,
             head = flat - row * heads
             out[first + row, head] = staged[row, head]
 
-    return cuda.jit(cache=True)(kernel), block
+    return NumbaKernel(ngram_ids_kernel), block
 
 
-# Not cached on disk: it inlines code from ids_numba.py, which Numba's cache would not watch
-# (and it compiles in a fraction of a second).
-@cuda.jit
-def advance_context_kernel(tokens, query_start_loc, context, out):
+def _advance_context_kernel(tokens, query_start_loc, context, out):
     """One thread per request rolls its row as the CPU does, so ``out`` may alias ``context``."""
     r = cuda.grid(1)
     if r < out.shape[0]:
@@ -137,91 +133,51 @@ def advance_context_kernel(tokens, query_start_loc, context, out):
         roll_context_row(tokens, context, r, start, end, out)
 
 
-@lru_cache(maxsize=1024)
-def _configuration(kernel, grid: int, block: int, stream):
-    """``kernel[grid, block, stream]``, built once: Numba warns of grids under 128 blocks,
-    which decode steps are by design."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", NumbaPerformanceWarning)
-        return kernel[grid, block, stream]
-
-
-def _configured(kernel, grid: int, block: int, stream):
-    """A launchable kernel; the simulator's ``kernel[...]`` reconfigures the kernel itself."""
-    if config.ENABLE_CUDASIM:
-        return kernel[grid, block, stream]
-    return _configuration(kernel, grid, block, stream)
+advance_context_kernel = NumbaKernel(_advance_context_kernel)
 
 
 def launch_ngram_ids(layout: LayerLayout, tokens, query_start_loc, context, params, out,
-                     stream=0, block: int | None = None):
-    """Launch the ids kernel on Numba-ready arrays (device views; simulator arrays in tests)."""
+                     stream=None, block: int | None = None):
+    """Launch the ids kernel on device arrays (simulator arrays in tests)."""
     num_tokens = tokens.shape[0]
     if num_tokens:
         kernel, block = ids_kernel(layout.ngram_size, layout.heads_per_ngram, block)
-        _configured(kernel, -(-num_tokens // block), block, stream)(
-            tokens, query_start_loc, context, params, layout.eos_token_id, out)
+        kernel(-(-num_tokens // block), block,
+               (tokens, query_start_loc, context, params, np.int64(layout.eos_token_id), out),
+               stream)
     return out
 
 
-def launch_advance_context(tokens, query_start_loc, context, out, stream=0):
-    """Launch the context-rolling kernel on Numba-ready arrays."""
+def launch_advance_context(tokens, query_start_loc, context, out, stream=None):
+    """Launch the context-rolling kernel on device arrays (simulator arrays in tests)."""
     num_requests = out.shape[0]
     if num_requests:
-        grid = -(-num_requests // ADVANCE_BLOCK)
-        _configured(advance_context_kernel, grid, ADVANCE_BLOCK, stream)(
-            tokens, query_start_loc, context, out)
+        advance_context_kernel(-(-num_requests // ADVANCE_BLOCK), ADVANCE_BLOCK,
+                               (tokens, query_start_loc, context, out), stream)
     return out
 
 
-@lru_cache(maxsize=256)
-def _numba_view(device: int, pointer: int, shape: tuple, strides: tuple, typestr: str):
-    """A Numba device array over CuPy memory, made once per (pointer, shape, dtype).
-
-    A view owns nothing, so one made for an earlier array at the same address is still exact;
-    it carries no stream, so Numba's launch does not synchronise on it (the CAI v3 rule).
-    """
-    desc = dict(shape=shape, strides=strides, typestr=typestr, data=(pointer, False), version=3)
-    return cuda.from_cuda_array_interface(desc, owner=None, sync=False)
+_params: dict[tuple[LayerLayout, int], object] = {}
 
 
-def _view(array):
-    """The Numba view of a CuPy array (the current device must be the array's)."""
-    return _numba_view(array.device.id, array.data.ptr, array.shape, array.strides,
-                       array.dtype.str)
-
-
-@lru_cache(maxsize=64)
-def _numba_stream(device: int, handle: int):
-    """Numba's wrapper of a CUDA stream handle (0: the legacy default stream)."""
-    return cuda.external_stream(handle) if handle else 0
-
-
-_params: dict[tuple[LayerLayout, int], tuple] = {}
-
-
-def _device_params(layout: LayerLayout, device: int):
-    """The layer's constants on ``device`` (uploaded on first use) and their Numba view."""
+def device_params(layout: LayerLayout, device: int):
+    """The layer's constants on ``device``, uploaded once (the only host synchronisation)."""
     key = (layout, device)
     if key not in _params:
         import cupy
 
         array = cupy.asarray(layout_params(layout))
         cupy.cuda.get_current_stream().synchronize()  # once: then any stream may read it
-        _params[key] = (array, _view(array))
-    return _params[key][1]
+        _params[key] = array
+    return _params[key]
 
 
 def ngram_ids_cuda(layout: LayerLayout, tokens, query_start_loc, context, out, stream):
     """Write ids of checked, contiguous CuPy arrays into ``out`` on the CuPy ``stream``."""
-    device = out.device.id
-    launch_ngram_ids(layout, _view(tokens), _view(query_start_loc), _view(context),
-                     _device_params(layout, device), _view(out), _numba_stream(device, stream.ptr))
-    return out
+    return launch_ngram_ids(layout, tokens, query_start_loc, context,
+                            device_params(layout, out.device.id), out, stream)
 
 
 def advance_context_cuda(tokens, query_start_loc, context, out, stream):
     """Roll contexts of checked, contiguous CuPy arrays into ``out`` on the CuPy ``stream``."""
-    launch_advance_context(_view(tokens), _view(query_start_loc), _view(context), _view(out),
-                           _numba_stream(out.device.id, stream.ptr))
-    return out
+    return launch_advance_context(tokens, query_start_loc, context, out, stream)

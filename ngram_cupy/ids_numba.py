@@ -20,34 +20,36 @@ HASHING_DIGEST = int.from_bytes(hashlib.sha256(inspect.getsource(hashing).encode
 
 # Tokens per parallel work item: large enough to amortise the request search, small enough to
 # balance a single long request across every core.
-BLOCK = 2048
+BLOCK = 512
 # Below this many tokens a thread pool costs more than it saves (decode batches).
-PARALLEL_MIN_TOKENS = 16384
+PARALLEL_MIN_TOKENS = 1024
 
 
 @cache
-def _ids_kernels(ngram_size: int, heads_per_ngram: int, digest: int = HASHING_DIGEST):
-    """Serial and parallel id kernels compiled for one ``(ngram_size, heads_per_ngram)``.
+def _ids_kernel(ngram_size: int, heads_per_ngram: int, parallel: bool,
+                digest: int = HASHING_DIGEST):
+    """The id kernel compiled for one ``(ngram_size, heads_per_ngram)``, threaded or not.
 
-    Both are constants of the closure, so the per-order and per-head loops unroll fully; Numba
-    caches one machine-code entry per pair (and per ``digest`` of hashing.py) on disk.
+    All are constants of the closure, so the per-order and per-head loops unroll fully. Numba's
+    disk cache keys an entry by the code and the closure's values only, not by ``parallel=``, so
+    the serial kernel is its own closure (one block: no thread pool, no per-block search);
+    ``digest`` ties the entries to hashing.py.
     """
+    block_size = BLOCK if parallel else 1 << 62
 
     def kernel(tokens, query_start_loc, context, multipliers, sizes, magics, offsets, eos, out):
         num_tokens = tokens.shape[0] + (digest & 0)  # digest: part of the cache key only
-        for block in prange((num_tokens + BLOCK - 1) // BLOCK):
-            first = block * BLOCK
+        for block in prange((num_tokens + block_size - 1) // block_size):
+            first = block * block_size
             request = np.searchsorted(query_start_loc, first, side="right") - 1
-            for t in range(first, min(first + BLOCK, num_tokens)):
+            for t in range(first, min(first + block_size, num_tokens)):
                 while t >= query_start_loc[request + 1]:
                     request += 1
                 write_token_ids(tokens, context, request, query_start_loc[request], t,
                                 ngram_size, heads_per_ngram, eos, multipliers, sizes, magics,
                                 offsets, out, t)
 
-    serial = njit(cache=True, nogil=True)(kernel)
-    parallel = njit(cache=True, nogil=True, parallel=True)(kernel)
-    return serial, parallel
+    return njit(cache=True, nogil=True, parallel=parallel)(kernel)
 
 
 def ngram_ids_numba(layout, tokens, query_start_loc, context, out, parallel: bool | None = None):
@@ -55,10 +57,9 @@ def ngram_ids_numba(layout, tokens, query_start_loc, context, out, parallel: boo
 
     ``parallel=None`` uses threads only for batches large enough to repay them.
     """
-    serial_kernel, parallel_kernel = _ids_kernels(layout.ngram_size, layout.heads_per_ngram)
     if parallel is None:
         parallel = tokens.shape[0] >= PARALLEL_MIN_TOKENS
-    kernel = parallel_kernel if parallel else serial_kernel
+    kernel = _ids_kernel(layout.ngram_size, layout.heads_per_ngram, parallel)
     kernel(tokens, query_start_loc, context, layout.multipliers, layout.head_sizes,
            layout.head_magics, layout.head_offsets, layout.eos_token_id, out)
     return out

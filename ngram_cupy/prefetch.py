@@ -63,13 +63,18 @@ class ThreadPrefetcher:
             future.result()
         return pending
 
-    def close(self) -> None:
-        """Wait for the worker and stop it; an abandoned prefetch's result (or error) is dropped."""
-        if self._future is not None:
+    def close(self, wait: bool = True) -> None:
+        """Stop the worker; an abandoned prefetch's result (or error) is dropped.
+
+        ``wait=False`` (garbage collection) only tells the worker to exit after its gather:
+        joining a thread from a finaliser can deadlock when the collection runs inside the
+        start of another thread.
+        """
+        if wait and self._future is not None:
             self._future.exception()
         self._future = self._pending = None
         if self._executor is not None:
-            self._executor.shutdown(wait=True)
+            self._executor.shutdown(wait=wait)
             self._executor = None
 
 

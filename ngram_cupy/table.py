@@ -164,7 +164,7 @@ class EmbeddingTable:
         self._stream: StreamPrefetcher | None = None
         self._buffers: dict[str, Buffers] = {}
         adopted = self._allocate(storage, storage_side)
-        weakref.finalize(self, EmbeddingTable._release, self._threads, self._pinned)
+        weakref.finalize(self, EmbeddingTable._release, self._threads, self._pinned, False)
         if storage is not None and not adopted:
             self._copy_in(0, storage)
 
@@ -388,9 +388,10 @@ class EmbeddingTable:
     # ---- lifetime ----
 
     @staticmethod
-    def _release(threads: ThreadPrefetcher, pinned: PinnedBuffer | None) -> None:
-        """Stop the worker and unregister pinned memory (also run at garbage collection)."""
-        threads.close()
+    def _release(threads: ThreadPrefetcher, pinned: PinnedBuffer | None, wait: bool) -> None:
+        """Stop the worker and unregister pinned memory (also run at garbage collection, which
+        must not wait for the worker thread)."""
+        threads.close(wait)
         if pinned is not None:
             pinned.close()
 
@@ -400,7 +401,7 @@ class EmbeddingTable:
         if self._stream is not None:
             self._stream.close()
             self._stream = None
-        EmbeddingTable._release(self._threads, self._pinned)
+        EmbeddingTable._release(self._threads, self._pinned, True)
         if self._pinned is not None:
             self._device_rows = None
 

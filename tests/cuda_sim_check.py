@@ -25,6 +25,7 @@ from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray  # noqa: E402
 
 import ngram_cupy as nc  # noqa: E402
 from ngram_cupy import ids_cuda, reference  # noqa: E402
+from ngram_cupy.cuda_launch import NumbaKernel  # noqa: E402
 
 
 def _checked(method):
@@ -244,9 +245,14 @@ def stand_in_cupy():
 def public_functions_take_the_device_path():
     """compute_ngram_ids/advance_context on (stand-in) device arrays: dispatch, out=, errors."""
     sys.modules["cupy"] = stand_in_cupy()
-    ids_cuda._view = lambda array: FakeCUDAArray(array.host)  # the simulator's device arrays
-    ids_cuda._numba_stream = lambda device, handle: 0
-    ids_cuda._device_params = lambda layout, device: FakeCUDAArray(ids_cuda.layout_params(layout))
+    launch = NumbaKernel.__call__  # run the simulator on the stand-ins' memory
+
+    def simulated(self, grid, block, args, stream=None):
+        args = tuple(FakeCUDAArray(a.host) if isinstance(a, StandInArray) else a for a in args)
+        return launch(self, grid, block, args, stream)
+
+    NumbaKernel.__call__ = simulated
+    ids_cuda.device_params = lambda layout, device: FakeCUDAArray(ids_cuda.layout_params(layout))
     rng = np.random.default_rng(19)
     layout = layouts()[1]
     tokens, starts, context = random_batch(rng, layout, 9, 3)

@@ -3,6 +3,7 @@ pinned host tables."""
 
 from __future__ import annotations
 
+import gc
 import threading
 
 import ml_dtypes
@@ -14,6 +15,7 @@ import ngram_cupy as nc
 from ngram_cupy import gather_numba
 from ngram_cupy.dequant import reference_lookup
 from ngram_cupy.pinned import PinnedBuffer
+from ngram_cupy.prefetch import Pending
 
 SCALE = 0.75
 
@@ -326,3 +328,25 @@ def test_torch_stream_and_tensors(weight):
     np.testing.assert_array_equal(out.view(torch.int16).cpu().numpy(),
                                   gpu.lookup(ids).get().view(np.int16))
 
+
+
+def test_collecting_a_table_never_waits_for_its_prefetch_worker(weight):
+    """The finaliser must not join the worker: run inside another thread's start (where a
+    collection can happen), a join deadlocks. Here the worker is blocked until released, and a
+    helper thread drops the last reference, so a regression fails instead of hanging."""
+    holder = [nc.EmbeddingTable(weight, scale=SCALE)]
+    threads, release = holder[0]._threads, threading.Event()
+    threads.start(Pending(ids=None, rows=None, out_code=0), release.wait)
+    collected = threading.Event()
+
+    def collect():
+        holder.clear()  # the last reference: the finaliser runs here
+        gc.collect()
+        collected.set()
+
+    collector = threading.Thread(target=collect, daemon=True)
+    collector.start()
+    collector.join(timeout=20)
+    release.set()
+    assert collected.is_set(), "collecting the table waited for its prefetch worker"
+    assert threads._executor is None

@@ -1,0 +1,85 @@
+"""The CuPy launcher of Numba kernels: what it passes must match Numba's compiled kernel ABI.
+
+A mismatch would pass garbage pointers on the GPU, so every kernel the library ships is compiled
+to PTX here (no GPU needed) and its parameter list compared, in count and size, with the
+flattened arguments the launcher builds for the same call.
+"""
+
+from __future__ import annotations
+
+import types as pytypes
+
+import numpy as np
+import pytest
+from numba import cuda
+
+import ngram_cupy as nc
+from ngram_cupy import dequant, fused_cuda, ids_cuda
+from ngram_cupy.cuda_launch import check_abi, entry_name, entry_params, flatten
+
+
+@pytest.fixture(autouse=True)
+def no_device(monkeypatch):
+    """Numba asks the driver for a compute capability when a kernel calls a helper."""
+    device = pytypes.SimpleNamespace(compute_capability=(9, 0))
+    monkeypatch.setattr(cuda.dispatcher, "get_current_device", lambda: device)
+
+
+def _layout(n, k):
+    return nc.layer_layout(nc.NGramConfig(1000, n, k, 500, 3, embedding_dim=(n - 1) * k * 4), 0)
+
+
+@pytest.mark.parametrize("n, k", [(2, 1), (3, 8), (5, 3)])
+@pytest.mark.parametrize("index", [np.int32, np.int64])
+def test_ids_kernel_abi(n, k, index):
+    layout = _layout(n, k)
+    kernel, _ = ids_cuda.ids_kernel(n, k)
+    args = (np.zeros(4, index), np.zeros(2, index), np.zeros((1, n - 1), index),
+            ids_cuda.layout_params(layout), np.int64(3), np.zeros((4, layout.num_heads), np.int64))
+    ptx = kernel.ptx(args, (9, 0))
+    check_abi(ptx, args, kernel.name)
+    assert "mul.hi.u64" in ptx
+
+
+def test_advance_context_kernel_abi():
+    args = (np.zeros(4, np.int32), np.zeros(3, np.int64), np.zeros((3, 2), np.int64),
+            np.zeros((2, 2), np.int64))
+    check_abi(ids_cuda.advance_context_kernel.ptx(args, (8, 0)), args, "advance")
+
+
+@pytest.mark.parametrize("code, out_code", [(dequant.FLOAT8_E4M3, dequant.BFLOAT16),
+                                            (dequant.FLOAT32, dequant.FLOAT32)])
+def test_fused_kernel_abi(code, out_code):
+    layout = _layout(3, 2)
+    head_dim = 4
+    kernel, _ = fused_cuda.fused_kernel(3, 2, head_dim, code, out_code)
+    rows = np.zeros((10, head_dim), dequant.FORMATS[code].raw)
+    args = (np.zeros(4, np.int64), np.zeros(2, np.int64), np.zeros((1, 2), np.int64),
+            ids_cuda.layout_params(layout), np.int64(3),
+            fused_cuda.table_words(rows, dequant.FORMATS[code].itemsize), np.int64(0),
+            np.float32(1), np.bool_(True), np.zeros((4, 4), np.int64),
+            np.zeros((4, 4 * head_dim), dequant.FORMATS[out_code].raw))
+    check_abi(kernel.ptx(args, (9, 0)), args, kernel.name)
+
+
+def test_abi_check_catches_a_mismatch():
+    kernel, _ = ids_cuda.ids_kernel(2, 1)
+    args = (np.zeros(4, np.int64), np.zeros(2, np.int64), np.zeros((1, 1), np.int64),
+            ids_cuda.layout_params(_layout(2, 1)), np.int64(3), np.zeros((4, 1), np.int64))
+    ptx = kernel.ptx(args, (9, 0))
+    with pytest.raises(RuntimeError, match="ABI"):
+        check_abi(ptx, args[:4] + (np.int32(3),) + args[5:], kernel.name)  # a 4-byte scalar
+    with pytest.raises(RuntimeError, match="ABI"):
+        check_abi(ptx, args[:-1], kernel.name)
+
+
+def test_flatten_and_entry_parsing():
+    array = np.zeros((3, 5), np.float32)
+    flat = flatten(array)
+    assert [int(x) for x in flat[:4]] == [0, 0, 15, 4]
+    assert flat[4] is array and [int(x) for x in flat[5:]] == [3, 5, 20, 4]
+    assert flatten(np.int64(7)) == (np.int64(7),)
+    ptx = ".visible .entry _Z1kPx(\n\t.param .u64 a,\n\t.param .f32 b\n)\n{\n}"
+    assert entry_name(ptx) == "_Z1kPx" and entry_params(ptx) == ["u64", "f32"]
+    with pytest.raises(RuntimeError, match="entry"):
+        entry_name(ptx + ptx)
