@@ -585,15 +585,15 @@ def plot_throughput(sections: list[Section], path: str) -> bool:
     for section in plotted:
         rows = sorted((row for row in section.rows if row.tokens), key=lambda row: row.tokens)
         ax.plot([row.tokens for row in rows], [row.tokens / row.seconds / 1e6 for row in rows],
-                marker="o", label=section.title)
+                marker="o", label=section.title.split(":")[0])
     ax.set_xscale("log")
+    ax.set_yscale("log")
     ax.set_xlabel("tokens per call (batch size)")
     ax.set_ylabel("Mtoken/s")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize="small")
-    fig.tight_layout()
+    ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.15))
     tmp = f"{path}.tmp"
-    fig.savefig(tmp, format="png", dpi=100)
+    fig.savefig(tmp, format="png", dpi=100, bbox_inches="tight")
     plt.close(fig)
     os.replace(tmp, path)
     return True
