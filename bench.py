@@ -17,6 +17,7 @@ import os
 import platform
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -185,9 +186,11 @@ def graph_seconds(fn: Callable[[], object], calls: int = 20) -> float:
         fn()  # warm-up outside the capture: compilation, the layer's constants
         stream.synchronize()
         stream.begin_capture()
-        for _ in range(calls):
-            fn()
-        graph = stream.end_capture()
+        try:
+            for _ in range(calls):
+                fn()
+        finally:  # a failed capture must still end, or the stream stays in capture mode
+            graph = stream.end_capture()
         return gpu_timeit(graph.launch) / calls
 
 
@@ -620,6 +623,7 @@ def main(argv: list[str] | None = None) -> int:
 
     fresh: dict[str, str] = {}
     measured: list[Section] = []
+    failed: list[str] = []
     stamp = f"{datetime.date.today().isoformat()}{', --quick' if args.quick else ''}"
     for name, device, run in SECTIONS:
         if wanted is not None and name not in wanted:
@@ -630,18 +634,26 @@ def main(argv: list[str] | None = None) -> int:
         if args.device != "auto" and device != args.device:
             continue
         print(f"[run] {name}", flush=True)
-        measured.append(run(args.quick))
+        try:
+            measured.append(run(args.quick))
+        except Exception:  # one failing section must not cost the others' figures
+            traceback.print_exc()
+            failed.append(name)
+            continue
         table = render(measured[-1])
         print(table, flush=True)
         fresh[name] = f"{MARK.format(name)}\n{table}\n_{stamp}: {machine_summary()}_\n"
+        if args.output != "-":  # after each section: a run cut short keeps what it measured
+            merge_into(args.output, fresh)
+            print(f"wrote {args.output}", flush=True)
 
-    if args.output != "-" and fresh:
-        merge_into(args.output, fresh)
-        print(f"wrote {args.output}")
+    if args.output != "-" and measured:
         plot = os.path.join(os.path.dirname(args.output), "benchmarks.png")
         if plot_throughput(measured, plot):
             print(f"wrote {plot}")
-    return 0
+    if failed:
+        print(f"bench.py: sections failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -198,15 +198,16 @@ class NGramIds:
                  device: str = "cpu", reuse_buffers: bool = False) -> None:
         if device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
-        self.layout = layout
         self.layouts = as_layouts(layout)
+        # one layout, or the list (an iterator of layouts is consumed once, by as_layouts)
+        self.layout = layout if isinstance(layout, LayerLayout) else self.layouts
         self.column = column
         self.out_column = out_column
         self.doc_id_column = doc_id_column
         self.device = device
         self.reuse_buffers = reuse_buffers
         self._buffers = [np.empty(0, dtype=np.int64) for _ in self.layouts]
-        self.names = id_column_names(layout, out_column)
+        self.names = id_column_names(self.layout, out_column)
         self.packer = DocumentPacker(self.layouts[0], column, doc_id_column)
 
     def output_schema(self, schema: pa.Schema) -> pa.Schema:

@@ -17,12 +17,14 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from .arrays import to_host
+from .checks import check_layout
 from .config import NGramConfig
+from .dequant import storage_format
 from .embedding import NGramEmbedding
 from .layout import LayerLayout, layer_layout
 from .mapped import MappedTable
 from .safetensors_files import DTYPES, Checkpoint, write_checkpoint
-from .table import EmbeddingTable
+from .table import EmbeddingTable, _unwrap
 
 # Safetensors dtype codes of table rows, and which of them carry a scale.
 TABLE_DTYPES = ("F32", "F16", "BF16", "F8_E4M3")
@@ -280,6 +282,14 @@ def load_ngram_embedding(
     return NGramEmbedding(layout, table)
 
 
+def _host_values(value, name: str) -> np.ndarray:
+    """A NumPy view of a host array; torch bfloat16 / float8 tensors (which NumPy cannot import)
+    come as their ``ml_dtypes`` type."""
+    value, torch_dtype = _unwrap(value)
+    array = to_host(value)
+    return array if torch_dtype is None else array.view(storage_format(torch_dtype, name).dtype)
+
+
 def ngram_tensors(
     layout: LayerLayout,
     weight,
@@ -290,7 +300,8 @@ def ngram_tensors(
     """One layer's tensors in the checkpoint layout: buffers, shards (views of ``weight``, no
     copies) and the float8 scale. ``parts`` defaults to ``split_ngram_parts``; ``prefix`` to
     :func:`default_prefix`."""
-    weight = to_host(weight)
+    check_layout(layout)
+    weight = _host_values(weight, "weight")
     parts = layout.config.split_ngram_parts if parts is None else parts
     prefix = default_prefix(layout) if prefix is None else prefix
     codes = {dtype: code for code, dtype in DTYPES.items() if code in TABLE_DTYPES}
@@ -319,7 +330,7 @@ def ngram_tensors(
         start, stop = split_rows(layout.padded_rows, parts, index)
         tensors[shard_key(prefix, index)] = weight[start:stop]
     if scaled:
-        scale = to_host(scale)
+        scale = _host_values(scale, "scale")
         if scale.dtype not in (DTYPES[code] for code in SCALE_DTYPES):
             scale = scale.astype(np.float32)
         if scale.size != 1:

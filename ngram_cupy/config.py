@@ -52,8 +52,14 @@ class NGramConfig:
                 self, "embedding_dim", _require_int("embedding_dim", self.embedding_dim)
             )
         if self.ple_layer_ids is not None:
+            if not isinstance(self.ple_layer_ids, (list, tuple, np.ndarray)):
+                raise ValueError(f"ple_layer_ids must be a list of integers, got "
+                                 f"{self.ple_layer_ids!r}")
             ids = tuple(_require_int("ple_layer_ids", i) for i in self.ple_layer_ids)
             object.__setattr__(self, "ple_layer_ids", ids)
+        if self.ple_embedding_dtype is not None and not isinstance(self.ple_embedding_dtype, str):
+            raise ValueError(f"ple_embedding_dtype must be a dtype name, got "
+                             f"{self.ple_embedding_dtype!r}")
         self._check()
 
     def _check(self) -> None:
@@ -133,7 +139,6 @@ class NGramConfig:
             if len(eos) != 1:
                 raise ValueError(f"eos_token_id must be a single token id, got {eos}")
             eos = eos[0]
-        layer_ids = raw.get("ple_layer_ids")
         return cls(
             vocab_size=raw["vocab_size"],
             ngram_size=raw["ngram_size"],
@@ -144,6 +149,6 @@ class NGramConfig:
             seed=raw.get("seed", 1234),
             make_ngram_vocab_size_divisible_by=raw.get("make_ngram_vocab_size_divisible_by", 1),
             split_ngram_parts=raw.get("split_ngram_parts", 512),
-            ple_layer_ids=None if layer_ids is None else tuple(layer_ids),
+            ple_layer_ids=raw.get("ple_layer_ids"),
             ple_embedding_dtype=raw.get("ple_embedding_dtype"),
         )

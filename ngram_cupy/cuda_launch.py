@@ -3,16 +3,16 @@
 Numba's own launcher re-types and converts every array argument on each call (tens of
 microseconds for a handful of arrays, too slow for a decode step), and blocks on the stream a CUDA
 array interface names. Here each kernel is compiled once per device architecture and argument
-types to PTX by Numba, loaded with ``cupy.RawModule``, and launched by CuPy on the caller's stream
-with arrays passed in Numba's kernel ABI: for every array its meminfo and parent pointers (unused
-on the device, zero), size, itemsize, data pointer, then its shape and strides.
+types to PTX by Numba, assembled to a cubin by nvJitLink where cuda-python provides it (the driver
+cannot load PTX from an NVVM newer than itself), loaded as a CuPy module, and launched by CuPy on
+the caller's stream with arrays passed in Numba's kernel ABI: for every array its meminfo and
+parent pointers (unused on the device, zero), size, itemsize, data pointer, then its shape and
+strides.
 """
 
 from __future__ import annotations
 
-import os
 import re
-import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -70,6 +70,28 @@ def flatten(value: Any) -> tuple:
     return (value,)
 
 
+def assemble(ptx: str, cc: tuple[int, int]) -> bytes:
+    """A loadable image of ``ptx``: a cubin for ``cc`` linked by nvJitLink (cuda-python, which
+    numba-cuda depends on), else the PTX itself (NUL-terminated) for the driver to compile."""
+    try:
+        from cuda.bindings import nvjitlink
+
+        handle = nvjitlink.create(1, [f"-arch=sm_{cc[0]}{cc[1]}"])
+    except Exception:  # no cuda-python, or no libnvJitLink to load
+        return ptx.encode() + b"\0"
+    try:
+        data = ptx.encode()
+        nvjitlink.add_data(handle, nvjitlink.InputType.PTX, data, len(data), "numba.ptx")
+        nvjitlink.complete(handle)
+        cubin = bytearray(nvjitlink.get_linked_cubin_size(handle))
+        nvjitlink.get_linked_cubin(handle, cubin)
+        return bytes(cubin)
+    except Exception:  # refused (an nvJitLink older than the NVVM?): the driver may take the PTX
+        return ptx.encode() + b"\0"
+    finally:
+        nvjitlink.destroy(handle)
+
+
 def _signature_key(args: tuple) -> tuple:
     """A cheap hashable key of the argument types (dtype and ndim of arrays, scalar dtypes)."""
     return tuple((a.dtype.char, a.ndim) if hasattr(a, "ndim") else type(a) for a in args)
@@ -94,16 +116,20 @@ class NumbaKernel:
         import cupy
 
         capability = device.compute_capability  # e.g. "90"
-        ptx = self.ptx(args, (int(capability[:-1]), int(capability[-1])))
+        cc = (int(capability[:-1]), int(capability[-1]))
+        ptx = self.ptx(args, cc)
         check_abi(ptx, args, self.name)
-        fd, path = tempfile.mkstemp(suffix=".ptx")
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(ptx)
-            with device:
-                return cupy.RawModule(path=path).get_function(entry_name(ptx))
-        finally:
-            os.unlink(path)
+        module = cupy.cuda.function.Module()
+        with device:
+            try:
+                module.load(assemble(ptx, cc))
+            except cupy.cuda.driver.CUDADriverError as error:
+                raise RuntimeError(
+                    f"{self.name}: the CUDA driver could not load Numba's code ({error}); PTX "
+                    "from an NVVM newer than the driver needs nvJitLink (pip install "
+                    "'numba-cuda[cu13]' brings it), or an NVVM no newer than the driver"
+                ) from error
+            return module.get_function(entry_name(ptx))
 
     def __call__(self, grid: int, block: int, args: tuple, stream=None) -> None:
         """Launch on ``stream`` (a CuPy stream; default: the current one) of the current device.
@@ -124,5 +150,4 @@ class NumbaKernel:
         if function is None:
             function = self._functions[key] = self._load(args, device)
         flat = tuple(x for a in args for x in flatten(a))
-        with stream if stream is not None else cupy.cuda.get_current_stream():
-            function((grid,), (block,), flat)
+        function((grid,), (block,), flat, stream=stream)

@@ -16,7 +16,9 @@ import ml_dtypes
 import numpy as np
 from llvmlite import ir
 from numba import float32, int64, types, uint32
-from numba.core.extending import intrinsic, overload, register_jitable
+from numba.core.extending import intrinsic, overload
+
+from .jitable import inline_jitable
 
 # Format codes: compile-time constants of every kernel (the same numbers in dequant.cuh).
 FLOAT32, FLOAT16, BFLOAT16, FLOAT8_E4M3 = 0, 1, 2, 3
@@ -142,7 +144,7 @@ def _float32_to_bits_compiled(value):
 
 # ---- decoding: raw bits of a stored value -> float32 (all integer work in int64) ----
 
-@register_jitable(inline="always")
+@inline_jitable
 def decode(bits, code):
     """The float32 value of stored bits in format ``code`` (exact: every format widens)."""
     b = int64(bits)
@@ -174,7 +176,7 @@ def decode(bits, code):
 
 # ---- encoding: float32 -> output bits, rounded to nearest even ----
 
-@register_jitable(inline="always")
+@inline_jitable
 def _float16_bits(b):
     """IEEE half bits of the non-NaN float32 bits ``b``, rounded to nearest even."""
     sign = (b >> 16) & 0x8000
@@ -197,7 +199,7 @@ def _float16_bits(b):
     return sign | quotient
 
 
-@register_jitable(inline="always")
+@inline_jitable
 def encode(value, code):
     """Bits of float32 ``value`` in output format ``code``, rounded to nearest even."""
     b = int64(float32_to_bits(value))
@@ -212,7 +214,7 @@ def encode(value, code):
     return _float16_bits(b)
 
 
-@register_jitable(inline="always")
+@inline_jitable
 def convert(bits, code, scale, out_code):
     """Output bits of one stored value: decode, multiply by the float32 scale, round once."""
     return encode(decode(bits, code) * scale, out_code)

@@ -17,6 +17,9 @@ import numpy as np
 
 from .arrays import DEVICE, convert, cuda_stream
 from .checkpoint import split_rows
+from .checks import check_index_array
+from .embedding import NGramEmbedding
+from .table import EmbeddingTable
 
 
 def _dist():
@@ -55,9 +58,12 @@ class ShardedLookup:
     """
 
     def __init__(self, source, group=None, dp_group=None):
-        dist = _dist()
-        self.embedding = source if hasattr(source, "table") else None
+        self.embedding = source if isinstance(source, NGramEmbedding) else None
         self.table = source.table if self.embedding is not None else source
+        if not isinstance(self.table, EmbeddingTable):
+            raise TypeError(f"source must be an NGramEmbedding or an EmbeddingTable, got "
+                            f"{type(source).__name__}")
+        dist = _dist()
         self.group, self.dp_group = group, dp_group
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         owned = (self.table.row_start, self.table.row_start + self.table.num_rows)
@@ -79,8 +85,7 @@ class ShardedLookup:
         dist = _dist()
         side, arrays = convert(ids=ids)
         ids = arrays["ids"]
-        if ids.ndim != 2:
-            raise ValueError(f"ids must be 2-D [tokens, heads], got shape {tuple(ids.shape)}")
+        check_index_array("ids", ids, 2)  # before the collectives: float ids are no row ids
         with _torch_stream() if side == DEVICE else nullcontext():
             local_tokens, offset = ids.shape[0], 0
             if self.dp_group is not None:

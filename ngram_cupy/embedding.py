@@ -17,7 +17,7 @@ from .checks import check_layout, check_out
 from .layout import LayerLayout
 from .ngram_ids import _batch, compute_ngram_ids
 from .prefetch import Buffers
-from .table import EmbeddingTable, _empty, _unwrap
+from .table import EmbeddingTable, _empty, _unwrap, staging_buffers
 
 
 class NGramEmbedding:
@@ -52,13 +52,13 @@ class NGramEmbedding:
     def _ids(self, input_ids, query_start_loc, ngram_context, stream, ids_out=None):
         """Ids into ``ids_out``, else into a buffer kept per shape (stable under CUDA graphs;
         lookups copy what they keep, so it is free again at once)."""
-        if ids_out is not None:
+        if ids_out is not None or np.ndim(input_ids) != 1:  # (compute_ids names the problem)
             return self.compute_ids(input_ids, query_start_loc, ngram_context, out=ids_out,
                                     stream=stream)
         side = placement(input_ids=input_ids, query_start_loc=query_start_loc,
                          ngram_context=ngram_context)
         if side not in self._ids_buffers:
-            self._ids_buffers[side] = Buffers(_empty(side))
+            self._ids_buffers[side] = staging_buffers(side)
         shape = (len(input_ids), self.layout.num_heads)
         with cuda_stream(stream) if side == DEVICE else contextlib.nullcontext():
             buffer = self._ids_buffers[side].get("ids", shape, np.int64)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-from functools import cache
+from functools import cache, lru_cache
 
 import numpy as np
 from llvmlite import ir
@@ -96,21 +96,27 @@ def _gather_kernel(code: int, out_code: int, parallel: bool, digest: int = DEQUA
     return njit(cache=True, nogil=True, parallel=parallel)(gather)
 
 
-@njit(cache=True)
-def _convert_all(code, scale, out_code, out):
-    """``out[b]``: the output bits of every stored bit pattern ``b``."""
-    for bits in range(out.size):
-        out[bits] = convert(bits, code, scale, out_code)
-    return out
-
-
 @cache
-def output_table(code: int, out_code: int, scale: float, digest: int = DEQUANT_DIGEST):
-    """The output bits of every bit pattern of a 1- or 2-byte format (read-only)."""
+def _convert_all_kernel(digest: int = DEQUANT_DIGEST):
+    """``convert_all(code, scale, out_code, out)``: ``out[b]`` = the output bits of every stored
+    bit pattern ``b``. It inlines dequant.py, so ``digest`` is in its disk cache key too."""
+
+    def convert_all(code, scale, out_code, out):
+        for bits in range(out.size + (digest & 0)):  # digest: cache key only
+            out[bits] = convert(bits, code, scale, out_code)
+
+    return njit(cache=True)(convert_all)
+
+
+@lru_cache(maxsize=64)
+def output_table(code: int, out_code: int, scale_bits: int):
+    """The output bits of every bit pattern of a 1- or 2-byte format (read-only), for the
+    float32 scale whose bits are ``scale_bits`` (bits, not the value: -0.0 and 0.0 differ)."""
     if code == FLOAT32:
         return np.zeros(1, FORMATS[out_code].raw)  # unused: float32 converts directly
     outputs = np.empty(1 << (8 * FORMATS[code].itemsize), FORMATS[out_code].raw)
-    _convert_all(code, np.float32(scale), out_code, outputs)
+    scale = np.uint32(scale_bits).view(np.float32)
+    _convert_all_kernel()(code, scale, out_code, outputs)
     outputs.flags.writeable = False
     return outputs
 
@@ -129,6 +135,7 @@ def gather_rows(table: np.ndarray, code: int, row_start: int, scale: np.float32,
         parallel = ids.size >= PARALLEL_MIN_ROWS
     kernel = _gather_kernel(code, out_code, parallel)
     scale = np.float32(scale)
-    kernel(table, np.int64(row_start), scale, output_table(code, out_code, float(scale)), ids,
+    outputs = output_table(code, out_code, int(scale.view(np.uint32)))
+    kernel(table, np.int64(row_start), scale, outputs, ids,
            NO_EXPECTED if expected is None else expected, out)
     return out

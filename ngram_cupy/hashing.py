@@ -1,6 +1,6 @@
 """Per-token hash arithmetic shared by every compiled path: Numba CPU, Numba CUDA, the simulator.
 
-Each function here is ``register_jitable``: plain Python when called from Python (the CUDA
+Each function here is ``inline_jitable``: plain Python when called from Python (the CUDA
 simulator runs exactly these bodies), compiled by Numba when called from an ``@njit`` function or a
 ``@cuda.jit`` kernel. All wrapping arithmetic is done in uint64, where it is the same bit pattern
 as the reference's wrapping int64.
@@ -11,7 +11,9 @@ from __future__ import annotations
 import numpy as np
 from llvmlite import ir
 from numba import int64, types, uint64
-from numba.core.extending import intrinsic, overload, register_jitable
+from numba.core.extending import intrinsic, overload
+
+from .jitable import inline_jitable
 
 
 def umulhi(a, b):
@@ -38,7 +40,7 @@ def _umulhi_compiled(a, b):
     return lambda a, b: _umulhi_llvm(uint64(a), uint64(b))
 
 
-@register_jitable(inline="always")
+@inline_jitable
 def floor_mod(x, size, magic):
     """``x mod size`` as Python's ``%`` (non-negative) for int64 ``x`` without a division.
 
@@ -56,7 +58,7 @@ def floor_mod(x, size, magic):
     return int64(r)
 
 
-@register_jitable(inline="always")
+@inline_jitable
 def write_token_ids(tokens, context, request, start, t, ngram_size, heads_per_ngram, eos,
                     multipliers, sizes, magics, offsets, out, row):
     """Write the ``(ngram_size - 1) * heads_per_ngram`` row ids of token ``t`` into ``out[row]``.

@@ -17,11 +17,11 @@ from functools import cache
 
 import numpy as np
 from numba import cuda, int64
-from numba.core.extending import register_jitable
 
 from .cuda_launch import NumbaKernel
 from .hashing import write_token_ids
 from .ids_numba import roll_context_row
+from .jitable import inline_jitable
 from .layout import LayerLayout
 
 # Tokens per block (fewer for many heads): each thread hashes one token into shared memory, then
@@ -57,7 +57,7 @@ def staging_shape(num_heads: int, block: int | None = None) -> tuple[int, int]:
     )
 
 
-@register_jitable(inline="always")
+@inline_jitable
 def clamp(value, low, high):
     """``value`` limited to ``[low, high]`` (Numba's CUDA target cannot type ``min(max(...))``)."""
     if value < low:
@@ -67,7 +67,7 @@ def clamp(value, low, high):
     return value
 
 
-@register_jitable(inline="always")
+@inline_jitable
 def find_request(query_start_loc, t):
     """The last request ``r < R`` with ``query_start_loc[r] <= t``, by binary search.
 
@@ -84,7 +84,7 @@ def find_request(query_start_loc, t):
     return lo
 
 
-@register_jitable(inline="always")
+@inline_jitable
 def stage_token_ids(tokens, query_start_loc, context, params, eos, ngram_size, heads_per_ngram,
                     t, staged, row):
     """Hash token ``t``, if it exists, into ``staged[row]`` (shared memory): a block's threads

@@ -8,10 +8,10 @@ from functools import cache
 
 import numpy as np
 from numba import njit, prange
-from numba.core.extending import register_jitable
 
 from . import hashing
 from .hashing import write_token_ids
+from .jitable import inline_jitable
 
 # Numba's on-disk cache only watches this file; the kernels' closure carries a digest of the
 # shared arithmetic too, so editing hashing.py can never reuse stale machine code.
@@ -65,7 +65,7 @@ def ngram_ids_numba(layout, tokens, query_start_loc, context, out, parallel: boo
     return out
 
 
-@register_jitable(inline="always")
+@inline_jitable
 def roll_context_row(tokens, context, request, start, end, out):
     """``out[request]``: the last ``out.shape[1]`` of ``context[request] ++ tokens[start:end]``.
 

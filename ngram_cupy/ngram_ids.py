@@ -25,6 +25,8 @@ def _batch(layout: LayerLayout, stream, input_ids, query_start_loc, ngram_contex
     stream, arrays = place(stream, input_ids=input_ids, query_start_loc=query_start_loc,
                            ngram_context=ngram_context, out=out)
     names = ("input_ids", "query_start_loc", "ngram_context")
+    # Checked before ascontiguousarray, which would turn a 0-d array into a 1-D one.
+    num_tokens, num_requests = check_batch(layout, *(arrays[name] for name in names))
     if stream is None:
         batch = tuple(np.ascontiguousarray(arrays[name]) for name in names)
     else:
@@ -32,7 +34,6 @@ def _batch(layout: LayerLayout, stream, input_ids, query_start_loc, ngram_contex
 
         with stream:
             batch = tuple(cupy.ascontiguousarray(arrays[name]) for name in names)
-    num_tokens, num_requests = check_batch(layout, *batch)
     if stream is None:
         check_query_start_loc_values(batch[1], num_tokens)
     elif num_requests == 0 and num_tokens:

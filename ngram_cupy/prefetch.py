@@ -8,6 +8,8 @@ stream ordered by events, with no host synchronisation; on the CPU it runs on a 
 
 from __future__ import annotations
 
+import os
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -25,17 +27,27 @@ class Pending:
 
 class Buffers:
     """Arrays allocated once per (role, shape, dtype): their addresses stay put, so CUDA graphs
-    captured over them replay correctly."""
+    captured over them replay correctly.
 
-    def __init__(self, empty: Callable[..., Any]):
+    ``keep`` bounds how many are kept, dropping the least recently used: only for host memory,
+    which no graph can hold (a batch size per step would otherwise keep a buffer per size ever
+    seen); None keeps every one.
+    """
+
+    def __init__(self, empty: Callable[..., Any], keep: int | None = None):
         self._empty = empty
-        self._arrays: dict[tuple, Any] = {}
+        self._keep = keep
+        self._arrays: OrderedDict[tuple, Any] = OrderedDict()
 
     def get(self, role: str, shape: tuple[int, ...], dtype) -> Any:
         """The buffer for this role, shape and dtype, allocated on first use."""
         key = (role, tuple(shape), str(dtype))
-        if key not in self._arrays:
+        if key in self._arrays:
+            self._arrays.move_to_end(key)
+        else:
             self._arrays[key] = self._empty(shape, dtype=dtype)
+            if self._keep is not None and len(self._arrays) > self._keep:
+                self._arrays.popitem(last=False)  # still alive wherever it is referenced
         return self._arrays[key]
 
 
@@ -45,22 +57,28 @@ class ThreadPrefetcher:
 
     def __init__(self) -> None:
         self._executor: ThreadPoolExecutor | None = None
+        self._pid = os.getpid()  # the process whose thread the executor's is
         self._future: Future | None = None
         self._pending: Pending | None = None
 
     def start(self, pending: Pending, gather: Callable[[], object]) -> None:
         """Run ``gather`` on the worker; the caller has joined the previous prefetch."""
-        if self._executor is None:
+        if self._executor is None or self._pid != os.getpid():  # a forked child has no worker
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ngram-prefetch")
+            self._pid = os.getpid()
         self._pending = pending
         self._future = self._executor.submit(gather)
 
     def join(self) -> Pending | None:
-        """Wait for the issued prefetch, if any; its exception, if it raised, surfaces here."""
+        """Wait for the issued prefetch, if any; its exception, if it raised, surfaces here.
+
+        In a process forked while it ran, the gather's thread is not there: it is dropped (None).
+        """
         future, pending = self._future, self._pending
         self._future = self._pending = None
-        if future is not None:
-            future.result()
+        if future is None or self._pid != os.getpid():
+            return None
+        future.result()
         return pending
 
     def close(self, wait: bool = True) -> None:
@@ -70,7 +88,7 @@ class ThreadPrefetcher:
         joining a thread from a finaliser can deadlock when the collection runs inside the
         start of another thread.
         """
-        if wait and self._future is not None:
+        if wait and self._future is not None and self._pid == os.getpid():
             self._future.exception()
         self._future = self._pending = None
         if self._executor is not None:

@@ -15,7 +15,7 @@ import json
 import math
 import mmap
 import os
-import tempfile
+import secrets
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,8 +83,12 @@ def read_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
         try:
             dtype, shape = entry["dtype"], tuple(entry["shape"])
             begin, end = entry["data_offsets"]
+            well_formed = isinstance(dtype, str) and all(
+                type(value) is int and value >= 0 for value in (*shape, begin, end))
         except (KeyError, TypeError, ValueError):
-            raise ValueError(f"{path}: malformed header entry for tensor {name}") from None
+            well_formed = False
+        if not well_formed:
+            raise ValueError(f"{path}: malformed header entry for tensor {name}")
         if dtype in DTYPES and end - begin != math.prod(shape) * DTYPES[dtype].itemsize:
             raise ValueError(f"{path}: tensor {name} has {end - begin} bytes for shape {shape}")
         if not 0 <= begin <= end <= size - data_start:
@@ -258,7 +262,9 @@ def write_checkpoint(
     try:
         for file, group in groups.items():
             staged.append((_temporary(file), file))
+            mode = os.stat(staged[-1][0]).st_mode
             save_file({n: np.ascontiguousarray(tensors[n]) for n in group}, staged[-1][0])
+            os.chmod(staged[-1][0], mode)  # safetensors replaces the file with a 0600 one
         if index is not None:
             staged.append((_temporary(path / INDEX_FILE), path / INDEX_FILE))
             Path(staged[-1][0]).write_text(json.dumps(index, indent=2, sort_keys=True))
@@ -272,8 +278,13 @@ def write_checkpoint(
 
 
 def _temporary(final: Path) -> str:
-    """A fresh hidden file next to ``final``, so the closing rename stays on one file system."""
+    """A fresh hidden file next to ``final`` (so the closing rename stays on one file system),
+    with the permissions the umask gives any new file (``mkstemp``'s 0600 would stick to it)."""
     final.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(dir=final.parent, prefix=f".{final.name}.", suffix=".tmp")
-    os.close(fd)
-    return name
+    while True:
+        name = final.parent / f".{final.name}.{secrets.token_hex(8)}.tmp"
+        try:
+            os.close(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        except FileExistsError:
+            continue
+        return str(name)

@@ -88,7 +88,7 @@ def head_stats(layout: LayerLayout, head: int, ids: np.ndarray) -> HeadStats:
         distinct_ngrams=int(ids.size),
         rows_touched=int(loads.size),
         colliding_ngrams=int(loads[loads > 1].sum()),
-        load_histogram=np.bincount(loads),
+        load_histogram=np.bincount(loads, minlength=1),  # [0] for a head with no n-grams
     )
 
 

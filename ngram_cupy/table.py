@@ -23,6 +23,8 @@ from .pinned import PinnedBuffer
 from .prefetch import Buffers, Pending, StreamPrefetcher, ThreadPrefetcher
 
 PLACEMENTS = ("cpu", "gpu", "host")
+# Staging buffers (ids and rows) kept on the host: batch sizes vary from step to step.
+HOST_BUFFER_SHAPES = 8
 # Torch dtypes that NumPy and DLPack consumers cannot type: moved as same-width integers.
 _TORCH_RAW = {"torch.bfloat16": "int16", "torch.float8_e4m3fn": "uint8"}
 
@@ -60,6 +62,12 @@ def _empty(side: str):
     import cupy
 
     return cupy.empty
+
+
+def staging_buffers(side: str) -> Buffers:
+    """Buffers reused across calls: on the GPU all are kept (CUDA graphs hold their addresses),
+    on the host the few most recent shapes."""
+    return Buffers(_empty(side), keep=HOST_BUFFER_SHAPES if side == HOST else None)
 
 
 def _address(array) -> int:
@@ -129,12 +137,9 @@ class EmbeddingTable:
               row_start: int = 0, total_rows: int | None = None, *,
               dedup: bool = False) -> EmbeddingTable:
         """Allocated, unfilled storage, to be filled with ``write_rows`` (checkpoint loading)."""
-        for name, value in (("num_rows", num_rows), ("head_dim", head_dim)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
         table = cls.__new__(cls)
-        table._setup(int(num_rows), int(head_dim), storage_format(dtype), placement, scale,
-                     row_start, total_rows, dedup)
+        table._setup(num_rows, head_dim, storage_format(dtype), placement, scale, row_start,
+                     total_rows, dedup)
         return table
 
     # ---- construction ----
@@ -145,6 +150,15 @@ class EmbeddingTable:
         if placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
         total_rows = num_rows if total_rows is None else total_rows
+        for name, value in (("num_rows", num_rows), ("head_dim", head_dim),
+                            ("row_start", row_start), ("total_rows", total_rows)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise TypeError(f"{name} must be an integer, got {value!r}")
+        num_rows, head_dim, row_start, total_rows = map(int, (num_rows, head_dim, row_start,
+                                                              total_rows))
+        if min(num_rows, head_dim) < 0:
+            raise ValueError(f"num_rows and head_dim must be non-negative, got {num_rows} and "
+                             f"{head_dim}")
         if not 0 <= row_start <= row_start + num_rows <= total_rows:
             raise ValueError(
                 f"rows [{row_start}, {row_start + num_rows}) must lie within [0, total_rows="
@@ -153,7 +167,7 @@ class EmbeddingTable:
         self.dtype = fmt.dtype
         self.scale = _scale_value(scale)
         self.placement = placement
-        self.row_start, self.total_rows = int(row_start), int(total_rows)
+        self.row_start, self.total_rows = row_start, total_rows
         self.nbytes = num_rows * head_dim * fmt.itemsize
         self.dedup = bool(dedup)
         self.pinned = False
@@ -294,14 +308,15 @@ class EmbeddingTable:
     def _buffers_for(self, side: str) -> Buffers:
         """Staging buffers of one side, allocated once per shape."""
         if side not in self._buffers:
-            self._buffers[side] = Buffers(_empty(side))
+            self._buffers[side] = staging_buffers(side)
         return self._buffers[side]
 
     def _gather(self, request: _Request, ids, out, expected=None, worker: bool = False):
         """Gather ``ids`` into the public array ``out`` on the request's side."""
         scale = np.float32(1.0) if self.scale is None else self.scale
         raw_out = out.view(request.out_format.raw)
-        if request.side == HOST:
+        if request.side == HOST:  # the worker gathers serially: two threads running Numba
+            # parallel kernels at once abort the process under the workqueue threading layer
             gather_numba.gather_rows(self.host_view.view(self.format.raw), self.format.code,
                                      self.row_start, scale, ids, raw_out,
                                      request.out_format.code, expected,

@@ -205,6 +205,8 @@ def test_several_layers_give_one_column_each():
     assert out.schema.names == ["tokens", "ngram_ids_layer0", "ngram_ids_layer1"]
     assert_rows_equal(id_rows(out.column("ngram_ids_layer0")), expected_ids(rows, LAYOUT))
     assert_rows_equal(id_rows(out.column("ngram_ids_layer1")), expected_ids(rows, LAYOUT1))
+    generated = ngram_ids_batch(batch, (layout for layout in (LAYOUT, LAYOUT1)))
+    assert generated.equals(out)  # an iterator of layouts works too
     named = ngram_ids_batch(batch, [LAYOUT1], out_column="ple")
     assert named.schema.names == ["tokens", "ple_layer1"]
     assert ngram_ids_batch(batch, LAYOUT, out_column="ids").schema.names == ["tokens", "ids"]

@@ -89,6 +89,20 @@ def test_truncated_file_is_rejected(tmp_path):
         read_header(path)
 
 
+@pytest.mark.parametrize("entry", [
+    {"dtype": "F32", "shape": ["4"], "data_offsets": [0, 16]},
+    {"dtype": "F32", "shape": [-4], "data_offsets": [0, 16]},
+    {"dtype": "F32", "shape": [4], "data_offsets": ["0", 16]},
+    {"dtype": 7, "shape": [4], "data_offsets": [0, 16]},
+])
+def test_malformed_header_entry_is_rejected(tmp_path, entry):
+    header = json.dumps({"w": entry}).encode()
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(len(header).to_bytes(8, "little") + header + bytes(16))
+    with pytest.raises(ValueError, match="malformed header entry for tensor w"):
+        read_header(path)
+
+
 def test_not_a_safetensors_file(tmp_path):
     path = tmp_path / "junk.safetensors"
     path.write_bytes(b"\xff" * 64)
@@ -140,6 +154,18 @@ def test_write_is_atomic(tmp_path):
         write_checkpoint(path, {"w": np.array([object()] * 4)})
     assert path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["one.safetensors"]
+
+
+def test_written_files_get_the_usual_permissions(tmp_path):
+    """Files are as readable as any new file (the umask's), not the 0600 of a temporary file."""
+    umask = os.umask(0o022)
+    try:
+        files = write_checkpoint(tmp_path / "m", {"a": np.zeros(2), "b": np.ones(2)}, 2)
+        files += write_checkpoint(tmp_path / "one.safetensors", {"a": np.zeros(2)})
+    finally:
+        os.umask(umask)
+    for path in [*files, tmp_path / "m" / "model.safetensors.index.json"]:
+        assert os.stat(path).st_mode & 0o777 == 0o644, path
 
 
 # --- shard and rank arithmetic ----------------------------------------------------------------
@@ -337,6 +363,25 @@ def test_mmap_prefetch_then_lookup(tmp_path):
     table.close()
 
 
+def test_save_torch_tensors(tmp_path):
+    """torch bfloat16 / float8 weights and a bf16 scale (NumPy cannot import them) save as is."""
+    torch = pytest.importorskip("torch")
+    layout = nc.layer_layout(TINY, 0)
+    for dtype, torch_dtype, scale in [
+        (ml_dtypes.bfloat16, torch.bfloat16, None),
+        (ml_dtypes.float8_e4m3fn, torch.float8_e4m3fn, torch.tensor(0.375, dtype=torch.bfloat16)),
+    ]:
+        weight = tiny_weight(dtype)
+        raw = torch.from_numpy(weight.view(np.int8 if dtype == ml_dtypes.float8_e4m3fn
+                                           else np.int16))
+        path = tmp_path / f"{np.dtype(dtype).name}.safetensors"
+        nc.save_ngram_embedding(path, layout, raw.view(torch_dtype), scale)
+        table = nc.load_ngram_embedding(path, TINY, 0).table
+        assert table.dtype == np.dtype(dtype)
+        assert_same_bits(table.lookup(ALL_IDS),
+                         expected_lookup(weight, ALL_IDS, None if scale is None else SCALE))
+
+
 def test_two_layers_in_one_checkpoint(tmp_path):
     weights = {layer: tiny_weight(ml_dtypes.bfloat16, nc.layer_layout(TINY, layer), layer)
                for layer in (0, 1)}
@@ -512,3 +557,8 @@ def test_save_rejects_bad_tables(tmp_path, weight, scale, match):
         nc.save_ngram_embedding(tmp_path / "x.safetensors", nc.layer_layout(TINY, 0), weight,
                                 scale)
     assert not list(tmp_path.iterdir())
+
+
+def test_save_needs_a_layout(tmp_path):
+    with pytest.raises(TypeError, match="layout must be a LayerLayout"):
+        nc.save_ngram_embedding(tmp_path / "x.safetensors", TINY, tiny_weight(np.float32))

@@ -30,6 +30,8 @@ VALID = dict(vocab_size=1000, ngram_size=3, heads_per_ngram=2, ngram_vocab_size_
         ("vocab_size", 10.5),
         ("ngram_size", "3"),
         ("ple_layer_ids", (0, -1)),
+        ("ple_layer_ids", 5),
+        ("ple_embedding_dtype", 8),
     ],
 )
 def test_invalid_values_name_the_field(field, value):

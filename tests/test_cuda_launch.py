@@ -7,6 +7,7 @@ flattened arguments the launcher builds for the same call.
 
 from __future__ import annotations
 
+import sys
 import types as pytypes
 
 import numpy as np
@@ -15,7 +16,7 @@ from numba import cuda
 
 import ngram_cupy as nc
 from ngram_cupy import dequant, fused_cuda, ids_cuda
-from ngram_cupy.cuda_launch import check_abi, entry_name, entry_params, flatten
+from ngram_cupy.cuda_launch import assemble, check_abi, entry_name, entry_params, flatten
 
 
 @pytest.fixture(autouse=True)
@@ -83,3 +84,80 @@ def test_flatten_and_entry_parsing():
     assert entry_name(ptx) == "_Z1kPx" and entry_params(ptx) == ["u64", "f32"]
     with pytest.raises(RuntimeError, match="entry"):
         entry_name(ptx + ptx)
+
+
+def _ids_ptx():
+    kernel, _ = ids_cuda.ids_kernel(3, 8)
+    args = (np.zeros(4, np.int64), np.zeros(2, np.int64), np.zeros((1, 2), np.int64),
+            ids_cuda.layout_params(_layout(3, 8)), np.int64(3), np.zeros((4, 16), np.int64))
+    return kernel.ptx(args, (9, 0))
+
+
+def test_assemble_links_a_cubin_or_hands_the_driver_the_ptx(monkeypatch):
+    """nvJitLink (from numba-cuda's cuda-python) turns the PTX into a cubin, so an NVVM newer
+    than the driver still loads; without it, or when it refuses, the PTX goes to the driver
+    NUL-terminated (cuModuleLoadData reads a C string)."""
+    ptx = _ids_ptx()
+    name = entry_name(ptx).encode()
+    nvjitlink = pytest.importorskip("cuda.bindings.nvjitlink")
+    image = assemble(ptx, (9, 0))
+    assert image[:4] == b"\x7fELF" and name in image  # a cubin holding the kernel
+    assert assemble(ptx, (8, 0)) != image  # built for the asked architecture
+    assert assemble(ptx.replace("mul.hi.u64", "mul.hi.q64"), (9, 0)) == (
+        ptx.replace("mul.hi.u64", "mul.hi.q64").encode() + b"\0")  # refused: the driver's turn
+    def missing_library(*args):
+        raise RuntimeError("libnvJitLink.so not found")
+
+    monkeypatch.setattr(nvjitlink, "create", missing_library)
+    assert assemble(ptx, (9, 0)) == ptx.encode() + b"\0"
+    monkeypatch.delattr(sys.modules["cuda.bindings"], "nvjitlink")  # not installed at all
+    monkeypatch.setitem(sys.modules, "cuda.bindings.nvjitlink", None)
+    assert assemble(ptx, (9, 0)) == ptx.encode() + b"\0"
+
+
+class _FakeDevice:
+    """``cupy.cuda.Device()`` of an sm_90 GPU."""
+
+    id, compute_capability = 0, "90"
+
+    def __init__(self, device=None):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+
+def test_a_launch_loads_once_and_passes_the_flattened_arguments_and_stream(monkeypatch):
+    """The CuPy side of a launch, with CuPy's module and device faked (no GPU here)."""
+    cupy = pytest.importorskip("cupy")
+    loads, launches = [], []
+
+    class Module:
+        def load(self, image):
+            loads.append(image)
+
+        def get_function(self, name):
+            return lambda grid, block, args, stream=None: launches.append(
+                (name, grid, block, args, stream))
+
+    monkeypatch.setattr(cupy.cuda, "Device", _FakeDevice)
+    monkeypatch.setattr(cupy.cuda.function, "Module", Module)
+    layout = _layout(3, 8)
+    tokens, starts = np.arange(300, dtype=np.int32), np.array([0, 100, 300], np.int32)
+    context = np.zeros((2, 2), np.int32)
+    out = np.zeros((300, 16), np.int64)
+    stream = object()
+    for _ in range(2):
+        ids_cuda.launch_ngram_ids(layout, tokens, starts, context, ids_cuda.layout_params(layout),
+                                  out, stream=stream)
+    assert len(loads) == 1 and len(launches) == 2  # compiled and loaded once per device, types
+    name, grid, block, args, passed = launches[0]
+    kernel, tokens_per_block = ids_cuda.ids_kernel(3, 8)
+    assert grid == (-(-300 // tokens_per_block),) and block == (tokens_per_block,)
+    assert passed is stream
+    assert len(args) == 2 * 7 + 3 * 9 + 1  # two 1-D arrays (7 slots), three 2-D (9), eos
+    assert args[4] is tokens and args[-5] is out and args[-4:] == (300, 16, 128, 8)
+    assert name.encode() in loads[0]  # the image holds the entry point launched

@@ -106,7 +106,11 @@ def test_gloo_ranks_equal_unsharded(tmp_path, world, counts):
 @pytest.mark.parametrize("world, counts", [(1, [6]), (2, [5, 2])])
 def test_nccl_ranks_equal_unsharded(tmp_path, world, counts):
     import cupy
+    import torch
+    import torch.distributed as dist
 
+    if not torch.cuda.is_available() or not dist.is_nccl_available():
+        pytest.skip("needs a CUDA build of PyTorch with NCCL")
     if cupy.cuda.runtime.getDeviceCount() < world:
         pytest.skip(f"NCCL with {world} ranks needs {world} GPUs (one per rank)")
     full, inputs, outs = run_ranks(tmp_path, world, counts, backend="nccl",
@@ -159,6 +163,8 @@ def test_one_rank_group(tmp_path, one_rank_group):
     np.testing.assert_array_equal(dp.lookup(ids, out_dtype=np.float32), expect)
     with pytest.raises(ValueError, match=r"num_tokens_across_dp must list 1 counts"):
         dp.lookup(ids, num_tokens_across_dp=[3])
+    with pytest.raises(TypeError, match="ids must be int32 or int64"):  # not truncated to rows
+        dp.lookup(ids + 0.5)
 
 
 def test_table_of_another_rank_is_refused(tmp_path, one_rank_group):
@@ -168,6 +174,11 @@ def test_table_of_another_rank_is_refused(tmp_path, one_rank_group):
     with pytest.raises(ValueError, match=r"must own rows \(0, 64\) .* owns \(0, 32\).*"
                                          "world_size=1"):
         nc.ShardedLookup(half)
+
+
+def test_sharded_lookup_needs_a_table():
+    with pytest.raises(TypeError, match="source must be an NGramEmbedding or an EmbeddingTable"):
+        nc.ShardedLookup(np.zeros((4, 2), np.float32))
 
 
 def test_sharded_lookup_needs_an_initialised_group(tmp_path):

@@ -120,3 +120,8 @@ def test_batch_errors_surface_from_forward():
         layer(np.array([1, 2, 3]), np.array([0, 2]), np.zeros((1, 3), np.int64))
     with pytest.raises(ValueError, match="ngram_context must have shape"):
         layer.start_prefetch(np.array([1, 2]), np.array([0, 2]), np.zeros((1, 2), np.int64))
+    for call in (layer, layer.start_prefetch):  # a scalar is no batch (not even of one token)
+        with pytest.raises(ValueError, match=r"input_ids must be 1-D, got shape \(\)"):
+            call(np.int64(3), np.array([0, 1]), np.zeros((1, 3), np.int64))
+        with pytest.raises(ValueError, match=r"query_start_loc must be 1-D, got shape \(\)"):
+            call(np.zeros(0, np.int64), np.int64(0), np.zeros((0, 3), np.int64))

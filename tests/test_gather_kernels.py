@@ -283,6 +283,7 @@ def test_cuda_graph_of_ids_and_lookup_replays():
     context = cupy.asarray(rng.integers(0, 1000, (8, 2)))
     out = cupy.empty((64, 2560), cupy.uint16)
     stream = cupy.cuda.Stream(non_blocking=True)
+    cupy.cuda.Stream.null.synchronize()  # the inputs' copies: the stream does not wait for them
     with stream:
         layer(tokens, starts, context, out=out)  # warm-up: compile, allocate
         stream.begin_capture()

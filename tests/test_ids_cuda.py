@@ -202,7 +202,9 @@ def test_gpu_non_contiguous_inputs_and_a_cupy_stream():
     stream = cupy.cuda.Stream(non_blocking=True)
     spread = cupy.zeros(2000, dtype=tokens.dtype)
     spread[::2] = cupy.asarray(tokens)
-    ids = nc.compute_ngram_ids(layout, spread[::2], *on_device(starts, context), stream=stream)
+    device = on_device(starts, context)
+    cupy.cuda.Stream.null.synchronize()  # a non-blocking stream does not wait for the null one
+    ids = nc.compute_ngram_ids(layout, spread[::2], *device, stream=stream)
     stream.synchronize()
     np.testing.assert_array_equal(ids.get(), nc.compute_ngram_ids(layout, tokens, starts, context))
 

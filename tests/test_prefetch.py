@@ -4,6 +4,8 @@ pinned host tables."""
 from __future__ import annotations
 
 import gc
+import multiprocessing
+import os
 import threading
 
 import ml_dtypes
@@ -47,6 +49,10 @@ def test_the_prefetch_gathers_a_copy_of_the_ids(weight):
     original = ids.copy()
     table.prefetch(ids)
     ids[:] = 7  # the caller reuses its buffer at once
+    np.testing.assert_array_equal(table.lookup(original), expected(weight, original))
+    table.prefetch(original)
+    table._threads._future.result()  # gathered (not yet joined) before the caller moves on
+    original[::2] = 7  # the same buffer, refilled: the rows that changed must be gathered again
     np.testing.assert_array_equal(table.lookup(original), expected(weight, original))
 
 
@@ -108,6 +114,22 @@ def test_staging_buffers_are_allocated_once_per_shape(weight):
     assert fresh is not results[0]
 
 
+def test_host_staging_buffers_do_not_pile_up(weight):
+    """Batch sizes change from step to step: the host keeps only the latest few buffers."""
+    from ngram_cupy.arrays import HOST
+    from ngram_cupy.table import HOST_BUFFER_SHAPES
+
+    table = nc.EmbeddingTable(weight, scale=SCALE)
+    kept = []
+    for tokens in range(1, 4 * HOST_BUFFER_SHAPES):
+        ids = random_ids(tokens, (tokens, 4))
+        table.prefetch(ids)
+        kept.append((ids, table.lookup(ids)))  # each a staging buffer, of its own shape
+    assert len(table._buffers[HOST]._arrays) <= HOST_BUFFER_SHAPES
+    for ids, result in kept:
+        np.testing.assert_array_equal(result, expected(weight, ids))
+
+
 def test_out_is_written_by_prefetch_and_lookup(weight):
     table = nc.EmbeddingTable(weight, scale=SCALE)
     ids = random_ids(10)
@@ -162,6 +184,59 @@ def test_the_worker_runs_beside_the_caller(weight, monkeypatch):
     assert started.wait(5)  # prefetch returned while the gather waits on its own thread
     release.set()
     np.testing.assert_array_equal(table.lookup(ids), expected(weight, ids))
+
+
+def test_the_worker_never_runs_a_parallel_gather(weight, monkeypatch):
+    """Numba's workqueue threading layer aborts the process when two threads run parallel
+    kernels at once: the worker's gathers are serial, even for batches that get threads on the
+    caller's side."""
+    from ngram_cupy.mapped import MappedTable
+
+    calls = []
+    real = gather_numba.gather_rows
+
+    def spy(*args, parallel=None, **kwargs):
+        calls.append((threading.current_thread() is threading.main_thread(), parallel))
+        return real(*args, parallel=parallel, **kwargs)
+
+    monkeypatch.setattr(gather_numba, "gather_rows", spy)
+    ids = random_ids(30, (gather_numba.PARALLEL_MIN_ROWS // 4, 4))
+    mapped = MappedTable([(0, weight[:90]), (90, weight[90:])], 8, weight.dtype, SCALE, 0, 200,
+                         200)
+    for table in (nc.EmbeddingTable(weight, scale=SCALE), mapped):
+        calls.clear()
+        table.prefetch(ids)
+        np.testing.assert_array_equal(table.lookup(ids), expected(weight, ids))
+        worker = [parallel for on_main, parallel in calls if not on_main]
+        assert worker and all(parallel is False for parallel in worker), calls
+
+
+def _use_after_fork(table, ids, expect) -> None:
+    """In the forked child: lookups, a new prefetch and close must work (exit 0), not hang."""
+    table.lookup(ids)  # the parent's prefetch, in flight at the fork, is dropped
+    table.prefetch(ids)
+    ok = np.array_equal(table.lookup(ids), expect)
+    table.close()
+    os._exit(0 if ok else 1)
+
+
+def test_a_forked_child_does_not_wait_for_the_parents_worker(weight):
+    """After a fork the worker thread exists only in the parent: a child waiting for it (or
+    queueing work for it) would hang forever."""
+    table = nc.EmbeddingTable(weight, scale=SCALE)
+    ids = random_ids(31)
+    release = threading.Event()
+    table._threads.start(Pending(ids=ids, rows=None, out_code=-1), release.wait)  # in flight
+    child = multiprocessing.get_context("fork").Process(
+        target=_use_after_fork, args=(table, ids, expected(weight, ids)))
+    child.start()
+    child.join(timeout=60)
+    release.set()
+    if child.is_alive():
+        child.kill()
+        child.join()
+    assert child.exitcode == 0, "the forked child hung or failed"
+    table.lookup(ids)  # the parent's own prefetch is joined as usual
 
 
 def test_prefetch_argument_errors_are_raised_at_once(weight):
@@ -259,10 +334,10 @@ def test_stale_prefetch_on_the_side_stream(weight, side_stream):
     import cupy
 
     host, stream = nc.EmbeddingTable(weight, scale=SCALE, placement="host"), side_stream
-    prefetched = cupy.asarray(random_ids(20, (512, 16)))
-    asked = prefetched.copy()
-    asked[::5] = cupy.asarray(random_ids(21, (103, 16)))
-    with stream:
+    with stream:  # inputs made on the stream: a non-blocking one does not wait for the null one
+        prefetched = cupy.asarray(random_ids(20, (512, 16)))
+        asked = prefetched.copy()
+        asked[::5] = cupy.asarray(random_ids(21, (103, 16)))
         host.prefetch(prefetched)
         prefetched[...] = 0  # overwritten on the caller's stream after the prefetch: harmless
         result = host.lookup(asked)
@@ -276,9 +351,9 @@ def test_prefetch_and_lookup_replay_in_a_cuda_graph(weight, side_stream):
     import cupy
 
     host, stream = nc.EmbeddingTable(weight, scale=SCALE, placement="host"), side_stream
-    ids = cupy.asarray(random_ids(22, (64, 16)))
-    out = cupy.empty((64, 128), cupy.uint16)
     with stream:
+        ids = cupy.asarray(random_ids(22, (64, 16)))
+        out = cupy.empty((64, 128), cupy.uint16)
         host.prefetch(ids)  # warm-up: compiles and allocates the staging buffers
         host.lookup(ids, out=out)
         stream.begin_capture()

@@ -101,6 +101,15 @@ def test_documents_split_into_rows_count_as_whole_documents():
     assert [s.distinct_ngrams for s in fresh_rows] != [e["distinct_ngrams"] for e in whole]
 
 
+def test_an_empty_corpus_has_no_loads():
+    from ngram_cupy.cli import describe_stats
+
+    stats, num_tokens = ngram_stats(corpus([[], []]), LAYOUT)
+    assert num_tokens == 0 and all(s.load_histogram.tolist() == [0] for s in stats)
+    table = describe_stats(stats, num_tokens, LAYOUT)[2:2 + LAYOUT.num_heads]
+    assert all(line.split()[-1] == "0" for line in table), table  # max load 0, not -1
+
+
 def test_merging_pending_ngrams_keeps_them_distinct(monkeypatch):
     import ngram_cupy.stats as stats_module
 

@@ -40,9 +40,12 @@ def random_table(rng, rows: int, head_dim: int, dtype) -> np.ndarray:
 
 
 def assert_same(actual, expected):
-    """Equal values; NaN matches NaN (payloads aside, as NumPy compares)."""
+    """Equal bits (signed zeros included); NaN matches NaN, payloads aside."""
     assert actual.dtype == expected.dtype and actual.shape == expected.shape
-    np.testing.assert_array_equal(actual.astype(np.float32), expected.astype(np.float32))
+    nan = np.isnan(expected.astype(np.float32))
+    np.testing.assert_array_equal(np.isnan(actual.astype(np.float32)), nan)
+    bits = f"u{actual.dtype.itemsize}"
+    np.testing.assert_array_equal(actual.view(bits)[~nan], expected.view(bits)[~nan])
 
 
 @pytest.mark.parametrize("out_dtype", OUTPUTS, ids=lambda d: np.dtype(d).name)
@@ -140,6 +143,30 @@ def test_empty_batches_and_heads():
     table = nc.EmbeddingTable(np.ones((4, 3), np.float32))
     assert table.lookup(np.zeros((0, 2), np.int64)).shape == (0, 6)
     assert table.lookup(np.zeros((3, 0), np.int32)).shape == (3, 0)
+
+
+def test_the_sign_of_a_zero_scale_is_kept():
+    """-0.0 and 0.0 are equal floats but give zeros of other signs: neither may reuse the
+    other's cached conversion."""
+    for dtype in (np.float16, ml_dtypes.float8_e4m3fn, np.float32):
+        weight = random_table(np.random.default_rng(7), 6, 4, dtype)
+        ids = np.arange(6).reshape(3, 2)
+        for scale in (0.0, -0.0, 0.0):
+            result = nc.EmbeddingTable(weight, scale=scale).lookup(ids, out_dtype=np.float32)
+            expected = reference_lookup(weight, ids, scale, np.float32)
+            np.testing.assert_array_equal(result.view(np.uint32), expected.view(np.uint32))
+
+
+def test_cached_cpu_kernels_are_keyed_by_the_shared_decoding():
+    """Numba's disk cache watches only gather_numba.py: every cached kernel that inlines
+    dequant.py must carry its digest in its closure (its cache key)."""
+    from ngram_cupy import gather_numba
+
+    kernels = [gather_numba._convert_all_kernel(),
+               gather_numba._gather_kernel(dequant.FLOAT8_E4M3, dequant.BFLOAT16, False)]
+    for kernel in kernels:
+        cells = [cell.cell_contents for cell in kernel.py_func.__closure__]
+        assert gather_numba.DEQUANT_DIGEST in cells, kernel
 
 
 def test_scale_from_a_bf16_array_is_exact():
@@ -255,6 +282,10 @@ def test_lookup_errors_name_the_argument(call, error, match):
      "scale must be finite"),
     (dict(weight=np.zeros((3, 2), np.float32), scale="x"), TypeError, "scale must be a number"),
     (dict(weight=np.zeros((3, 2), np.int64)), TypeError, "dtype must be one of"),
+    (dict(weight=np.zeros((3, 2), np.float32), row_start=1.5, total_rows=5), TypeError,
+     "row_start must be an integer"),
+    (dict(weight=np.zeros((3, 2), np.float32), total_rows=3.0), TypeError,
+     "total_rows must be an integer"),
 ])
 def test_construction_errors(kwargs, error, match):
     with pytest.raises(error, match=match):

@@ -1,0 +1,35 @@
+"""One decorator for the helpers that CPU (``numba.njit``) and CUDA kernels both inline.
+
+``numba.core.extending.register_jitable(inline="always")`` serves both targets with Numba's
+built-in CUDA target, but NVIDIA's ``numba-cuda`` package (which replaces ``numba.cuda``) runs its
+own inliner on CUDA kernels and fails on numba-core overloads marked ``inline="always"`` (an
+``AssertionError`` in its post-processing, numba-cuda 0.30). With ``numba-cuda`` the CPU target
+therefore gets a numba-core overload and the CUDA target numba-cuda's own ``register_jitable``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from numba.core.extending import overload, register_jitable
+
+
+def _numba_cuda_register_jitable() -> Callable | None:
+    """numba-cuda's ``register_jitable``; None with Numba's built-in CUDA target (which has
+    none) or when ``numba.cuda`` cannot be imported (numba-cuda without its CUDA bindings)."""
+    try:
+        from numba.cuda import extending
+    except Exception:
+        return None
+    return getattr(extending, "register_jitable", None)
+
+
+def inline_jitable(fn: Callable) -> Callable:
+    """Make ``fn`` callable from CPU and CUDA kernels, inlined into them at the Numba IR level
+    (plain Python, as under the CUDA simulator, stays plain Python)."""
+    cuda_register = _numba_cuda_register_jitable()
+    if cuda_register is None:
+        return register_jitable(inline="always")(fn)
+    overload(fn, target="cpu", inline="always", strict=False)(lambda *args, **kwargs: fn)
+    cuda_register(inline="always")(fn)
+    return fn
