@@ -29,15 +29,15 @@ def _batch(layout: LayerLayout, stream, input_ids, query_start_loc, ngram_contex
     num_tokens, num_requests = check_batch(layout, *(arrays[name] for name in names))
     if stream is None:
         batch = tuple(np.ascontiguousarray(arrays[name]) for name in names)
+        check_query_start_loc_values(batch[1], num_tokens)
     else:
+        if num_requests == 0 and num_tokens:
+            raise ValueError(
+                f"query_start_loc holds no request but input_ids has {num_tokens} tokens")
         import cupy
 
         with stream:
             batch = tuple(cupy.ascontiguousarray(arrays[name]) for name in names)
-    if stream is None:
-        check_query_start_loc_values(batch[1], num_tokens)
-    elif num_requests == 0 and num_tokens:
-        raise ValueError(f"query_start_loc holds no request but input_ids has {num_tokens} tokens")
     return stream, batch, arrays["out"], num_tokens, num_requests
 
 
