@@ -1,4 +1,4 @@
-"""Shared fixtures: the golden vectors from ../shared/golden, loaded as they are."""
+"""Shared fixtures: the golden vectors vendored in tests/data/golden, loaded as they are."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import pytest
 
 import ngram_cupy as nc
 
-GOLDEN_DIR = Path(__file__).resolve().parents[2] / "shared" / "golden"
+GOLDEN_DIR = Path(__file__).resolve().parent / "data" / "golden"
 GOLDEN_FILES = sorted(GOLDEN_DIR.glob("*.json"))
 
-if not GOLDEN_FILES:  # a missing checkout of ../shared must fail, not skip
+if not GOLDEN_FILES:  # a broken checkout must fail, not skip
     raise RuntimeError(f"no golden vectors found in {GOLDEN_DIR}")
 
 # The CUDA simulator and wrapping uint64 scalar arithmetic warn on intended overflow.
