@@ -11,10 +11,12 @@ rows from.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import mmap
 import os
+import re
 import secrets
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -25,7 +27,12 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from .atomic import atomic_file, remove_stale_temporaries
+
 INDEX_FILE = "model.safetensors.index.json"
+# The __metadata__ key (in each file) and index metadata key naming a checkpoint's generation.
+GENERATION_KEY = "ngram_cupy_generation"
+_GENERATION_FILE = re.compile(r"^model-\d{5}-of-\d{5}-[0-9a-f]{8}\.safetensors$")
 
 # Safetensors dtype codes and the NumPy (or ml_dtypes) types that hold them.
 DTYPES: dict[str, np.dtype] = {
@@ -61,9 +68,8 @@ class TensorInfo:
     end: int
 
 
-def read_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
-    """The tensors of one safetensors file, from its header alone (no tensor data is read)."""
-    path = os.fspath(path)
+def _header(path: str) -> tuple[dict, int, int]:
+    """The JSON header of one safetensors file, where its data starts, and the file's size."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         length = int.from_bytes(f.read(8), "little")
@@ -75,7 +81,22 @@ def read_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
             raise ValueError(f"{path} is not a safetensors file: {e}") from None
     if not isinstance(header, dict):
         raise ValueError(f"{path} is not a safetensors file (header is not a JSON object)")
-    data_start = 8 + length
+    return header, 8 + length, size
+
+
+def read_metadata(path: str | os.PathLike) -> dict:
+    """The ``__metadata__`` strings of one safetensors file (empty when it has none)."""
+    path = os.fspath(path)
+    metadata = _header(path)[0].get("__metadata__") or {}
+    if not isinstance(metadata, dict):
+        raise ValueError(f"{path}: __metadata__ is not a JSON object")
+    return metadata
+
+
+def read_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
+    """The tensors of one safetensors file, from its header alone (no tensor data is read)."""
+    path = os.fspath(path)
+    header, data_start, size = _header(path)
     infos = {}
     for name, entry in header.items():
         if name == "__metadata__":
@@ -94,6 +115,11 @@ def read_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
         if not 0 <= begin <= end <= size - data_start:
             raise ValueError(f"{path}: tensor {name} lies outside the file (truncated?)")
         infos[name] = TensorInfo(name, path, dtype, shape, data_start + begin, data_start + end)
+    spans = sorted((info.begin, info.end, name) for name, info in infos.items()
+                   if info.end > info.begin)
+    for (_, end, first), (begin, _, second) in zip(spans, spans[1:], strict=False):
+        if begin < end:
+            raise ValueError(f"{path}: tensors {first} and {second} overlap (data_offsets)")
     return infos
 
 
@@ -125,17 +151,42 @@ def checkpoint_paths(path: str | os.PathLike | Sequence[str | os.PathLike]) -> l
     return [str(p) for p in paths]
 
 
-def _indexed_paths(index: Path) -> list[str]:
-    """The files named by an index json's ``weight_map``, each once, in the order first named."""
+def read_index(index: str | os.PathLike) -> tuple[dict[str, str], str | None]:
+    """An index json's ``weight_map`` (tensor name -> file name) and the generation it names
+    (None for an index not written by :func:`write_checkpoint`)."""
+    index = Path(index)
     try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
-        raise ValueError(f"{index} is not a safetensors index (no weight_map): {e}") from None
+        raw = json.loads(index.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{index} is not a safetensors index: {e}") from None
+    weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+        raise ValueError(f"{index} is not a safetensors index: weight_map must map tensor names "
+                         f"to file names, got {type(weight_map).__name__}")
+    metadata = raw.get("metadata")
+    generation = metadata.get(GENERATION_KEY) if isinstance(metadata, dict) else None
+    return weight_map, None if generation is None else str(generation)
+
+
+def _indexed_paths(index: Path) -> list[str]:
+    """The files named by an index json's ``weight_map``, each once, in the order first named;
+    for an index of :func:`write_checkpoint`, each must belong to the generation it names."""
+    weight_map, generation = read_index(index)
     names = list(dict.fromkeys(weight_map.values()))
     missing = [n for n in names if not (index.parent / n).is_file()]
     if missing:
         raise ValueError(f"files named in {index} are missing: {', '.join(missing)}")
-    return [str(index.parent / n) for n in names]
+    paths = [str(index.parent / n) for n in names]
+    if generation is not None:
+        for path in paths:
+            found = read_metadata(path).get(GENERATION_KEY)
+            if found != generation:
+                raise ValueError(
+                    f"{path} belongs to checkpoint generation {found} but {index} names "
+                    f"generation {generation}: the checkpoint is being rewritten, retry"
+                )
+    return paths
 
 
 class Checkpoint:
@@ -234,10 +285,14 @@ def write_checkpoint(
 ) -> list[str]:
     """Write tensors as safetensors, atomically; return the files written.
 
-    ``path`` ending in ``.safetensors`` is one file. Otherwise it is a folder that gets
-    ``num_files`` files (tensors split in order, by count) and a ``model.safetensors.index.json``.
-    Every file is written to a temporary name first and renamed into place only when all are
-    complete, the index last, so readers never see a half-written checkpoint.
+    ``path`` ending in ``.safetensors`` is one file, written to a temporary and renamed over it.
+    Otherwise it is a folder that gets ``num_files`` files (tensors split in order, by count) and
+    a ``model.safetensors.index.json``. A folder checkpoint is replaced as a whole or not at all:
+    the files of a new generation get new names (``model-00001-of-00003-<generation>``), carry the
+    generation in their metadata, and become the checkpoint only when the index naming them
+    replaces the old one, in one rename; then the previous generation's files are removed. Readers
+    check that every file belongs to the index's generation, so none combines two. One writer per
+    folder at a time; an index naming tensors not being written (another model's) is refused.
     """
     if isinstance(num_files, bool) or not isinstance(num_files, int) or num_files < 1:
         raise ValueError(f"num_files must be a positive integer, got {num_files!r}")
@@ -246,45 +301,74 @@ def write_checkpoint(
     if path.name.endswith(".safetensors"):
         if num_files != 1:
             raise ValueError(f"num_files={num_files} needs a folder path, got the file {path}")
-        groups = {path: names}
-        index = None
-    else:
-        path.mkdir(parents=True, exist_ok=True)
-        num_files = min(num_files, max(1, len(names)))
-        groups = {
-            path / f"model-{i + 1:05d}-of-{num_files:05d}.safetensors": list(group)
-            for i, group in enumerate(np.array_split(np.array(names, dtype=object), num_files))
-        }
-        weight_map = {name: file.name for file, group in groups.items() for name in group}
-        total = sum(np.asarray(a).nbytes for a in tensors.values())
-        index = {"metadata": {"total_size": int(total)}, "weight_map": weight_map}
-    staged: list[tuple[str, Path]] = []
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_file(path) as temporary:
+            _save(tensors, names, temporary, None)
+        return [str(path)]
+    path.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(path)
+    previous = _previous_generation(path / INDEX_FILE, names)
+    generation = secrets.token_hex(4)
+    num_files = min(num_files, max(1, len(names)))
+    groups = {
+        path / f"model-{i + 1:05d}-of-{num_files:05d}-{generation}.safetensors": list(group)
+        for i, group in enumerate(np.array_split(np.array(names, dtype=object), num_files))
+    }
+    total = sum(np.asarray(a).nbytes for a in tensors.values())
+    index = {
+        "metadata": {"total_size": int(total), GENERATION_KEY: generation},
+        "weight_map": {name: file.name for file, group in groups.items() for name in group},
+    }
+    written: list[Path] = []
     try:
         for file, group in groups.items():
-            staged.append((_temporary(file), file))
-            mode = os.stat(staged[-1][0]).st_mode
-            save_file({n: np.ascontiguousarray(tensors[n]) for n in group}, staged[-1][0])
-            os.chmod(staged[-1][0], mode)  # safetensors replaces the file with a 0600 one
-        if index is not None:
-            staged.append((_temporary(path / INDEX_FILE), path / INDEX_FILE))
-            Path(staged[-1][0]).write_text(json.dumps(index, indent=2, sort_keys=True))
-        for temporary, final in staged:
-            os.replace(temporary, final)
-    finally:
-        for temporary, _ in staged:
-            if os.path.exists(temporary):
-                os.remove(temporary)
+            with atomic_file(file) as temporary:
+                written.append(file)
+                _save(tensors, group, temporary, generation)
+        with atomic_file(path / INDEX_FILE) as temporary:
+            Path(temporary).write_text(json.dumps(index, indent=2, sort_keys=True))
+    except BaseException:
+        for file in written:
+            with contextlib.suppress(OSError):
+                file.unlink()
+        raise
+    _remove_old_generations(path, previous, set(groups), names)
     return [str(file) for file in groups]
 
 
-def _temporary(final: Path) -> str:
-    """A fresh hidden file next to ``final`` (so the closing rename stays on one file system),
-    with the permissions the umask gives any new file (``mkstemp``'s 0600 would stick to it)."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    while True:
-        name = final.parent / f".{final.name}.{secrets.token_hex(8)}.tmp"
-        try:
-            os.close(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
-        except FileExistsError:
-            continue
-        return str(name)
+def _save(tensors: Mapping[str, np.ndarray], names: list, file: str,
+          generation: str | None) -> None:
+    """One safetensors file of the named tensors (with the generation in its metadata)."""
+    metadata = None if generation is None else {GENERATION_KEY: generation}
+    save_file({n: np.ascontiguousarray(tensors[n]) for n in names}, file, metadata=metadata)
+
+
+def _previous_generation(index: Path, names: list) -> set[Path]:
+    """The files of the checkpoint being replaced; refuse to replace an index of other tensors."""
+    if not index.exists():
+        return set()
+    try:
+        weight_map, _ = read_index(index)
+    except ValueError:
+        return set()  # an unreadable index names nothing we could remove
+    foreign = sorted(set(weight_map) - set(names))
+    if foreign:
+        raise ValueError(
+            f"{index} already names {len(foreign)} tensor(s) this checkpoint does not hold "
+            f"(e.g. {foreign[0]}): write to a new folder rather than replace another model's "
+            "index"
+        )
+    return {index.parent / name for name in weight_map.values()}
+
+
+def _remove_old_generations(folder: Path, previous: set[Path], current: set[Path],
+                            names: list) -> None:
+    """Delete the files of replaced generations: those the old index named and any left by an
+    interrupted write, never one the new index names, and only files that hold nothing but
+    tensors of this checkpoint or that :func:`write_checkpoint` wrote (they carry a generation)."""
+    candidates = previous | {p for p in folder.iterdir() if _GENERATION_FILE.match(p.name)}
+    for file in candidates - current:
+        with contextlib.suppress(OSError, ValueError):
+            if file.parent == folder and (GENERATION_KEY in read_metadata(file)
+                                          or set(read_header(file)) <= set(names)):
+                file.unlink()

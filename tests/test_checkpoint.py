@@ -134,9 +134,9 @@ def test_paths_of_folder_index_file_and_list(tmp_path):
 
 
 def test_index_naming_a_missing_file(tmp_path):
-    write_checkpoint(tmp_path, {"a": np.zeros(2), "b": np.ones(2)}, num_files=2)
-    os.remove(tmp_path / "model-00002-of-00002.safetensors")
-    with pytest.raises(ValueError, match="model-00002-of-00002.safetensors"):
+    files = write_checkpoint(tmp_path, {"a": np.zeros(2), "b": np.ones(2)}, num_files=2)
+    os.remove(files[1])
+    with pytest.raises(ValueError, match=os.path.basename(files[1])):
         checkpoint_paths(tmp_path)
 
 
@@ -562,3 +562,110 @@ def test_save_rejects_bad_tables(tmp_path, weight, scale, match):
 def test_save_needs_a_layout(tmp_path):
     with pytest.raises(TypeError, match="layout must be a LayerLayout"):
         nc.save_ngram_embedding(tmp_path / "x.safetensors", TINY, tiny_weight(np.float32))
+
+
+# --- folder checkpoints replaced as a whole (issue 9) ------------------------------------------
+
+
+def generation_tensors(value: float) -> dict[str, np.ndarray]:
+    """Five tensors all holding ``value``: a mix of two generations shows as two values."""
+    return {f"t{i}": np.full(4, value, np.float32) for i in range(5)}
+
+
+def loaded_values(folder) -> set[float]:
+    """Every value of every tensor of the checkpoint in ``folder``."""
+    checkpoint = Checkpoint.open(folder)
+    assert sorted(checkpoint.tensors) == sorted(generation_tensors(0))
+    return {float(v) for name in checkpoint.tensors for v in checkpoint.read(name)}
+
+
+@pytest.mark.parametrize("primitive", ["replace", "remove", "unlink"])
+def test_data_loss_folder_rewrite_failing_on_any_call_loads_old_or_new_never_a_mix(
+        tmp_path, monkeypatch, primitive):
+    """An I/O error on the Nth rename (or removal), for every N: the folder loads completely as
+    the old generation or the new one."""
+    failing_on = 1
+    outcomes = set()
+    while True:
+        folder = tmp_path / f"{primitive}{failing_on}"
+        write_checkpoint(folder, generation_tensors(1.0), num_files=3)
+        calls = 0
+        real = getattr(os, primitive)
+
+        def flaky(*args, real=real, failing_on=failing_on, **kwargs):
+            nonlocal calls
+            calls += 1
+            if calls == failing_on:
+                raise OSError(5, "injected I/O error")
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(os, primitive, flaky)
+        try:
+            write_checkpoint(folder, generation_tensors(2.0), num_files=3)
+            failed = False
+        except OSError:
+            failed = True
+        finally:
+            monkeypatch.setattr(os, primitive, real)
+        values = loaded_values(folder)
+        assert values in ({1.0}, {2.0}), (failing_on, values)
+        outcomes.add(values.pop())
+        if not failed and calls < failing_on:  # every call has had its turn to fail
+            break
+        failing_on += 1
+    assert outcomes == ({1.0, 2.0} if primitive == "replace" else {2.0})
+
+
+def test_data_loss_reader_refuses_files_of_another_generation(tmp_path):
+    old = write_checkpoint(tmp_path / "a", generation_tensors(1.0), num_files=3)
+    new = write_checkpoint(tmp_path / "b", generation_tensors(2.0), num_files=3)
+    os.replace(new[1], old[1])  # a stray shard of another write under the old name
+    with pytest.raises(ValueError, match="generation"):
+        Checkpoint.open(tmp_path / "a")
+
+
+def test_data_loss_rewrite_leaves_one_generation_and_no_temporaries(tmp_path):
+    for value in (1.0, 2.0, 3.0):
+        files = write_checkpoint(tmp_path, generation_tensors(value), num_files=3)
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        [os.path.basename(f) for f in files] + ["model.safetensors.index.json"])
+    assert loaded_values(tmp_path) == {3.0}
+
+
+def test_data_loss_another_models_index_is_not_replaced(tmp_path):
+    write_checkpoint(tmp_path, {"model.embed.weight": np.zeros(2, np.float32)})
+    index = (tmp_path / "model.safetensors.index.json").read_bytes()
+    with pytest.raises(ValueError, match="model.embed.weight"):
+        write_checkpoint(tmp_path, generation_tensors(1.0))
+    assert (tmp_path / "model.safetensors.index.json").read_bytes() == index
+
+
+KILLED_WRITER = """
+import os, signal, sys
+import numpy as np
+from ngram_cupy import safetensors_files as sf
+real, calls = sf.save_file, []
+def save_then_die(*args, **kwargs):
+    real(*args, **kwargs)
+    calls.append(1)
+    if len(calls) == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+sf.save_file = save_then_die
+sf.write_checkpoint(sys.argv[1], {f"t{i}": np.full(4, 2.0, np.float32) for i in range(5)}, 3)
+"""
+
+
+def test_litter_writer_killed_mid_write_old_loads_and_next_write_cleans(tmp_path):
+    import subprocess
+    import sys
+
+    write_checkpoint(tmp_path, generation_tensors(1.0), num_files=3)
+    before = set(os.listdir(tmp_path))
+    result = subprocess.run([sys.executable, "-c", KILLED_WRITER, str(tmp_path)])
+    assert result.returncode == -9
+    assert set(os.listdir(tmp_path)) > before  # the killed writer's files
+    assert loaded_values(tmp_path) == {1.0}
+    files = write_checkpoint(tmp_path, generation_tensors(3.0), num_files=3)
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        [os.path.basename(f) for f in files] + ["model.safetensors.index.json"])
+    assert loaded_values(tmp_path) == {3.0}
