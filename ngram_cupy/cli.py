@@ -12,12 +12,12 @@ import os
 import re
 import signal
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from .atomic import atomic_file
 from .config import NGramConfig
 from .layout import LayerLayout, layer_layout
 
@@ -68,6 +68,8 @@ class TokenSource:
     schema: Any  # pyarrow.Schema
     num_rows: int | None  # None for an IPC stream
     batches: Callable[[], Iterator[Any]]  # fresh iterator of RecordBatches of bounded size
+    # Every file read and its own schema (a folder's files may differ from one another).
+    files: list[tuple[str, Any]] = field(default_factory=list)
 
 
 def _slices(batches: Iterator[Any], rows: int) -> Iterator[Any]:
@@ -87,14 +89,23 @@ def open_tokens(path: str, batch_rows: int) -> TokenSource:
         raise UserError(f"input not found: {path}")
     if os.path.isdir(path):
         dataset = ds.dataset(path, format="parquet")
-        return TokenSource(path, dataset.schema, dataset.count_rows(),
-                           lambda: dataset.to_batches(batch_size=batch_rows))
+        files = [(f.path, f.physical_schema) for f in dataset.get_fragments()]
+        if not files:
+            raise UserError(f"no Parquet files in the input folder {path}")
+        try:  # every file's columns, int32 tokens widened where another file has int64
+            schema = pa.unify_schemas([s for _, s in files], promote_options="permissive")
+        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+            schema = dataset.schema  # check_files names the file that does not fit
+        dataset = ds.dataset([f for f, _ in files], schema=schema, format="parquet")
+        return TokenSource(path, schema, dataset.count_rows(),
+                           lambda: dataset.to_batches(batch_size=batch_rows), files)
     with open(path, "rb") as f:
         magic = f.read(6)
     if magic.startswith(b"PAR1"):
         parquet = pq.ParquetFile(path)
         return TokenSource(path, parquet.schema_arrow, parquet.metadata.num_rows,
-                           lambda: parquet.iter_batches(batch_size=batch_rows))
+                           lambda: parquet.iter_batches(batch_size=batch_rows),
+                           [(path, parquet.schema_arrow)])
     if magic == b"ARROW1":
         reader = pa.ipc.open_file(pa.memory_map(path))
         num_rows = sum(reader.get_batch(i).num_rows for i in range(reader.num_record_batches))
@@ -102,38 +113,61 @@ def open_tokens(path: str, batch_rows: int) -> TokenSource:
             path, reader.schema, num_rows,
             lambda: _slices((reader.get_batch(i) for i in range(reader.num_record_batches)),
                             batch_rows),
+            [(path, reader.schema)],
         )
     try:
         schema = pa.ipc.open_stream(pa.memory_map(path)).schema
     except pa.ArrowInvalid:
         raise UserError(f"{path} is neither a Parquet nor an Arrow IPC file") from None
     return TokenSource(path, schema, None,
-                       lambda: _slices(pa.ipc.open_stream(pa.memory_map(path)), batch_rows))
+                       lambda: _slices(pa.ipc.open_stream(pa.memory_map(path)), batch_rows),
+                       [(path, schema)])
+
+
+def check_files(source: TokenSource, column: str, doc_id_column: str | None) -> None:
+    """Every file of a folder must have the token (and document-id) column in a token type: a
+    ``UserError`` naming the file, never a silent cast or a column of nulls."""
+    from .arrow import check_input_schema
+
+    if len(source.files) < 2:
+        return
+    for path, schema in source.files:
+        try:
+            check_input_schema(schema, column, doc_id_column)
+        except (ValueError, TypeError) as e:
+            raise UserError(f"{path}: {e}") from None
+
+
+def check_output(output: str, inputs: list[str]) -> None:
+    """Refuse, before anything is read or written, an OUTPUT that is a folder, lies in no folder,
+    or is (through links, relative paths or a folder) one of the files read."""
+    if os.path.isdir(output):
+        raise UserError(f"output is a directory: {output}")
+    folder = os.path.dirname(os.path.abspath(output))
+    if not os.path.isdir(folder):
+        raise UserError(f"output folder does not exist: {folder}")
+    real = os.path.realpath(output)
+    for path in inputs:
+        source = os.path.realpath(path)
+        if os.path.isdir(source):
+            if os.path.commonpath([source, real]) == source:
+                raise UserError(f"OUTPUT {output} lies inside the INPUT folder {path}")
+        elif real == source or (os.path.exists(output) and os.path.exists(path)
+                                and os.path.samefile(output, path)):
+            raise UserError(f"OUTPUT {output} is the INPUT file {path}")
+
+
+def check_output_is_not_read(output: str, source: TokenSource) -> None:
+    """OUTPUT must not be a hard link to a file of INPUT."""
+    check_output(output, [path for path, _ in source.files])
 
 
 @contextlib.contextmanager
 def atomic_output(path: str) -> Iterator[str]:
     """A temporary path beside ``path``, renamed onto it on success and removed on any failure."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise UserError(f"output folder does not exist: {folder}")
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    os.close(fd)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 would otherwise stick to the output
-    try:
-        yield tmp
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
-def _same_file(a: str, b: str) -> bool:
-    """Whether two paths name one existing file."""
-    return os.path.exists(b) and os.path.samefile(a, b)
+    check_output(path, [])
+    with atomic_file(path) as temporary:
+        yield temporary
 
 
 def token_count(batch: Any, column: str) -> int:
@@ -170,11 +204,12 @@ def cmd_ids(args: argparse.Namespace) -> int:
 
     from .arrow import NGramIds
 
+    check_output(args.output, [args.input])
     layouts = layouts_for(load_config(args.config), args.layers)
     check_device(args.device)
     source = open_tokens(args.input, args.batch_rows)
-    if _same_file(args.input, args.output):
-        raise UserError("OUTPUT must not be the INPUT file")
+    check_output_is_not_read(args.output, source)
+    check_files(source, args.column, args.doc_id_column)
     mapper = NGramIds(layouts[0] if len(layouts) == 1 else layouts, args.column,
                       args.out_column, args.doc_id_column, args.device, reuse_buffers=True)
     schema = mapper.output_schema(source.schema)
@@ -285,8 +320,11 @@ def cmd_stats(args: argparse.Namespace) -> int:
     from .arrow import check_input_schema
     from .stats import ngram_stats, plot_load_histograms
 
+    if args.plot is not None:
+        check_output(args.plot, [args.input])
     (layout,) = layouts_for(load_config(args.config), [args.layer])
     source = open_tokens(args.input, args.batch_rows)
+    check_files(source, args.column, args.doc_id_column)
     check_input_schema(source.schema, args.column, args.doc_id_column)
     if args.plot is not None:
         try:

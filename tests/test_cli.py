@@ -316,3 +316,92 @@ def test_parse_bytes():
     assert parse_bytes("4096") == 4096
     with pytest.raises(Exception, match="not a size"):
         parse_bytes("lots")
+
+
+# --- hostile inputs (issue 9) -------------------------------------------------------------------
+
+
+def token_folder(tmp_path: Path, second: pa.Table | None = None) -> Path:
+    """A corpus folder: a good file ``a.parquet`` and, if given, ``b.parquet``."""
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    pq.write_table(pa.table({"tokens": pa.array([[1, 2, 3], [4, 5]], pa.list_(pa.int64()))}),
+                   folder / "a.parquet")
+    if second is not None:
+        pq.write_table(second, folder / "b.parquet")
+    return folder
+
+
+def assert_user_error(status: int, stdout: str, err: str, *words: str) -> None:
+    """Exit 2, one line on stderr naming ``words``, nothing on stdout."""
+    assert status == 2 and stdout == "", (status, stdout, err)
+    assert err.startswith("ngram-cupy: error: ") and err.count("\n") == 1, err
+    for word in words:
+        assert word in err, (word, err)
+
+
+def test_data_loss_output_inside_the_input_folder_is_refused(tmp_path, capsys):
+    folder = token_folder(tmp_path)
+    before = (folder / "a.parquet").read_bytes()
+    config = small_config(tmp_path)
+    (tmp_path / "link").symlink_to(folder)
+    os.link(folder / "a.parquet", tmp_path / "hard.parquet")
+    for output in (folder / "a.parquet", folder / "new.parquet", tmp_path / "link" / "a.parquet",
+                   folder / ".." / "corpus" / "sub.parquet", tmp_path / "hard.parquet"):
+        status, stdout, err = run(["ids", folder, output, "--config", config], capsys)
+        assert_user_error(status, stdout, err, "INPUT")
+    assert sorted(os.listdir(folder)) == ["a.parquet"]
+    assert (folder / "a.parquet").read_bytes() == before
+
+
+def test_data_loss_output_is_the_input_file_through_a_link_or_relative_path(tmp_path, capsys,
+                                                                            monkeypatch):
+    folder = token_folder(tmp_path)
+    (tmp_path / "alias.parquet").symlink_to(folder / "a.parquet")
+    monkeypatch.chdir(folder)
+    for output in (tmp_path / "alias.parquet", "a.parquet", "./../corpus/a.parquet"):
+        status, stdout, err = run(["ids", folder / "a.parquet", output, "--config",
+                                   small_config(tmp_path)], capsys)
+        assert_user_error(status, stdout, err, "INPUT")
+
+
+def test_ugly_output_an_existing_directory_is_refused_before_the_run(tmp_path, capsys):
+    (tmp_path / "out").mkdir()
+    status, stdout, err = run(["ids", CORPUS, tmp_path / "out", "--config", CONFIG], capsys)
+    assert_user_error(status, stdout, err, "directory", "out")
+    assert os.listdir(tmp_path / "out") == []
+
+
+@pytest.mark.parametrize("second, words", [
+    (pa.table({"tokens": pa.array([["a", "b"]], pa.list_(pa.string()))}), ["string"]),
+    (pa.table({"tokens": pa.array([[1.7, 2.2]], pa.list_(pa.float64()))}), ["double"]),
+    (pa.table({"text": pa.array(["no tokens here"])}), ["'tokens' not found"]),
+], ids=["list<string>", "list<double>", "no token column"])
+def test_silent_wrong_folder_file_with_wrong_tokens_names_file_and_column(tmp_path, capsys,
+                                                                          second, words):
+    folder = token_folder(tmp_path, second)
+    out = tmp_path / "o.parquet"
+    for argv in (["ids", folder, out], ["stats", folder]):
+        status, stdout, err = run([*argv, "--config", small_config(tmp_path)], capsys)
+        assert_user_error(status, stdout, err, "b.parquet", "tokens", *words)
+    assert not out.exists()
+
+
+def test_folder_files_with_int32_and_int64_tokens_and_extra_columns_are_read_whole(tmp_path,
+                                                                                   capsys):
+    second = pa.table({"tokens": pa.array([[2**40 + 7, 9]], pa.list_(pa.int64())),
+                       "source": pa.array(["b"])})
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    pq.write_table(pa.table({"tokens": pa.array([[1, 2, 3]], pa.list_(pa.int32()))}),
+                   folder / "a.parquet")
+    pq.write_table(second, folder / "b.parquet")
+    out = tmp_path / "o.parquet"
+    status, _, err = run(["ids", folder, out, "--config", small_config(tmp_path), "--quiet"],
+                         capsys)
+    assert status == 0, err
+    table = pq.read_table(out)
+    assert table.column("tokens").to_pylist() == [[1, 2, 3], [2**40 + 7, 9]]
+    assert table.column("source").to_pylist() == [None, "b"]
+    layout = nc.layer_layout(nc.NGramConfig(**SMALL), 0)
+    np.testing.assert_array_equal(output_ids(out), whole_document_ids(layout, table, None))
