@@ -1,4 +1,24 @@
-"""Model-level n-gram embedding configuration, validated once at construction."""
+"""Model-level n-gram embedding configuration, validated once at construction.
+
+Every field has a range derived from the arithmetic it feeds (checked up front, a ``ValueError``
+naming the field and the value outside it):
+
+- ``vocab_size`` in ``[1, 2**32]``: multipliers are odd values below ``2**63 / vocab_size``, so
+  at least ``2**30`` of them to draw from keeps the ``ngram_size`` multipliers distinct and mixing
+  (a vocabulary near ``2**62`` would make every multiplier 1).
+- ``ngram_size`` in ``[2, 64]``, ``heads_per_ngram`` in ``[1, 1024]`` and
+  ``num_heads = (ngram_size - 1) * heads_per_ngram <= 1024``: the id kernels are compiled with
+  these loops unrolled, and every head of every PLE layer needs its own prime.
+- ``ngram_vocab_size_base`` in ``[1, 2**48]`` and ``make_ngram_vocab_size_divisible_by`` in
+  ``[1, 2**32]``: a layer then has fewer than ``2**59`` rows, so every id fits int64 and the
+  division-free modulo of every prime head size stays exact.
+- ``len(ple_layer_ids) * num_heads <= MAX_LAYOUT_PRIMES`` (and the same for the ``layer`` asked
+  of ``layer_layout``): the head sizes are that many consecutive primes, found by a
+  deterministic Miller-Rabin test, so any layout is computed in about a second.
+- ``eos_token_id`` in ``[0, vocab_size)``; ``seed`` an int64 or uint64 value;
+  ``split_ngram_parts`` in ``[1, 2**16]``; ``embedding_dim`` in ``[1, 2**24]`` and a multiple of
+  ``num_heads``; ``ple_layer_ids`` distinct, in ``[0, 2**31)``.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +28,23 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+MAX_VOCAB_SIZE = 1 << 32
+MAX_NGRAM_SIZE = 64
+MAX_HEADS = 1024
+MAX_NGRAM_VOCAB_SIZE_BASE = 1 << 48
+MAX_DIVISIBLE_BY = 1 << 32
+MAX_SPLIT_PARTS = 1 << 16
+MAX_EMBEDDING_DIM = 1 << 24
+MAX_LAYER_ID = (1 << 31) - 1
+# Primes a layout may need (all heads of all layers up to the one asked for): about a second.
+MAX_LAYOUT_PRIMES = 4096
+
+
+def _require_range(name: str, value: int, low: int, high: int, why: str = "") -> None:
+    """``low <= value <= high``, or a ValueError naming the field, the value and the range."""
+    if not low <= value <= high:
+        raise ValueError(f"{name} must lie in [{low}, {high}]{why}, got {value}")
 
 
 def _require_int(name: str, value: Any) -> int:
@@ -63,39 +100,41 @@ class NGramConfig:
         self._check()
 
     def _check(self) -> None:
-        """Reject values for which the hash layout is undefined."""
-        if self.vocab_size <= 0:
-            raise ValueError(f"vocab_size must be positive, got {self.vocab_size}")
-        if self.ngram_size < 2:
-            raise ValueError(f"ngram_size must be >= 2, got {self.ngram_size}")
-        if self.heads_per_ngram <= 0:
-            raise ValueError(f"heads_per_ngram must be > 0, got {self.heads_per_ngram}")
-        if self.ngram_vocab_size_base <= 0:
-            raise ValueError(
-                f"ngram_vocab_size_base must be positive, got {self.ngram_vocab_size_base}"
-            )
+        """Reject values outside the ranges the layout arithmetic is defined for (module doc)."""
+        _require_range("vocab_size", self.vocab_size, 1, MAX_VOCAB_SIZE,
+                       " (larger vocabularies leave the hash multipliers too few values)")
+        _require_range("ngram_size", self.ngram_size, 2, MAX_NGRAM_SIZE)
+        _require_range("heads_per_ngram", self.heads_per_ngram, 1, MAX_HEADS)
+        _require_range("(ngram_size - 1) * heads_per_ngram", self.num_heads, 1, MAX_HEADS,
+                       f" (ngram_size={self.ngram_size}, heads_per_ngram={self.heads_per_ngram})")
+        _require_range("ngram_vocab_size_base", self.ngram_vocab_size_base, 1,
+                       MAX_NGRAM_VOCAB_SIZE_BASE, " (ids must fit int64)")
         if not 0 <= self.eos_token_id < self.vocab_size:
             raise ValueError(
                 f"eos_token_id must lie in [0, vocab_size={self.vocab_size}), "
                 f"got {self.eos_token_id}"
             )
-        if self.make_ngram_vocab_size_divisible_by <= 0:
-            raise ValueError(
-                "make_ngram_vocab_size_divisible_by must be positive, "
-                f"got {self.make_ngram_vocab_size_divisible_by}"
-            )
-        if self.split_ngram_parts <= 0:
-            raise ValueError(f"split_ngram_parts must be positive, got {self.split_ngram_parts}")
+        _require_range("seed", self.seed, -(1 << 63), (1 << 64) - 1)
+        _require_range("make_ngram_vocab_size_divisible_by",
+                       self.make_ngram_vocab_size_divisible_by, 1, MAX_DIVISIBLE_BY)
+        _require_range("split_ngram_parts", self.split_ngram_parts, 1, MAX_SPLIT_PARTS)
         if self.embedding_dim is not None:
-            if self.embedding_dim <= 0:
-                raise ValueError(f"embedding_dim must be positive, got {self.embedding_dim}")
+            _require_range("embedding_dim", self.embedding_dim, 1, MAX_EMBEDDING_DIM)
             if self.embedding_dim % self.num_heads:
                 raise ValueError(
                     f"embedding_dim={self.embedding_dim} must be divisible by the number of "
                     f"n-gram heads (ngram_size - 1) * heads_per_ngram = {self.num_heads}"
                 )
-        if self.ple_layer_ids is not None and any(i < 0 for i in self.ple_layer_ids):
-            raise ValueError(f"ple_layer_ids must be non-negative, got {self.ple_layer_ids}")
+        if self.ple_layer_ids is not None:
+            for layer_id in self.ple_layer_ids:
+                _require_range("ple_layer_ids", layer_id, 0, MAX_LAYER_ID)
+            if len(set(self.ple_layer_ids)) != len(self.ple_layer_ids):
+                raise ValueError(f"ple_layer_ids must be distinct, got {self.ple_layer_ids}")
+            if len(self.ple_layer_ids) * self.num_heads > MAX_LAYOUT_PRIMES:
+                raise ValueError(
+                    f"ple_layer_ids holds {len(self.ple_layer_ids)} layers of {self.num_heads} "
+                    f"heads: more than MAX_LAYOUT_PRIMES={MAX_LAYOUT_PRIMES} head sizes to find"
+                )
 
     @property
     def num_heads(self) -> int:
@@ -114,6 +153,9 @@ class NGramConfig:
         """Read a Hugging Face style ``config.json`` (a file, a model folder, or a dict)."""
         if isinstance(path_or_dict, dict):
             raw = path_or_dict
+        elif not isinstance(path_or_dict, (str, os.PathLike)):
+            raise TypeError(f"path_or_dict must be a path or a dict, got "
+                            f"{type(path_or_dict).__name__}")
         else:
             path = os.fspath(path_or_dict)
             if os.path.isdir(path):

@@ -12,7 +12,7 @@ from functools import cache
 
 import numpy as np
 
-from .config import NGramConfig
+from .config import MAX_LAYOUT_PRIMES, NGramConfig
 
 MASK64 = (1 << 64) - 1
 SPLITMIX_GAMMA = 0x9E3779B97F4A7C15
@@ -147,20 +147,19 @@ def layer_layout(config: NGramConfig, layer: int) -> LayerLayout:
     if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
         raise TypeError(f"layer must be an integer, got {type(layer).__name__}")
     layer = int(layer)
-    if layer < 0:
-        raise ValueError(f"layer must be non-negative, got {layer}")
     heads = config.num_heads
+    if not 0 <= layer < MAX_LAYOUT_PRIMES // heads:
+        raise ValueError(
+            f"layer must lie in [0, {MAX_LAYOUT_PRIMES // heads}) for {heads} heads per layer "
+            f"(every head of layers 0..layer needs a prime: at most MAX_LAYOUT_PRIMES="
+            f"{MAX_LAYOUT_PRIMES}), got {layer}"
+        )
     primes = primes_after(config.ngram_vocab_size_base - 1, (layer + 1) * heads)
     sizes = primes[layer * heads :]
     offsets = [sum(sizes[:h]) for h in range(heads)]
     num_rows = sum(sizes)
     divisor = config.make_ngram_vocab_size_divisible_by
     padded_rows = -(-num_rows // divisor) * divisor
-    if padded_rows >= 1 << 63:
-        raise ValueError(
-            f"layer {layer} would have {padded_rows} rows, more than int64 can index; "
-            "lower ngram_vocab_size_base"
-        )
     return LayerLayout(
         config=config,
         layer=layer,
