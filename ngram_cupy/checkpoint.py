@@ -264,6 +264,7 @@ def load_ngram_embedding(
         table = MappedTable(
             [(lo, checkpoint.view(name)[a:b]) for name, a, b, lo in pieces],
             layout.head_dim, DTYPES[dtype], scale, row_start, row_stop, layout.padded_rows,
+            guard=checkpoint.check_mapped,
         )
         return NGramEmbedding(layout, table)
     table = EmbeddingTable.empty(

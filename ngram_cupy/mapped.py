@@ -9,7 +9,7 @@ the gather groups the ids by block and runs the tables' CPU gather (``gather_num
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -22,7 +22,8 @@ from .table import EmbeddingTable
 class MappedTable(EmbeddingTable):
     """Global rows ``[row_start, row_stop)`` of a ``total_rows`` table, served from mapped blocks.
 
-    ``blocks``: ``(first global row, rows)`` pairs tiling ``[row_start, row_stop)`` in order.
+    ``blocks``: ``(first global row, rows)`` pairs tiling ``[row_start, row_stop)`` in order;
+    ``guard``, called before every gather, raises if the files behind them changed.
     Lookups give exactly what an ``EmbeddingTable`` holding the same rows gives (ids outside the
     owned rows: zero rows), on the CPU; the rows are read-only.
     """
@@ -36,6 +37,7 @@ class MappedTable(EmbeddingTable):
         row_start: int,
         row_stop: int,
         total_rows: int,
+        guard: Callable[[], None] | None = None,
     ):
         fmt = storage_format(dtype)
         next_row = row_start
@@ -50,6 +52,7 @@ class MappedTable(EmbeddingTable):
             raise ValueError(f"blocks must tile rows [{row_start}, {row_stop}) in order")
         self._starts = np.array([start for start, _ in blocks], dtype=np.int64)
         self._blocks = [rows.view(fmt.raw) for _, rows in blocks]
+        self._guard = guard
         self._setup(row_stop - row_start, head_dim, fmt, "cpu", scale, row_start, total_rows,
                     dedup=False)
         self.placement = "mmap"
@@ -69,7 +72,11 @@ class MappedTable(EmbeddingTable):
 
     def _gather(self, request, ids, out, expected=None, worker: bool = False) -> None:
         """Write the rows of ``ids`` into ``out``: every head, or with ``expected`` (a finished
-        prefetch already in ``out``) only the heads whose id differs from it."""
+        prefetch already in ``out``) only the heads whose id differs from it. ``guard`` first
+        checks that the mapped files are still whole (a read past a shrunk file's end is a
+        SIGBUS, not an exception)."""
+        if self._guard is not None:
+            self._guard()
         flat = ids.reshape(-1)
         rows = out.view(request.out_format.raw).reshape(-1, self.head_dim)
         where = (np.arange(flat.size) if expected is None

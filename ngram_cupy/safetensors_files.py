@@ -12,12 +12,14 @@ rows from.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import mmap
 import os
 import re
 import secrets
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -207,6 +209,9 @@ class Checkpoint:
                 self.tensors[name] = info
         self.random_access = random_access
         self._mappings: dict[str, mmap.mmap] = {}
+        # Per mapped file: an open descriptor and its size when mapped, for check_mapped.
+        self._mapped_files: dict[str, tuple[int, int]] = {}
+        weakref.finalize(self, _close_all, self._mapped_files)
 
     @classmethod
     def open(cls, path, random_access: bool = False) -> Checkpoint:
@@ -260,12 +265,39 @@ class Checkpoint:
     def _mapping(self, path: str) -> mmap.mmap:
         """The read-only mapping of one file, made once and kept while views of it live."""
         if path not in self._mappings:
-            with open(path, "rb") as f:
-                mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                stat = os.fstat(fd)
+                mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+            except BaseException:
+                os.close(fd)
+                raise
             if self.random_access and hasattr(mapping, "madvise"):
                 mapping.madvise(mmap.MADV_RANDOM)
             self._mappings[path] = mapping
+            self._mapped_files[path] = (fd, stat.st_size)
         return self._mappings[path]
+
+    def check_mapped(self) -> None:
+        """Raise an ``OSError`` if a mapped file shrank since it was mapped: reading a page past
+        its new end would kill the process (SIGBUS). One ``fstat`` per file, cheap enough to run
+        before every lookup (a file truncated during the lookup itself remains a race)."""
+        for path, (fd, size) in self._mapped_files.items():
+            now = os.fstat(fd).st_size
+            if now < size:
+                raise OSError(
+                    errno.ESTALE,
+                    f"{path} shrank from {size} to {now} bytes since it was mapped: the "
+                    "checkpoint was truncated under the mmap table; load it again",
+                )
+
+
+def _close_all(mapped_files: dict[str, tuple[int, int]]) -> None:
+    """Close the descriptors kept for :meth:`Checkpoint.check_mapped`."""
+    for fd, _ in mapped_files.values():
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    mapped_files.clear()
 
 
 def _read_rows(info: TensorInfo, start: int, stop: int | None) -> np.ndarray:

@@ -669,3 +669,53 @@ def test_litter_writer_killed_mid_write_old_loads_and_next_write_cleans(tmp_path
     assert sorted(os.listdir(tmp_path)) == sorted(
         [os.path.basename(f) for f in files] + ["model.safetensors.index.json"])
     assert loaded_values(tmp_path) == {3.0}
+
+
+SHRINKING_FILE = """
+import os, sys
+import numpy as np
+import ngram_cupy as nc
+# 64 rows of 256 float32 values: 64 KiB, so the truncated file loses whole mapped pages.
+config = nc.NGramConfig(vocab_size=50, ngram_size=3, heads_per_ngram=2, ngram_vocab_size_base=11,
+                        eos_token_id=0, embedding_dim=1024, make_ngram_vocab_size_divisible_by=8,
+                        split_ngram_parts=6)
+path, mode = sys.argv[1], sys.argv[2]
+layout = nc.layer_layout(config, 0)
+nc.save_ngram_embedding(path, layout, np.ones((layout.padded_rows, 256), np.float32))
+if mode == "unguarded":
+    nc.safetensors_files.Checkpoint.check_mapped = lambda self: None
+table = nc.load_ngram_embedding(path, config, 0, placement="mmap").table
+ids = np.arange(64, dtype=np.int64).reshape(16, 4)
+table.lookup(ids)
+os.truncate(path, 100)
+try:
+    if mode == "prefetch":
+        table.prefetch(ids)
+    table.lookup(ids)
+except OSError as e:
+    print("OSError", e)
+    sys.exit(0)
+sys.exit(3)
+"""
+
+
+def run_shrinking(tmp_path, mode):
+    """Run the script above in a child process: its exit status and output."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "one.safetensors"
+    return subprocess.run([sys.executable, "-c", SHRINKING_FILE, str(path), mode],
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("mode", ["lookup", "prefetch"])
+def test_crash_mmap_file_truncated_after_loading_raises_never_sigbus(tmp_path, mode):
+    result = run_shrinking(tmp_path, mode)
+    assert result.returncode == 0, (result.returncode, result.stderr)  # SIGBUS would be -7
+    assert "shrank" in result.stdout and "one.safetensors" in result.stdout
+
+
+def test_crash_mmap_truncation_is_a_sigbus_without_the_guard(tmp_path):
+    """The test above can fail: without the size check the same lookup kills the process."""
+    assert run_shrinking(tmp_path, "unguarded").returncode == -7  # SIGBUS
