@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .arrays import where
 from .layout import LayerLayout
 
 INDEX_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
@@ -72,3 +73,11 @@ def check_out(name: str, out, shape: tuple[int, ...], dtype) -> None:
         raise ValueError(f"{name} must be C-contiguous")
     if not getattr(out.flags, "writeable", True):
         raise ValueError(f"{name} must be writable")
+
+
+def check_destination(name: str, value) -> None:
+    """An ``out=`` argument must be an array the call writes into: a list or tuple would be
+    copied into a new array and the caller's object never filled."""
+    if value is not None and where(value) is None:
+        raise TypeError(f"{name} must be an array (NumPy, CuPy, torch, DLPack), got "
+                        f"{type(value).__name__}")

@@ -13,7 +13,7 @@ import contextlib
 import numpy as np
 
 from .arrays import DEVICE, convert, cuda_stream, placement
-from .checks import check_layout, check_out
+from .checks import check_destination, check_layout, check_out
 from .layout import LayerLayout
 from .ngram_ids import _batch, compute_ngram_ids
 from .prefetch import Buffers
@@ -52,6 +52,7 @@ class NGramEmbedding:
     def _ids(self, input_ids, query_start_loc, ngram_context, stream, ids_out=None):
         """Ids into ``ids_out``, else into a buffer kept per shape (stable under CUDA graphs;
         lookups copy what they keep, so it is free again at once)."""
+        check_destination("ids_out", ids_out)
         if ids_out is not None or np.ndim(input_ids) != 1:  # (compute_ids names the problem)
             return self.compute_ids(input_ids, query_start_loc, ngram_context, out=ids_out,
                                     stream=stream)
@@ -96,6 +97,7 @@ class NGramEmbedding:
         """Ids and rows in one launch (GPU)."""
         from .fused_cuda import fused_lookup_cuda
 
+        check_destination("ids_out", ids_out)
         caller_out = out
         out, out_torch_dtype = _unwrap(out)
         stream, (tokens, starts, context), out, num_tokens, _ = _batch(

@@ -10,7 +10,13 @@ from __future__ import annotations
 import numpy as np
 
 from .arrays import place
-from .checks import check_batch, check_layout, check_out, check_query_start_loc_values
+from .checks import (
+    check_batch,
+    check_destination,
+    check_layout,
+    check_out,
+    check_query_start_loc_values,
+)
 from .ids_numba import advance_context_numba, ngram_ids_numba
 from .layout import LayerLayout
 
@@ -22,6 +28,7 @@ def _batch(layout: LayerLayout, stream, input_ids, query_start_loc, ngram_contex
     ``query_start_loc`` would synchronise with the device, and the kernels clamp it instead.
     """
     check_layout(layout)
+    check_destination("out", out)
     stream, arrays = place(stream, input_ids=input_ids, query_start_loc=query_start_loc,
                            ngram_context=ngram_context, out=out)
     names = ("input_ids", "query_start_loc", "ngram_context")
@@ -82,11 +89,14 @@ def advance_context(layout: LayerLayout, input_ids, query_start_loc, ngram_conte
 
     ``out`` may be ``ngram_context`` itself (or its first R rows) to roll a persistent buffer in
     place. GPU arrays run one kernel on ``stream``, as in ``compute_ngram_ids``.
+    The result's dtype holds both inputs' (``numpy.result_type``): int64 tokens rolled into an
+    int32 context give an int64 context, never a truncated token; ``out`` must have that dtype.
     """
     stream, (tokens, starts, context), out, _, num_requests = _batch(
         layout, stream, input_ids, query_start_loc, ngram_context, out
     )
-    out = _output(stream, out, (num_requests, layout.ngram_size - 1), context.dtype)
+    dtype = np.result_type(context.dtype, tokens.dtype)
+    out = _output(stream, out, (num_requests, layout.ngram_size - 1), dtype)
     if stream is None:
         return advance_context_numba(tokens, starts, context, out)
     from .ids_cuda import advance_context_cuda

@@ -17,7 +17,7 @@ import numpy as np
 
 from . import gather_numba
 from .arrays import DEVICE, HOST, convert, place
-from .checks import check_index_array, check_out
+from .checks import check_destination, check_index_array, check_out
 from .dequant import BFLOAT16, Format, default_output, output_format, storage_format
 from .pinned import PinnedBuffer
 from .prefetch import Buffers, Pending, StreamPrefetcher, ThreadPrefetcher
@@ -253,6 +253,7 @@ class EmbeddingTable:
 
     def _request(self, ids, out, out_dtype, stream) -> _Request:
         """Check and convert one lookup's arguments; errors name the argument."""
+        check_destination("out", out)
         caller_out = out
         out, out_torch_dtype = _unwrap(out)
         stream, arrays = place(stream, ids=ids, out=out)

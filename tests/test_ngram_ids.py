@@ -217,3 +217,27 @@ def test_read_only_out_is_refused():
         nc.compute_ngram_ids(LAYOUT, TOKENS, STARTS, CONTEXT, out=out)
     with pytest.raises(ValueError, match="out"):
         nc.advance_context(LAYOUT, TOKENS, STARTS, CONTEXT, out=np.zeros((3, 2), np.int64))
+
+
+# --- hostile inputs (issue 9) -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("out", [[], [[0, 0, 0, 0]] * 6, (0,)], ids=["empty", "nested", "tuple"])
+def test_silent_wrong_out_a_python_list_is_a_type_error(out):
+    with pytest.raises(TypeError, match="out must be an array.*list|out must be an array.*tuple"):
+        nc.compute_ngram_ids(LAYOUT, TOKENS, STARTS, CONTEXT, out=out)
+    with pytest.raises(TypeError, match="out must be an array"):
+        nc.advance_context(LAYOUT, TOKENS, STARTS, CONTEXT, out=out)
+
+
+def test_silent_wrong_advance_context_int32_context_keeps_an_int64_token_whole():
+    token = 2**40 + 7
+    tokens = np.array([5, token], dtype=np.int64)
+    context = np.zeros((1, 2), dtype=np.int32)
+    rolled = nc.advance_context(LAYOUT, tokens, np.array([0, 2]), context)
+    assert rolled.dtype == np.int64
+    np.testing.assert_array_equal(rolled, [[5, token]])
+    with pytest.raises(TypeError, match="out must have dtype int64"):
+        nc.advance_context(LAYOUT, tokens, np.array([0, 2]), context, out=context)
+    same = nc.advance_context(LAYOUT, tokens.astype(np.int32), np.array([0, 2]), context)
+    assert same.dtype == np.int32  # no widening when nothing needs it

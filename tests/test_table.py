@@ -303,3 +303,19 @@ def test_context_manager_and_repr():
                            row_start=2, total_rows=9) as table:
         text = repr(table)
     assert "rows=[2, 5) of 9" in text and "float8_e4m3fn" in text and "scale=0.5" in text
+
+
+def test_silent_wrong_out_a_python_list_is_a_type_error_for_tables_and_layers():
+    table = nc.EmbeddingTable(np.ones((10, 2), np.float32))
+    ids = np.zeros((3, 2), dtype=np.int64)
+    for call in (table.lookup, table.prefetch):
+        with pytest.raises(TypeError, match="out must be an array"):
+            call(ids, out=[[0.0] * 4] * 3)
+    layout = nc.layer_layout(nc.NGramConfig(50, 3, 1, 3, 0, embedding_dim=4), 0)
+    layer = nc.NGramEmbedding(layout, nc.EmbeddingTable(np.ones((layout.padded_rows, 2),
+                                                                np.float32)))
+    batch = (np.array([1, 2, 3]), np.array([0, 3]), np.zeros((1, 2), np.int64))
+    with pytest.raises(TypeError, match="out must be an array"):
+        layer(*batch, out=[])
+    with pytest.raises(TypeError, match="ids_out must be an array"):
+        layer(*batch, ids_out=[])
