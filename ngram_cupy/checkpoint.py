@@ -9,6 +9,7 @@ scalar ``P.ngram_embedding.weight_scale``.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Iterable, Sequence
@@ -18,7 +19,7 @@ from tqdm.auto import tqdm
 
 from .arrays import to_host
 from .checks import check_layout
-from .config import NGramConfig
+from .config import MAX_SPLIT_PARTS, NGramConfig
 from .dequant import storage_format
 from .embedding import NGramEmbedding
 from .layout import LayerLayout, layer_layout
@@ -123,7 +124,7 @@ def find_prefix(names: Iterable[str], config: NGramConfig, layer: int) -> str:
         wanted = f"decoder layer {config.ple_layer_ids[layer]} (ple_layer_ids[{layer}])"
         candidates = numbered.get(config.ple_layer_ids[layer], [])
     elif len(prefixes) == 1:
-        wanted, candidates = "layer 0", prefixes if layer == 0 else []
+        wanted, candidates = f"PLE layer {layer}", prefixes if layer == 0 else []
     else:
         order = sorted(numbered)
         wanted = f"the PLE layer at position {layer} in decoder order"
@@ -132,7 +133,8 @@ def find_prefix(names: Iterable[str], config: NGramConfig, layer: int) -> str:
         return candidates[0]
     raise ValueError(
         f"cannot tell which PLE prefix is {wanted}: "
-        f"{'several match' if candidates else 'none matches'}; found {', '.join(prefixes)}. "
+        f"{'several match' if candidates else 'none matches'}; found {', '.join(prefixes)} "
+        f"({len(prefixes)} PLE layer(s): layers 0 to {len(prefixes) - 1}). "
         "Pass prefix= explicitly"
     )
 
@@ -212,7 +214,15 @@ def read_scale(checkpoint: Checkpoint, prefix: str, dtype: str) -> float | None:
             f"{name} must hold one float ({', '.join(SCALE_DTYPES)}), "
             f"got {info.dtype} of shape {info.shape}"
         )
-    return float(checkpoint.read(name).reshape(()))
+    return check_scale(name, float(checkpoint.read(name).reshape(())))
+
+
+def check_scale(name: str, value: float) -> float:
+    """A table scale must be finite and positive: zero loads as an all-zero table, NaN or an
+    infinity as NaN rows, a negative one flips every sign."""
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite positive number, got {value}")
+    return value
 
 
 def load_ngram_embedding(
@@ -304,6 +314,9 @@ def ngram_tensors(
     check_layout(layout)
     weight = _host_values(weight, "weight")
     parts = layout.config.split_ngram_parts if parts is None else parts
+    if isinstance(parts, bool) or not isinstance(parts, (int, np.integer)) \
+            or not 1 <= parts <= MAX_SPLIT_PARTS:
+        raise ValueError(f"parts must be an integer in [1, {MAX_SPLIT_PARTS}], got {parts!r}")
     prefix = default_prefix(layout) if prefix is None else prefix
     codes = {dtype: code for code, dtype in DTYPES.items() if code in TABLE_DTYPES}
     if weight.dtype not in codes:
@@ -336,6 +349,7 @@ def ngram_tensors(
             scale = scale.astype(np.float32)
         if scale.size != 1:
             raise ValueError(f"scale must be a single value, got shape {scale.shape}")
+        check_scale("scale", float(scale.reshape(())))
         tensors[scale_key(prefix)] = scale.reshape(())
     return tensors
 

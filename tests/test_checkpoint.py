@@ -719,3 +719,55 @@ def test_crash_mmap_file_truncated_after_loading_raises_never_sigbus(tmp_path, m
 def test_crash_mmap_truncation_is_a_sigbus_without_the_guard(tmp_path):
     """The test above can fail: without the size check the same lookup kills the process."""
     assert run_shrinking(tmp_path, "unguarded").returncode == -7  # SIGBUS
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.375, float("nan"), float("inf")])
+def test_silent_wrong_save_with_a_degenerate_scale_is_refused_before_writing(tmp_path, scale):
+    layout = nc.layer_layout(TINY, 0)
+    weight = tiny_weight(ml_dtypes.float8_e4m3fn)
+    for value in (scale, np.array(scale, ml_dtypes.bfloat16)):
+        with pytest.raises(ValueError, match="scale must be a finite positive number"):
+            nc.save_ngram_embedding(tmp_path / "m", layout, weight, value)
+    assert not (tmp_path / "m").exists()
+
+
+@pytest.mark.parametrize("parts", [0, -3, 2.0, 10**9])
+def test_silent_wrong_save_with_bad_parts_is_refused_before_writing(tmp_path, parts):
+    with pytest.raises(ValueError, match="parts must be an integer"):
+        nc.save_ngram_embedding(tmp_path / "m", nc.layer_layout(TINY, 0),
+                                tiny_weight(np.float32), parts=parts)
+    assert not (tmp_path / "m").exists()
+
+
+@pytest.mark.parametrize("scale", [0.0, float("nan")])
+def test_silent_wrong_checkpoint_with_a_degenerate_scale_fails_to_load(tmp_path, scale):
+    tensors = tiny_tensors(ml_dtypes.float8_e4m3fn)
+    tensors[ck.scale_key(PREFIX)] = np.array(scale, ml_dtypes.bfloat16)
+    with pytest.raises(ValueError, match="weight_scale must be a finite positive"):
+        nc.load_ngram_embedding(write(tmp_path, tensors), TINY, 0)
+
+
+def test_ugly_index_whose_weight_map_is_a_list_names_the_index(tmp_path):
+    write_checkpoint(tmp_path, generation_tensors(1.0))
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": ["model-00001-of-00001.safetensors"]}))
+    with pytest.raises(ValueError, match="model.safetensors.index.json.*weight_map"):
+        Checkpoint.open(tmp_path)
+
+
+def test_ugly_overlapping_data_offsets_name_the_file(tmp_path):
+    path = write(tmp_path, {"a": np.zeros(4, np.float32), "b": np.ones(4, np.float32)})
+    raw = path.read_bytes()
+    length = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + length])
+    header["b"]["data_offsets"] = [8, 24]  # overlaps a's [0, 16)
+    text = json.dumps(header).encode().ljust(length)
+    path.write_bytes(raw[:8] + text + raw[8 + length :])
+    with pytest.raises(ValueError, match="ckpt.safetensors.*overlap"):
+        Checkpoint.open(path)
+
+
+def test_ugly_layer_past_a_one_layer_checkpoint_names_the_layer_asked_for(tmp_path):
+    path = write(tmp_path, tiny_tensors())
+    with pytest.raises(ValueError, match=r"PLE layer 1: none matches; found .* \(1 PLE layer"):
+        nc.load_ngram_embedding(path, TINY, 1)
