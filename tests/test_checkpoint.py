@@ -761,8 +761,8 @@ def test_ugly_overlapping_data_offsets_name_the_file(tmp_path):
     length = int.from_bytes(raw[:8], "little")
     header = json.loads(raw[8 : 8 + length])
     header["b"]["data_offsets"] = [8, 24]  # overlaps a's [0, 16)
-    text = json.dumps(header).encode().ljust(length)
-    path.write_bytes(raw[:8] + text + raw[8 + length :])
+    text = json.dumps(header).encode()
+    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + length :])
     with pytest.raises(ValueError, match="ckpt.safetensors.*overlap"):
         Checkpoint.open(path)
 
