@@ -425,3 +425,73 @@ def test_collecting_a_table_never_waits_for_its_prefetch_worker(weight):
     release.set()
     assert collected.is_set(), "collecting the table waited for its prefetch worker"
     assert threads._executor is None
+
+
+# --- one table, several Python threads (issue 9) ------------------------------------------------
+
+
+def test_silent_wrong_threads_sharing_one_embedding_with_prefetch_are_exact_or_refused(weight):
+    """Four threads prefetch and look up through one NGramEmbedding: every result is exact, and
+    the only error is the RuntimeError of a second thread's prefetch while one is pending."""
+    config = nc.NGramConfig(vocab_size=500, ngram_size=3, heads_per_ngram=2,
+                            ngram_vocab_size_base=47, eos_token_id=1, embedding_dim=32)
+    layout = nc.layer_layout(config, 0)
+    rows = np.random.default_rng(3).standard_normal((layout.padded_rows, 8)).astype(np.float32)
+    layer = nc.NGramEmbedding(layout, nc.EmbeddingTable(rows))
+    rng = np.random.default_rng(4)
+    batches = []
+    for _ in range(6):
+        tokens = rng.integers(0, 500, 40)
+        starts = np.array([0, 17, 40])
+        context = rng.integers(0, 500, (2, 2))
+        ids = nc.compute_ngram_ids(layout, tokens, starts, context)
+        batches.append(((tokens, starts, context), reference_lookup(rows, ids, 1.0, np.float32)))
+    wrong, refused, other = [], [], []
+    barrier = threading.Barrier(4)
+
+    def work(worker: int) -> None:
+        barrier.wait()
+        for step in range(60):
+            batch, want = batches[(worker + step) % len(batches)]
+            try:
+                if worker % 2 == 0 or step % 3 == 0:
+                    layer.start_prefetch(*batch)
+                got = layer(*batch)
+                if not np.array_equal(got, want):
+                    wrong.append((worker, step))
+            except RuntimeError as e:
+                refused.append(str(e))
+            except Exception as e:  # noqa: BLE001 -- any other error fails the test below
+                other.append(repr(e))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    layer.table.close()
+    assert not wrong and not other, (wrong, other)
+    assert all("pending on this table" in message for message in refused)
+
+
+def test_a_pending_prefetch_is_joined_only_by_its_thread(weight):
+    table = nc.EmbeddingTable(weight, scale=SCALE)
+    mine, theirs = random_ids(10), random_ids(11)
+    table.prefetch(mine)
+    results = {}
+
+    def other_thread() -> None:
+        results["lookup"] = table.lookup(theirs)  # gathers on its own, leaves mine pending
+        try:
+            table.prefetch(theirs)
+        except RuntimeError as e:
+            results["prefetch"] = str(e)
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    thread.join()
+    np.testing.assert_array_equal(results["lookup"], expected(weight, theirs))
+    assert "pending on this table" in results["prefetch"]
+    np.testing.assert_array_equal(table.lookup(mine), expected(weight, mine))
+    table.prefetch(theirs)  # joined: free for the next prefetch, from any thread
+    table.close()
