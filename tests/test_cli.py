@@ -23,6 +23,7 @@ pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 pytest.importorskip("tqdm")
 
+from ngram_cupy.atomic import TEMP_PREFIX  # noqa: E402
 from ngram_cupy.cli import main, parse_bytes  # noqa: E402
 from ngram_cupy.stats import ngram_stats  # noqa: E402
 
@@ -162,7 +163,7 @@ def test_user_errors_print_one_line_and_exit_2(case, tmp_path, capsys):
     assert err.startswith("ngram-cupy: error: ") and err.count("\n") == 1, err
     assert "Traceback" not in err and stdout == ""
     assert not (tmp_path / "o.parquet").exists()
-    assert not [name for name in os.listdir(tmp_path) if name.endswith(".tmp")]
+    assert not [name for name in os.listdir(tmp_path) if name.startswith(TEMP_PREFIX)]
 
 
 def test_user_error_in_a_subprocess_has_no_traceback(tmp_path):
@@ -405,3 +406,24 @@ def test_folder_files_with_int32_and_int64_tokens_and_extra_columns_are_read_who
     assert table.column("source").to_pylist() == [None, "b"]
     layout = nc.layer_layout(nc.NGramConfig(**SMALL), 0)
     np.testing.assert_array_equal(output_ids(out), whole_document_ids(layout, table, None))
+
+
+def test_litter_a_killed_runs_temporary_is_removed_by_the_next_run(tmp_path, capsys):
+    process, out_dir = start_slow_run(tmp_path)
+    process.kill()
+    process.communicate(timeout=60)
+    (left,) = os.listdir(out_dir)
+    assert left.startswith(TEMP_PREFIX)
+    status, _, err = run(["ids", CORPUS, out_dir / "other.parquet", "--config", CONFIG,
+                          "--quiet"], capsys)
+    assert status == 0, err
+    assert os.listdir(out_dir) == ["other.parquet"]
+
+
+@pytest.mark.parametrize("field, value", [("heads_per_ngram", 1_000_000),
+                                          ("ngram_size", 100_000)])
+def test_hang_layout_of_a_huge_config_is_refused_at_once(tmp_path, capsys, field, value):
+    config = tmp_path / "huge.json"
+    config.write_text(json.dumps({**SMALL, field: value}))
+    status, stdout, err = run(["layout", "--config", config], capsys)
+    assert_user_error(status, stdout, err, field, str(value))
