@@ -12,8 +12,10 @@ strides.
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Callable
+from itertools import zip_longest
 from typing import Any
 
 import numpy as np
@@ -62,12 +64,48 @@ def numba_type(value: Any):
     raise TypeError(f"kernel arguments must be arrays or NumPy scalars, got {type(value).__name__}")
 
 
-def flatten(value: Any) -> tuple:
-    """One argument as Numba's kernel ABI spells it (arrays expand, scalars pass as they are)."""
+def flatten_named(value: Any, name: str) -> tuple[tuple[str, Any], ...]:
+    """One argument as Numba's kernel ABI spells it, each field beside the name Numba's LLVM IR
+    gives that parameter (``name.0`` meminfo, ``.1`` parent, ``.2`` size, ``.3`` itemsize, ``.4``
+    data, ``.5.i`` shape, ``.6.i`` strides; a scalar is ``name``), so the order can be checked."""
     if hasattr(value, "dtype") and getattr(value, "ndim", 0) > 0:
-        return (np.uint64(0), np.uint64(0), np.int64(value.size), np.int64(value.itemsize),
-                value, *map(np.int64, value.shape), *map(np.int64, value.strides))
-    return (value,)
+        return ((f"{name}.0", np.uint64(0)), (f"{name}.1", np.uint64(0)),
+                (f"{name}.2", np.int64(value.size)), (f"{name}.3", np.int64(value.itemsize)),
+                (f"{name}.4", value),
+                *((f"{name}.5.{i}", np.int64(n)) for i, n in enumerate(value.shape)),
+                *((f"{name}.6.{i}", np.int64(n)) for i, n in enumerate(value.strides)))
+    return ((name, value),)
+
+
+def flatten(value: Any) -> tuple:
+    """One argument's kernel parameters, in Numba's ABI order (``flatten_named`` without names)."""
+    return tuple(field for _, field in flatten_named(value, ""))
+
+
+def llvm_params(llvm_ir: str, function: str) -> list[str]:
+    """The parameter names of ``function`` in Numba's LLVM IR (its return slot left out)."""
+    start = llvm_ir.index(f'@"{function}"(') if f'@"{function}"(' in llvm_ir else llvm_ir.index(
+        f"@{function}(")
+    header = llvm_ir[start : llvm_ir.index(")", llvm_ir.index("(", start) + 1)]
+    names = re.findall(r'%"?([^",\s)]+)"?\s*(?:,|$)', header + ",")
+    return [name for name in names if name != ".ret"]
+
+
+def check_abi_names(llvm_ir: str, function: str, py_func: Callable, args: tuple) -> None:
+    """Each packed field must be the parameter Numba's IR reads it as, in order (not just size:
+    every array field is 8 bytes, so a swap of two would pass a size check)."""
+    names = list(inspect.signature(py_func).parameters)
+    if len(names) != len(args):
+        raise RuntimeError(f"{py_func.__name__} takes {len(names)} arguments, {len(args)} passed")
+    passed = [label for name, a in zip(names, args, strict=True)
+              for label, _ in flatten_named(a, name)]
+    declared = llvm_params(llvm_ir, function)
+    for index, (compiled, packed) in enumerate(zip_longest(declared, passed)):
+        if compiled != packed:
+            raise RuntimeError(
+                f"{py_func.__name__}: parameter {index} of the compiled kernel is {compiled!r}, "
+                f"the launcher packs {packed!r} there; this Numba version changed its kernel ABI"
+            )
 
 
 def assemble(ptx: str, cc: tuple[int, int]) -> bytes:

@@ -8,6 +8,7 @@ id type), on first use, and cached by CuPy.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from functools import cache
 from itertools import product
 from pathlib import Path
@@ -73,6 +74,41 @@ def vector_bytes(row_bytes: int, itemsize: int, out_itemsize: int, table_address
     raise ValueError("table rows are not aligned to their value size")
 
 
+def data_address(array) -> int:
+    """Address of an array's first element: a CuPy array's device pointer, a NumPy array's."""
+    data = array.data
+    return data.ptr if hasattr(data, "ptr") else array.ctypes.data
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch, fully decided: what CuPy launches on a GPU and the host build runs."""
+
+    name: str  # the template instance (see ``instance_name``)
+    grid: int
+    block: int
+    args: tuple  # the kernel's parameters in order: arrays (passed as pointers) and NumPy scalars
+
+
+def launch_plan(table, code: int, row_start: int, scale, ids, out, out_code: int,
+                expected=None) -> Launch | None:
+    """The launch that gathers ``table[ids - row_start]`` into ``out``; None when there is nothing
+    to do. Works on CuPy or NumPy arrays alike (only shapes, dtypes and addresses are read)."""
+    num_items = ids.size
+    rows, head_dim = table.shape
+    if num_items == 0 or head_dim == 0:
+        return None
+    itemsize = table.dtype.itemsize
+    width = vector_bytes(head_dim * itemsize, itemsize, out.dtype.itemsize, data_address(table),
+                         data_address(out))
+    chunks = head_dim * itemsize // width
+    blocks = -(-num_items * chunks // THREADS_PER_BLOCK)
+    args = (table, np.int64(rows), np.int64(row_start), ids,
+            np.uint64(0) if expected is None else expected, np.int64(num_items),
+            np.int32(chunks), np.float32(scale), out)
+    return Launch(instance_name(code, out_code, width, ids.dtype), blocks, THREADS_PER_BLOCK, args)
+
+
 def gather_rows(table, code: int, row_start: int, scale, ids, out, out_code: int,
                 expected=None, stream=None):
     """Launch the gather: raw rows ``table[ids - row_start]`` dequantised into raw ``out``.
@@ -84,22 +120,12 @@ def gather_rows(table, code: int, row_start: int, scale, ids, out, out_code: int
     """
     import cupy
 
-    num_items = ids.size
-    rows, head_dim = table.shape
-    if num_items == 0 or head_dim == 0:
+    plan = launch_plan(table, code, row_start, scale, ids, out, out_code, expected)
+    if plan is None:
         return out
-    itemsize = table.dtype.itemsize
-    width = vector_bytes(head_dim * itemsize, itemsize, out.dtype.itemsize, table.data.ptr,
-                         out.data.ptr)
-    chunks = head_dim * itemsize // width
-    kernel = _kernel(instance_name(code, out_code, width, ids.dtype), ids.device.id)
-    blocks = -(-num_items * chunks // THREADS_PER_BLOCK)
-    null = np.uint64(0)
+    kernel = _kernel(plan.name, ids.device.id)
     with stream if stream is not None else cupy.cuda.get_current_stream():
-        kernel((blocks,), (THREADS_PER_BLOCK,),
-               (table, np.int64(rows), np.int64(row_start), ids,
-                null if expected is None else expected, np.int64(num_items), np.int32(chunks),
-                np.float32(scale), out))
+        kernel((plan.grid,), (plan.block,), plan.args)
     return out
 
 

@@ -1,8 +1,10 @@
 """The CuPy launcher of Numba kernels: what it passes must match Numba's compiled kernel ABI.
 
 A mismatch would pass garbage pointers on the GPU, so every kernel the library ships is compiled
-to PTX here (no GPU needed) and its parameter list compared, in count and size, with the
-flattened arguments the launcher builds for the same call.
+here (no GPU needed, once per session) and its parameters compared with the flattened arguments
+the launcher builds for the same call: in count and size against the PTX, and field by field, in
+order, against the parameter names of Numba's LLVM IR (sizes alone cannot tell two 8-byte fields
+apart).
 """
 
 from __future__ import annotations
@@ -12,11 +14,20 @@ import types as pytypes
 
 import numpy as np
 import pytest
+from kernel_builds import build_for
 from numba import cuda
 
 import ngram_cupy as nc
-from ngram_cupy import dequant, fused_cuda, ids_cuda
-from ngram_cupy.cuda_launch import assemble, check_abi, entry_name, entry_params, flatten
+from ngram_cupy import cuda_launch, dequant, fused_cuda, ids_cuda
+from ngram_cupy.cuda_launch import (
+    assemble,
+    check_abi,
+    check_abi_names,
+    entry_name,
+    entry_params,
+    flatten,
+    llvm_params,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -37,15 +48,21 @@ def test_ids_kernel_abi(n, k, index):
     kernel, _ = ids_cuda.ids_kernel(n, k)
     args = (np.zeros(4, index), np.zeros(2, index), np.zeros((1, n - 1), index),
             ids_cuda.layout_params(layout), np.int64(3), np.zeros((4, layout.num_heads), np.int64))
-    ptx = kernel.ptx(args, (9, 0))
-    check_abi(ptx, args, kernel.name)
-    assert "mul.hi.u64" in ptx
+    assert "mul.hi.u64" in check_both(kernel, args).ptx
+
+
+def check_both(kernel, args, cc=(9, 0)):
+    """Both ABI checks of one kernel call; its (session-cached) build."""
+    build = build_for(kernel, args, cc)
+    check_abi(build.ptx, args, kernel.name)
+    check_abi_names(build.llvm_ir, build.function, kernel.py_func, args)
+    return build
 
 
 def test_advance_context_kernel_abi():
     args = (np.zeros(4, np.int32), np.zeros(3, np.int64), np.zeros((3, 2), np.int64),
             np.zeros((2, 2), np.int64))
-    check_abi(ids_cuda.advance_context_kernel.ptx(args, (8, 0)), args, "advance")
+    check_both(ids_cuda.advance_context_kernel, args, (8, 0))
 
 
 @pytest.mark.parametrize("code, out_code", [(dequant.FLOAT8_E4M3, dequant.BFLOAT16),
@@ -60,18 +77,60 @@ def test_fused_kernel_abi(code, out_code):
             fused_cuda.table_words(rows, dequant.FORMATS[code].itemsize), np.int64(0),
             np.float32(1), np.bool_(True), np.zeros((4, 4), np.int64),
             np.zeros((4, 4 * head_dim), dequant.FORMATS[out_code].raw))
-    check_abi(kernel.ptx(args, (9, 0)), args, kernel.name)
+    check_both(kernel, args)
+
+
+def _ids_args():
+    return (np.zeros(4, np.int64), np.zeros(2, np.int64), np.zeros((1, 1), np.int64),
+            ids_cuda.layout_params(_layout(2, 1)), np.int64(3), np.zeros((4, 1), np.int64))
 
 
 def test_abi_check_catches_a_mismatch():
     kernel, _ = ids_cuda.ids_kernel(2, 1)
-    args = (np.zeros(4, np.int64), np.zeros(2, np.int64), np.zeros((1, 1), np.int64),
-            ids_cuda.layout_params(_layout(2, 1)), np.int64(3), np.zeros((4, 1), np.int64))
-    ptx = kernel.ptx(args, (9, 0))
+    args = _ids_args()
+    build = check_both(kernel, args)
     with pytest.raises(RuntimeError, match="ABI"):
-        check_abi(ptx, args[:4] + (np.int32(3),) + args[5:], kernel.name)  # a 4-byte scalar
+        check_abi(build.ptx, args[:4] + (np.int32(3),) + args[5:], kernel.name)  # 4-byte scalar
     with pytest.raises(RuntimeError, match="ABI"):
-        check_abi(ptx, args[:-1], kernel.name)
+        check_abi(build.ptx, args[:-1], kernel.name)
+
+
+@pytest.mark.parametrize("swap", [(0, 2), (2, 4), (5, 6)],
+                         ids=["meminfo-size", "size-data", "shape-strides"])
+def test_abi_name_check_catches_a_swapped_packing(monkeypatch, swap):
+    """Two 8-byte fields packed in each other's place pass the size check, not the name check."""
+    kernel, _ = ids_cuda.ids_kernel(2, 1)
+    args = _ids_args()
+    build = build_for(kernel, args)
+    packed = cuda_launch.flatten_named
+
+    def swapped(value, name):
+        fields = list(packed(value, name))
+        if len(fields) > 1:
+            first, second = swap
+            fields[first], fields[second] = fields[second], fields[first]
+        return tuple(fields)
+
+    monkeypatch.setattr(cuda_launch, "flatten_named", swapped)
+    check_abi(build.ptx, args, kernel.name)  # sizes cannot tell
+    with pytest.raises(RuntimeError, match=rf"parameter {swap[0]} of the compiled kernel is "
+                                           rf"'tokens\.{swap[0]}(\.0)?', the launcher packs"):
+        check_abi_names(build.llvm_ir, build.function, kernel.py_func, args)
+
+
+def test_abi_name_check_catches_reordered_and_missing_arguments():
+    kernel, _ = ids_cuda.ids_kernel(2, 1)
+    args = _ids_args()
+    build = build_for(kernel, args)
+    with pytest.raises(RuntimeError, match="6 arguments, 5 passed"):
+        check_abi_names(build.llvm_ir, build.function, kernel.py_func, args[:-1])
+
+    def reordered(tokens, context, query_start_loc, params, eos, out):  # same types, same sizes
+        pass
+
+    with pytest.raises(RuntimeError, match="'query_start_loc.0', the launcher packs 'context.0'"):
+        check_abi_names(build.llvm_ir, build.function, reordered, args)
+    assert llvm_params(build.llvm_ir, build.function)[-2:] == ["out.6.0", "out.6.1"]
 
 
 def test_flatten_and_entry_parsing():
@@ -90,7 +149,7 @@ def _ids_ptx():
     kernel, _ = ids_cuda.ids_kernel(3, 8)
     args = (np.zeros(4, np.int64), np.zeros(2, np.int64), np.zeros((1, 2), np.int64),
             ids_cuda.layout_params(_layout(3, 8)), np.int64(3), np.zeros((4, 16), np.int64))
-    return kernel.ptx(args, (9, 0))
+    return build_for(kernel, args).ptx
 
 
 def test_assemble_links_a_cubin_or_hands_the_driver_the_ptx(monkeypatch):

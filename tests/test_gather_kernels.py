@@ -4,6 +4,7 @@ simulator, PTX), and GPU == CPU bit for bit on a device."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
 import os
 import re
@@ -12,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import host_kernels
 import ml_dtypes
 import numpy as np
 import pytest
@@ -142,6 +144,140 @@ def test_cuda_dequant_header_equals_the_python_one(host_dequant, fmt):
             gather_rows(table, fmt.code, 0, np.float32(scale), ids, from_numba, out_code)
             np.testing.assert_array_equal(from_cuda_header.astype(out_raw), from_numba[:, 0],
                                           err_msg=f"{fmt.name} -> {out_code}, scale {scale}")
+
+
+# ---------------------------------------------------------------- gather.cu executed on the host
+
+
+@pytest.fixture(scope="session")
+def host_gather():
+    """kernels/gather.cu built once by g++ (cached by source text) and run thread by thread."""
+    if host_kernels.compiler() is None:
+        pytest.skip("no g++ on PATH: gather.cu cannot be built for the host")
+    return host_kernels.HostGather(host_kernels.build())
+
+
+def offset_array(shape, dtype, offset: int) -> np.ndarray:
+    """A zeroed C-contiguous array starting ``offset`` bytes past a 64-byte boundary."""
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    backing = np.zeros(nbytes + 128, np.uint8)
+    start = (-backing.ctypes.data) % 64 + offset
+    return backing[start : start + nbytes].view(dtype).reshape(shape)
+
+
+def edge_ids(rng, row_start: int, rows: int, shape, dtype) -> np.ndarray:
+    """Random rows of the shard, with its first and last row, one past it, the row before it,
+    -1 and the dtype's extremes among them."""
+    info = np.iinfo(dtype)
+    ids = rng.integers(row_start, row_start + rows, shape).astype(dtype)
+    edges = [row_start, row_start + rows - 1, row_start + rows, row_start - 1, -1, info.min,
+             info.max]
+    ids.reshape(-1)[rng.permutation(ids.size)[: len(edges)]] = edges[: ids.size]
+    return ids
+
+
+def numba_gather(table, code, row_start, scale, ids, out_shape, out_code, expected=None,
+                 out=None):
+    """The reference every backend is compared with: the Numba CPU gather."""
+    out = np.zeros(out_shape, FORMATS[out_code].raw) if out is None else out
+    return gather_rows(np.ascontiguousarray(table), code, row_start, np.float32(scale),
+                       np.ascontiguousarray(ids), out, out_code, expected)
+
+
+@pytest.mark.parametrize("out_code", OUTPUT_CODES)
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_host_built_gather_equals_numba(host_gather, fmt, out_code):
+    """Every head_dim, id type, T x H not a multiple of the block, shard edges, out-of-range ids,
+    and table / out views offset from 16-byte alignment: the plan picks narrower vectors, and no
+    load or store is misaligned (the host build ends a launch on one)."""
+    rng = np.random.default_rng(fmt.code * 3 + out_code)
+    out_raw, out_size = FORMATS[out_code].raw, FORMATS[out_code].itemsize
+    row_start, rows, scale = 5, 40, 0.375
+    widths = set()
+    for head_dim in (1, 3, 7, 8, 64, 160):
+        bits = rng.integers(0, 1 << (8 * fmt.itemsize), (rows, head_dim), dtype=np.uint64)
+        for table_offset, out_offset in [(0, 0), (fmt.itemsize, out_size), (8, 2 * out_size),
+                                         (16 - fmt.itemsize, 8)]:
+            table = offset_array((rows, head_dim), fmt.raw, table_offset)
+            table[...] = bits.astype(fmt.raw)
+            for shape, id_dtype in [((5, 3), np.int32), ((37, 7), np.int64), ((1, 1), np.int64)]:
+                ids = edge_ids(rng, row_start, rows, shape, id_dtype)
+                out_shape = (shape[0], shape[1] * head_dim)
+                out = offset_array(out_shape, out_raw, out_offset)
+                out[...] = 0xAB
+                plan = gather_cupy.launch_plan(table, fmt.code, row_start, scale, ids, out,
+                                               out_code)
+                widths.add(int(plan.name.split(", ")[2]))
+                assert plan.grid * plan.block >= ids.size * int(plan.args[6]) > (
+                    plan.grid - 1) * plan.block
+                host_gather.run(plan)
+                want = numba_gather(table, fmt.code, row_start, scale, ids, out_shape, out_code)
+                np.testing.assert_array_equal(
+                    out, want, err_msg=f"{plan.name}, head_dim {head_dim}, table +"
+                    f"{table_offset}, out +{out_offset}, ids {shape} {np.dtype(id_dtype)}")
+    assert 16 in widths and min(widths) == fmt.itemsize  # the widest and narrowest paths ran
+
+
+def test_host_built_gather_skips_expected_heads(host_gather):
+    """Heads whose id equals ``expected`` keep what ``out`` holds (a prefetch wrote them)."""
+    rng = np.random.default_rng(4)
+    table = rng.integers(0, 256, (30, 160), dtype=np.uint8)
+    ids = edge_ids(rng, 0, 30, (9, 16), np.int64)
+    expected = np.where(rng.random(ids.shape) < 0.5, ids, ids + 1)
+    out = np.full((9, 16 * 160), 0x1234, np.uint16)
+    want = numba_gather(table, 3, 0, 0.5, ids, None, 2, expected, out=out.copy())
+    host_gather.gather(table, 3, 0, 0.5, ids, out, 2, expected)
+    np.testing.assert_array_equal(out, want)
+    assert (out.reshape(9, 16, 160)[expected == ids] == 0x1234).all()
+
+
+def test_a_misaligned_vector_load_fails_on_the_host(host_gather):
+    """The host build's alignment check is live: a 16-byte load from a table 8 bytes off fails."""
+    table = offset_array((4, 160), np.uint8, 0)
+    ids = np.zeros((2, 1), np.int64)
+    out = np.zeros((2, 160), np.uint16)
+    plan = gather_cupy.launch_plan(table, 3, 0, 1.0, ids, out, 2)
+    assert plan.name == "gather_rows<3, 2, 16, long long>"
+    shifted = offset_array((4, 160), np.uint8, 8)
+    with pytest.raises(host_kernels.MisalignedAccess, match="16-byte"):
+        host_gather.run(dataclasses.replace(plan, args=(shifted, *plan.args[1:])))
+    with pytest.raises(TypeError, match="argument 6"):  # chunks packed as int64, not int32
+        host_gather.run(dataclasses.replace(plan, args=(*plan.args[:6], np.int64(10),
+                                                        *plan.args[7:])))
+    with pytest.raises(ValueError, match="aligned"):  # float16 rows one byte off: no plan
+        gather_cupy.launch_plan(offset_array((4, 8), np.uint8, 1).view(np.uint16), 1, 0, 1.0,
+                                ids, out, 2)
+
+
+@pytest.mark.parametrize("num_items, head_dim", [
+    (2**31 - 1, 1),   # the last launch on 32-bit index arithmetic
+    (2**32 + 3, 1),   # 64-bit: a 32-bit index would wrap to item 2
+    (2**30 + 5, 16),  # 64-bit through the pieces: 4 per row, 2**32 + 20 in all
+], ids=["32-bit", "64-bit", "64-bit-chunks"])
+def test_host_built_gather_index_paths(host_gather, num_items, head_dim):
+    """Launches past 2**31 threads: only the first and last blocks run, over arrays whose pages
+    exist only where touched."""
+    try:
+        ids = host_kernels.reserve((num_items, 1), np.int32)
+        out = host_kernels.reserve((num_items, head_dim), np.float32)
+    except (OSError, ValueError, OverflowError) as error:
+        pytest.skip(f"cannot reserve the huge arrays: {error}")
+    rng = np.random.default_rng(5)
+    table = rng.standard_normal((50, head_dim)).astype(np.float32).view(np.uint32)
+    tail = 600
+    ids[:tail] = rng.integers(-2, 52, (tail, 1))
+    ids[-tail:] = rng.integers(-2, 52, (tail, 1))
+    out_bits = out.view(np.uint32)
+    plan = gather_cupy.launch_plan(table, 0, 0, 0.5, ids, out_bits, 0)
+    chunks = int(plan.args[6])
+    assert plan.grid * plan.block >= num_items * chunks > (plan.grid - 1) * plan.block
+    host_gather.run(plan, range(0, 1))
+    host_gather.run(plan, range(plan.grid - 2, plan.grid))
+    first = (plan.grid - 2) * plan.block // chunks  # the first item the last blocks touch
+    for rows in (slice(0, plan.block // chunks), slice(first, num_items)):
+        want = numba_gather(table, 0, 0, 0.5, ids[rows], (rows.stop - rows.start, head_dim), 0)
+        np.testing.assert_array_equal(out_bits[rows], want)
+    assert not out_bits[first - 8 : first].any()  # nothing outside the blocks run
 
 
 # ---------------------------------------------------------------- Numba CUDA: simulator and PTX

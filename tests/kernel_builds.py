@@ -1,0 +1,46 @@
+"""Numba CUDA kernels compiled on the CPU, once per session: PTX and LLVM IR from one compile.
+
+The PTX feeds the instruction and parameter-size checks, the IR the parameter-name check (Numba's
+IR names each kernel parameter after its Python argument and ABI field; PTX numbers them).
+"""
+
+from __future__ import annotations
+
+import types as pytypes
+from dataclasses import dataclass
+from functools import cache
+from unittest import mock
+
+from numba import cuda, types
+from numba.cuda.compiler import compile_cuda, kernel_fixup
+
+from ngram_cupy.cuda_launch import NumbaKernel, numba_type
+
+# Numba asks the driver for a compute capability when a kernel calls a helper: answer for it.
+_DEVICE = pytypes.SimpleNamespace(compute_capability=(9, 0))
+
+
+@dataclass(frozen=True)
+class Build:
+    """One kernel compiled for one signature and compute capability."""
+
+    ptx: str
+    llvm_ir: str
+    function: str  # the kernel's name in both
+
+
+@cache
+def build(py_func, signature: tuple, cc: tuple[int, int]) -> Build:
+    """Compile ``py_func`` as a kernel, as ``cuda.compile_ptx`` does (optimised, no fast math)."""
+    with mock.patch.object(cuda.dispatcher, "get_current_device", lambda: _DEVICE):
+        result = compile_cuda(py_func, types.void, signature, cc=cc,
+                              nvvm_options={"fastmath": False, "opt": 3})
+        library = result.library
+        function = result.fndesc.llvm_func_name
+        kernel_fixup(library.get_function(function), False)
+        return Build(library.get_asm_str(cc=cc), library.get_llvm_str(), function)
+
+
+def build_for(kernel: NumbaKernel, args: tuple, cc: tuple[int, int] = (9, 0)) -> Build:
+    """The build of ``kernel`` for the types of ``args`` (arrays and NumPy scalars)."""
+    return build(kernel.py_func, tuple(numba_type(a) for a in args), cc)
