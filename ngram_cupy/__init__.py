@@ -1,13 +1,29 @@
-"""ngram_cupy: exact, fast hashed n-gram (per-layer embedding) ids and table lookups."""
+"""ngram_cupy: exact, fast hashed n-gram (per-layer embedding) ids and table lookups.
 
-from .checkpoint import load_ngram_embedding, save_ngram_embedding
-from .config import NGramConfig
-from .distributed import ShardedLookup
-from .embedding import NGramEmbedding
-from .layout import LayerLayout, layer_layout
-from .ngram_ids import advance_context, compute_ngram_ids
-from .placement import PlacementPlan, plan_placement
-from .table import EmbeddingTable
+Names are imported on first use (PEP 562), so ``import ngram_cupy`` stays light: Numba, the
+safetensors reader, tqdm, torch and CuPy load only with the parts that need them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Each public name and the module that defines it.
+_EXPORTS = {
+    "EmbeddingTable": "table",
+    "LayerLayout": "layout",
+    "NGramConfig": "config",
+    "NGramEmbedding": "embedding",
+    "PlacementPlan": "placement",
+    "ShardedLookup": "distributed",
+    "advance_context": "ngram_ids",
+    "compute_ngram_ids": "ngram_ids",
+    "layer_layout": "layout",
+    "load_ngram_embedding": "checkpoint",
+    "plan_placement": "placement",
+    "save_ngram_embedding": "checkpoint",
+}
 
 __all__ = [
     "EmbeddingTable",
@@ -25,3 +41,27 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from .checkpoint import load_ngram_embedding, save_ngram_embedding
+    from .config import NGramConfig
+    from .distributed import ShardedLookup
+    from .embedding import NGramEmbedding
+    from .layout import LayerLayout, layer_layout
+    from .ngram_ids import advance_context, compute_ngram_ids
+    from .placement import PlacementPlan, plan_placement
+    from .table import EmbeddingTable
+
+
+def __getattr__(name: str) -> Any:
+    """Import the module defining ``name`` on first access, and keep the name here."""
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'ngram_cupy' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    """Public names, including those not imported yet."""
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -20,6 +20,7 @@ from numba import int64, njit, prange, types
 from numba.core.extending import intrinsic
 
 from . import dequant
+from .cpu_threads import use_threads
 from .dequant import FLOAT32, FORMATS, convert
 
 # Numba's on-disk cache only watches this file: the digest of dequant.py in the kernels' closure
@@ -129,13 +130,14 @@ def gather_rows(table: np.ndarray, code: int, row_start: int, scale: np.float32,
     ``table`` and ``out`` are raw unsigned views; ``ids`` is ``[T, H]`` int32/int64 and ``out``
     ``[T, H * head_dim]``. With ``expected`` (int64, ``ids``' shape), heads whose id equals the
     expected one are skipped: ``out`` already holds them. ``parallel=None`` uses threads for
-    large batches only.
+    large batches only, ``True`` whenever the threading layer allows (``cpu_threads``), ``False``
+    never.
     """
-    if parallel is None:
-        parallel = ids.size >= PARALLEL_MIN_ROWS
-    kernel = _gather_kernel(code, out_code, parallel)
     scale = np.float32(scale)
     outputs = output_table(code, out_code, int(scale.view(np.uint32)))
-    kernel(table, np.int64(row_start), scale, outputs, ids,
-           NO_EXPECTED if expected is None else expected, out)
+    min_rows = PARALLEL_MIN_ROWS if parallel is None else 0 if parallel else 1 << 62
+    with use_threads(ids.size, min_rows) as threaded:
+        _gather_kernel(code, out_code, threaded)(
+            table, np.int64(row_start), scale, outputs, ids,
+            NO_EXPECTED if expected is None else expected, out)
     return out

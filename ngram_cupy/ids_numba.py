@@ -10,6 +10,7 @@ import numpy as np
 from numba import njit, prange
 
 from . import hashing
+from .cpu_threads import use_threads
 from .hashing import write_token_ids
 from .jitable import inline_jitable
 
@@ -55,13 +56,14 @@ def _ids_kernel(ngram_size: int, heads_per_ngram: int, parallel: bool,
 def ngram_ids_numba(layout, tokens, query_start_loc, context, out, parallel: bool | None = None):
     """Write the ids of validated, contiguous NumPy inputs into ``out`` with the Numba kernel.
 
-    ``parallel=None`` uses threads only for batches large enough to repay them.
+    ``parallel=None`` uses threads only for batches large enough to repay them, ``True`` whenever
+    the threading layer allows (``cpu_threads.use_threads``), ``False`` never.
     """
-    if parallel is None:
-        parallel = tokens.shape[0] >= PARALLEL_MIN_TOKENS
-    kernel = _ids_kernel(layout.ngram_size, layout.heads_per_ngram, parallel)
-    kernel(tokens, query_start_loc, context, layout.multipliers, layout.head_sizes,
-           layout.head_magics, layout.head_offsets, layout.eos_token_id, out)
+    min_tokens = PARALLEL_MIN_TOKENS if parallel is None else 0 if parallel else 1 << 62
+    with use_threads(tokens.shape[0], min_tokens) as threaded:
+        kernel = _ids_kernel(layout.ngram_size, layout.heads_per_ngram, threaded)
+        kernel(tokens, query_start_loc, context, layout.multipliers, layout.head_sizes,
+               layout.head_magics, layout.head_offsets, layout.eos_token_id, out)
     return out
 
 

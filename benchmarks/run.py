@@ -1,0 +1,135 @@
+"""The benchmark runner: choose sections, run them, print and write the tables and the plot."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .report import MARK, Section, machine_summary, merge_into, plot, render
+
+TRACKED = "BENCHMARKS.md"  # the published file, written only with --write-benchmarks-md
+DEFAULT_OUTPUT = "bench-results.md"
+
+
+@dataclass(frozen=True)
+class Bench:
+    """One section: its name, the device it needs, what it measures, and how."""
+
+    name: str
+    device: str
+    summary: str
+    run: Callable[[bool], Section]
+
+
+def sections() -> list[Bench]:
+    """Every section in report order (GPU sections import CuPy only when run)."""
+    from . import sections_cpu as cpu
+    from . import sections_gpu as gpu
+
+    return [
+        Bench("ids-cpu", "cpu", "ids 1x4096, 32x512, 256x1, 1x1,048,576 tokens under four loads",
+              cpu.bench_ids_cpu),
+        Bench("ids-gpu", "gpu", "GPU ids kernel and decode-step latency", gpu.bench_ids_gpu),
+        Bench("parquet-e2e", "cpu", "`ngram-cupy ids` on data/ against pyarrow read + write",
+              cpu.bench_parquet_e2e),
+        Bench("gather-cpu", "cpu", "fp8 -> bf16 gathers of 256, 4,096, 65,536 tokens under four "
+              "loads", cpu.bench_gather_cpu),
+        Bench("gather-gpu", "gpu", "GPU-resident gathers, fused ids + gather",
+              gpu.bench_gather_gpu),
+        Bench("host-gpu", "gpu", "pinned host table over UVA, de-duplication, prefetch overlap",
+              gpu.bench_host_gpu),
+    ]
+
+
+def gpu_available() -> bool:
+    """Whether CuPy is importable and sees at least one CUDA device."""
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    """Command-line options; ``--help`` lists the sections."""
+    listing = "\n".join(f"  {b.name:<12} [{b.device}] {b.summary}" for b in sections())
+    parser = argparse.ArgumentParser(
+        prog="bench.py", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Benchmarks for ngram_cupy. Every ratio compares with a baseline measured in "
+                    "the same run; CPU cases run idle, with one and every core busy, and beside "
+                    "torch, against the same call on one thread.",
+        epilog=f"sections:\n{listing}")
+    parser.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto",
+                        help="run only the sections of this device (default: all this machine "
+                        "can run)")
+    parser.add_argument("--quick", action="store_true", help="small sizes, a short run")
+    parser.add_argument("--sections", help="comma-separated section names (default: all)")
+    parser.add_argument("--output", default=DEFAULT_OUTPUT,
+                        help=f"markdown file to write (default {DEFAULT_OUTPUT}; - for none); "
+                        "the plot goes beside it as .png")
+    parser.add_argument("--write-benchmarks-md", action="store_true",
+                        help=f"write the tracked {TRACKED} and benchmarks.png of the repository")
+    return parser.parse_args(argv)
+
+
+def output_paths(args: argparse.Namespace) -> tuple[str | None, str | None]:
+    """``(markdown, png)`` to write, or None for each when nothing is written."""
+    if args.write_benchmarks_md:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        return os.path.join(root, TRACKED), os.path.join(root, "benchmarks.png")
+    if args.output == "-":
+        return None, None
+    return args.output, os.path.splitext(args.output)[0] + ".png"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the chosen sections, print the tables, and write them."""
+    args = parse(argv)
+    benches = sections()
+    has_gpu = gpu_available()
+    if args.device == "gpu" and not has_gpu:
+        print("bench.py: --device gpu asked for, but CuPy sees no CUDA device", file=sys.stderr)
+        return 2
+    wanted = set(args.sections.split(",")) if args.sections else None
+    unknown = (wanted or set()) - {b.name for b in benches}
+    if unknown:
+        print(f"bench.py: unknown sections {sorted(unknown)}", file=sys.stderr)
+        return 2
+    markdown, png = output_paths(args)
+    fresh: dict[str, str] = {}
+    measured: list[Section] = []
+    failed: list[str] = []
+    stamp = f"{datetime.date.today().isoformat()}{', --quick' if args.quick else ''}"
+    for bench in benches:
+        if wanted is not None and bench.name not in wanted:
+            continue
+        if bench.device == "gpu" and not has_gpu:
+            print(f"[skip] {bench.name}: no GPU")
+            continue
+        if args.device != "auto" and bench.device != args.device:
+            continue
+        print(f"[run] {bench.name}", flush=True)
+        try:
+            measured.append(bench.run(args.quick))
+        except Exception:  # one failing section must not cost the others' figures
+            traceback.print_exc()
+            failed.append(bench.name)
+            continue
+        table = render(measured[-1])
+        print(table, flush=True)
+        fresh[bench.name] = (f"{MARK.format(bench.name)}\n{table}\n"
+                             f"_{stamp}: {machine_summary(has_gpu)}_\n")
+        if markdown is not None:  # after each section: a run cut short keeps what it measured
+            merge_into(markdown, fresh, [b.name for b in benches])
+            print(f"wrote {markdown}", flush=True)
+    if png is not None and measured and plot(measured, png):
+        print(f"wrote {png}")
+    if failed:
+        print(f"bench.py: sections failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0

@@ -1,0 +1,145 @@
+"""CPU sections: ids and gathers under four load conditions, and the command line end to end."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from functools import partial
+
+import ml_dtypes
+import numpy as np
+
+import ngram_cupy as nc
+from ngram_cupy import reference
+
+from .conditions import conditions, one_thread
+from .data import (
+    CORPUS,
+    RELEASED,
+    RELEASED_HEAD_DIM,
+    RELEASED_HEADS,
+    random_fp8_rows,
+    released_batch,
+    rotating,
+)
+from .report import Row, Section
+from .timers import copy_floor, paired, timeit
+
+IDS_CASES = [(1, 4096), (32, 512), (256, 1), (1, 1 << 20)]
+IDS_CASES_QUICK = [(1, 4096), (32, 512), (256, 1), (1, 1 << 18)]
+GATHER_TOKENS = (256, 4096, 65536)
+GATHER_TOKENS_QUICK = (256, 4096)
+
+
+def bench_ids_cpu(quick: bool) -> Section:
+    """Fast CPU ids: the default call against one thread in each condition; idle, against the
+    NumPy reference and the output-sized copy floor."""
+    layout = nc.layer_layout(RELEASED, 0)
+    section = Section("n-gram ids, CPU (Numba), released config layer 0", "cpu")
+    calls = []
+    for num_requests, length in IDS_CASES_QUICK if quick else IDS_CASES:
+        tokens, starts, context = released_batch(num_requests, length)
+        out = np.empty((tokens.size, layout.num_heads), dtype=np.int64)
+        calls.append((f"{num_requests} x {length:,} tokens", tokens.size,
+                      partial(nc.compute_ngram_ids, layout, tokens, starts, context, out=out),
+                      partial(reference.compute_ngram_ids, layout, tokens, starts, context),
+                      out.nbytes))
+    for condition, load in conditions():
+        with load():
+            for case, num_tokens, call, slow, nbytes in calls:
+                fast, single = paired(call, one_thread(call))
+                notes = ""
+                if condition == "idle":
+                    ref = timeit(slow, min_time=0.05, max_calls=4)
+                    notes = (f"{ref / fast:.0f}x the NumPy reference; "
+                             f"{copy_floor(nbytes) / fast:.0%} of the copy floor")
+                section.rows.append(Row(case=case, seconds=fast, one_thread=single,
+                                        condition=condition, tokens=num_tokens,
+                                        rate=f"{num_tokens / fast / 1e6:.1f} Mtoken/s",
+                                        notes=notes))
+    return section
+
+
+def bench_gather_cpu(quick: bool) -> Section:
+    """Numba fp8 -> bf16 gather of the released row shape: the default call against one thread
+    in each condition; idle, against NumPy ``table[ids]`` and the copy floor of the output."""
+    rng = np.random.default_rng(0)
+    rows = 1 << (20 if quick else 22)  # 4M rows: 640 MiB, far out of every cache
+    weight = random_fp8_rows(rng, rows)
+    table = nc.EmbeddingTable(weight, scale=0.5)
+    section = Section(f"table gather, CPU (Numba): {rows:,} fp8 rows, 16 x 160 bytes per token "
+                      "-> bf16; each call reads other rows", "cpu")
+    calls = []
+    for num_tokens in GATHER_TOKENS_QUICK if quick else GATHER_TOKENS:
+        count = max(1, (64 << 20) // (num_tokens * RELEASED_HEADS * RELEASED_HEAD_DIM))
+        batches = [rng.integers(0, rows, (num_tokens, RELEASED_HEADS)) for _ in range(count)]
+        out = np.empty((num_tokens, RELEASED_HEADS * RELEASED_HEAD_DIM), ml_dtypes.bfloat16)
+        calls.append((num_tokens, batches, out))
+    for condition, load in conditions():
+        with load():
+            for num_tokens, batches, out in calls:
+                call = rotating(batches, partial(table.lookup, out=out))
+                fast, single = paired(call, one_thread(call))
+                notes = ""
+                if condition == "idle":
+                    fancy = timeit(rotating(batches, weight.__getitem__))
+                    notes = (f"{copy_floor(out.nbytes) / fast:.0%} of the copy floor of the "
+                             f"output; NumPy table[ids] (fp8 rows copied, not dequantised) "
+                             f"{fancy * 1e6:,.0f} us")
+                moved = batches[0].size * RELEASED_HEAD_DIM + out.nbytes  # rows in + output
+                section.rows.append(Row(case=f"{num_tokens:,} tokens", seconds=fast,
+                                        one_thread=single, condition=condition,
+                                        rate=f"{moved / fast / 1e9:.2f} GB/s", tokens=num_tokens,
+                                        notes=notes))
+    return section
+
+
+def pyarrow_floor(corpus: str, written: str, compression_args: dict) -> float:
+    """Seconds for pyarrow to read the input and write the CLI's own output table again."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(written)
+
+    def read_and_write() -> None:
+        pq.read_table(corpus)
+        with tempfile.TemporaryDirectory() as folder:
+            pq.write_table(table, os.path.join(folder, "floor.parquet"), **compression_args)
+
+    return timeit(read_and_write, min_time=1.0)
+
+
+def bench_parquet_e2e(quick: bool) -> Section:
+    """``ngram-cupy ids`` on data/, Parquet to Parquet, against pyarrow reading the input and
+    writing the same output table (the floor), and the ids kernel alone."""
+    import pyarrow.parquet as pq
+
+    from ngram_cupy.cli import main as cli_main
+    from ngram_cupy.cli import writer_options
+
+    corpus = str(CORPUS)
+    config = str(CORPUS.parent / "config.json")
+    tokens_column = pq.read_table(corpus, columns=["tokens"]).column("tokens").combine_chunks()
+    tokens = tokens_column.values.to_numpy()
+    starts = tokens_column.offsets.to_numpy()
+    layout = nc.layer_layout(nc.NGramConfig.from_hf(config), 0)
+    context = np.full((starts.size - 1, 2), layout.eos_token_id, dtype=np.int64)
+    out = np.empty((tokens.size, layout.num_heads), dtype=np.int64)
+    kernel = timeit(lambda: nc.compute_ngram_ids(layout, tokens, starts, context, out=out))
+    section = Section("end to end: `ngram-cupy ids` on data/ (Parquet to Parquet)", "cpu")
+    with tempfile.TemporaryDirectory() as folder:
+        output = os.path.join(folder, "ids.parquet")
+        argv = ["ids", corpus, output, "--config", config, "--doc-id-column", "doc_id",
+                "--quiet"]
+        seconds = timeit(lambda: cli_main(argv), min_time=0.5 if quick else 1.0)
+        written = os.path.getsize(output)
+        schema = pq.read_schema(output)
+        floor = pyarrow_floor(corpus, output, writer_options(schema, pq.read_schema(corpus)))
+    section.rows.append(Row(
+        case=f"{tokens.size:,} tokens, 1 layer, {layout.num_heads} ids per token",
+        seconds=seconds,
+        rate=f"{tokens.size / seconds / 1e6:.2f} Mtoken/s",
+        notes=f"{seconds / floor:.2f}x the floor: pyarrow reading the input and writing the same "
+              f"table ({floor * 1e3:,.0f} ms); {written / 1e6:.1f} MB of Parquet out; the ids "
+              f"kernel alone takes {kernel / seconds:.0%} of the time",
+    ))
+    return section

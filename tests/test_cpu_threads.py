@@ -1,0 +1,42 @@
+"""Threads: concurrent kernel calls are exact under every Numba threading layer, and never abort."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ngram_cupy import cpu_threads
+
+WORKER = Path(__file__).with_name("threads_worker.py")
+
+
+@pytest.mark.parametrize("layer", ["tbb", "omp", "workqueue"])
+def test_four_threads_calling_ids_and_gathers_are_exact(layer):
+    env = {**os.environ, "NUMBA_THREADING_LAYER": layer}
+    done = subprocess.run([sys.executable, str(WORKER)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = done.stdout.split()
+    if result == ["unavailable"]:
+        pytest.skip(f"Numba cannot load the {layer} threading layer here")
+    assert result == [layer, "exact"], done.stdout + done.stderr[-2000:]
+
+
+def test_tbb_from_the_pip_package_is_found_when_installed():
+    path = cpu_threads.tbb_library_path()
+    if path is None:
+        pytest.skip("the tbb package is not installed")
+    assert os.path.basename(path) == cpu_threads.TBB_LIBRARY
+    assert cpu_threads.load_tbb()
+
+
+def test_small_work_runs_serially_and_forced_work_in_parallel_under_tbb():
+    with cpu_threads.use_threads(10, 1000) as threaded:
+        assert not threaded
+    if cpu_threads.threading_layer() == "tbb":
+        with cpu_threads.use_threads(10, 0) as threaded:
+            assert threaded
