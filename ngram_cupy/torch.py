@@ -59,18 +59,24 @@ class TableWeights(torch.nn.Module):
         self.register_buffer("weight", _storage_view(table, dtype))
         if table.dtype.name == "float8_e4m3fn":
             self.register_buffer("weight_scale", torch.tensor(1.0, dtype=torch.float32))
-            self.register_load_state_dict_post_hook(TableWeights._sync_scale)
             table.scale = np.float32(1.0)
+        self.register_load_state_dict_post_hook(TableWeights._after_load)
 
     def set_scale(self, value: torch.Tensor) -> None:
         """Take a one-element floating tensor as the table's scale."""
-        self.weight_scale.copy_(value.detach().reshape(()))
+        self.weight_scale = value.detach().to("cpu", torch.float32).reshape(())
         self.table.scale = np.float32(self.weight_scale.item())
 
     @staticmethod
-    def _sync_scale(module: TableWeights, incompatible_keys) -> None:
-        """After ``load_state_dict`` the table reads the scale just loaded."""
-        module.table.scale = np.float32(module.weight_scale.item())
+    def _after_load(module: TableWeights, incompatible_keys) -> None:
+        """After ``load_state_dict`` the table holds the rows and scale just loaded, also when
+        ``assign=True`` replaced the buffers instead of copying into them."""
+        view = _storage_view(module.table, module.weight.dtype)
+        if module.weight.data_ptr() != view.data_ptr():
+            module.table.write_rows(0, module.weight.detach())
+            module.weight = view
+        if hasattr(module, "weight_scale"):
+            module.set_scale(module.weight_scale)
 
     def _apply(self, fn, recurse=True):
         """``.to()``, ``.cuda()``, ``.half()`` leave the rows alone: where the table lives and its

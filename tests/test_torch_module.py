@@ -343,6 +343,20 @@ def test_state_dict_round_trip(dtype_name):
         np.testing.assert_array_equal(bits(value), bits(state[name]))
 
 
+def test_load_state_dict_assign_still_fills_the_table():
+    config = small_config()
+    source, weight, _ = loaded_module(config, 0, "float8_e4m3fn", seed=6)
+    state = {name: value.clone() for name, value in source.state_dict().items()}
+    state["ngram_embedding.weight_scale"] = torch.tensor([0.75], dtype=torch.bfloat16)
+    target = NGramEmbeddingModule(config, 0, placement="cpu", weight_dtype="float8_e4m3fn")
+    target.load_state_dict(state, assign=True)
+    weights = target.ngram_embedding
+    assert weights.weight.data_ptr() == target.table.host_view.ctypes.data
+    np.testing.assert_array_equal(target.table.host_view.view(np.uint8), weight.view(np.uint8))
+    assert target.table.scale == np.float32(0.75)
+    assert weights.weight_scale.dtype == torch.float32 and weights.weight_scale.shape == ()
+
+
 def test_load_state_dict_checks_buffers_before_copying():
     config = small_config()
     source, _, _ = loaded_module(config, 0, "float16")
