@@ -17,19 +17,15 @@ import torch
 
 from .checkpoint import BUFFERS, split_rows
 from .config import NGramConfig
+from .dequant import default_output
 from .embedding import NGramEmbedding
 from .layout import layer_layout
 from .table import EmbeddingTable
 
 WEIGHT = "ngram_embedding.weight"
 SCALE = "ngram_embedding.weight_scale"
-# Storage dtype -> (integer type of the same width, output dtype of a lookup).
-_TORCH_TYPES = {
-    "float32": (torch.int32, torch.float32),
-    "float16": (torch.int16, torch.float16),
-    "bfloat16": (torch.int16, torch.bfloat16),
-    "float8_e4m3fn": (torch.uint8, torch.bfloat16),
-}
+# Value width in bytes -> the NumPy integer type that moves those bits to torch.
+_BITS = {1: np.uint8, 2: np.int16, 4: np.int32}
 _SHARD = re.compile(r"ngram_embedding\.shard_(\d+)\.weight", re.ASCII)
 
 
@@ -41,12 +37,10 @@ def _is_ignored(name: str) -> bool:
 
 def _storage_view(table: EmbeddingTable, dtype: torch.dtype) -> torch.Tensor:
     """A torch tensor sharing the table's rows (host or device memory), typed ``dtype``."""
-    bits = _TORCH_TYPES[str(dtype).removeprefix("torch.")][0]
-    if table.host_view is not None:
-        raw = table.host_view.view(np.dtype(str(bits).removeprefix("torch.")))
-        return torch.from_numpy(raw).view(dtype)
-    raw = table.device_rows.view(np.dtype(str(bits).removeprefix("torch.")))
-    return torch.from_dlpack(raw).view(dtype)
+    rows = table.host_view if table.host_view is not None else table.device_rows
+    raw = rows.view(_BITS[dtype.itemsize])
+    tensor = torch.from_numpy(raw) if isinstance(raw, np.ndarray) else torch.from_dlpack(raw)
+    return tensor.view(dtype)
 
 
 class TableWeights(torch.nn.Module):
@@ -112,7 +106,7 @@ class NGramEmbeddingModule(torch.nn.Module):
         self.placement = placement
         self.embedding = NGramEmbedding(layout, table)
         storage_dtype = getattr(torch, table.dtype.name)
-        self.out_dtype = _TORCH_TYPES[table.dtype.name][1]
+        self.out_dtype = getattr(torch, default_output(table.format).name)
         self.register_buffer("layer_multipliers", torch.tensor(layout.multipliers))
         self.register_buffer("ngram_heads_vocab_sizes", torch.tensor(layout.head_sizes))
         self.register_buffer("ngram_heads_offsets", torch.tensor(layout.head_offsets))
