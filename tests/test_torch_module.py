@@ -1,0 +1,426 @@
+"""NGramEmbeddingModule: the reference layer's torch shape over exact ids and table lookups."""
+
+from __future__ import annotations
+
+import io
+import tracemalloc
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import ngram_cupy as nc
+from ngram_cupy import reference
+from ngram_cupy.checkpoint import split_rows
+from ngram_cupy.torch import NGramEmbeddingModule
+
+# Storage dtype name -> (NumPy type, integer type of the same width, scale or None).
+DTYPES = {
+    "float8_e4m3fn": (ml_dtypes.float8_e4m3fn, np.uint8, 0.375),
+    "bfloat16": (ml_dtypes.bfloat16, np.int16, None),
+    "float16": (np.float16, np.int16, None),
+    "float32": (np.float32, np.int32, None),
+}
+BUFFER_NAMES = ("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets")
+SETTINGS = settings(max_examples=15, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+@st.composite
+def configs(draw, split_ngram_parts=None):
+    """Small random configs (tables of a few hundred rows) and a PLE layer index."""
+    vocab_size = draw(st.integers(3, 60))
+    ngram_size = draw(st.integers(2, 3))  # few kernel specialisations: each compiles once
+    heads_per_ngram = draw(st.integers(1, 2))
+    num_heads = (ngram_size - 1) * heads_per_ngram
+    config = nc.NGramConfig(
+        vocab_size=vocab_size, ngram_size=ngram_size, heads_per_ngram=heads_per_ngram,
+        ngram_vocab_size_base=draw(st.integers(2, 40)),
+        eos_token_id=draw(st.integers(0, vocab_size - 1)),
+        embedding_dim=num_heads * draw(st.integers(1, 4)), seed=draw(st.integers(0, 10**6)),
+        make_ngram_vocab_size_divisible_by=draw(st.integers(1, 8)),
+        split_ngram_parts=split_ngram_parts or draw(st.integers(1, 6)),
+    )
+    return config, draw(st.integers(0, 2))
+
+
+@st.composite
+def sequences(draw, config, max_requests=4, max_len=8):
+    """Requests' tokens (EOS often) and their contexts, as lists."""
+    eos = config.eos_token_id
+    token = st.one_of(st.just(eos), st.integers(0, config.vocab_size - 1))
+    count = draw(st.integers(0, max_requests))
+    tokens = [draw(st.lists(token, max_size=max_len)) for _ in range(count)]
+    contexts = [draw(st.lists(token, min_size=config.ngram_size - 1,
+                              max_size=config.ngram_size - 1)) for _ in range(count)]
+    return tokens, contexts
+
+
+def packed(config, tokens, contexts, spare_rows=0):
+    """``(input_ids, query_start_loc, ngram_context)`` torch tensors of requests' token lists;
+    ``spare_rows`` extra context rows, as a persistent engine buffer has."""
+    input_ids = torch.tensor([t for request in tokens for t in request], dtype=torch.int64)
+    starts = torch.tensor(np.cumsum([0] + [len(request) for request in tokens]))
+    rows = [*contexts, *[[config.eos_token_id] * (config.ngram_size - 1)] * spare_rows]
+    context = torch.tensor(rows, dtype=torch.int64).reshape(-1, config.ngram_size - 1)
+    return input_ids, starts, context
+
+
+def random_rows(rows: int, head_dim: int, dtype_name: str, seed: int) -> np.ndarray:
+    """Random bit patterns (NaNs and infinities included) as a ``[rows, head_dim]`` table."""
+    values, bits, _ = DTYPES[dtype_name]
+    raw = np.random.default_rng(seed).integers(np.iinfo(bits).min, np.iinfo(bits).max,
+                                               (rows, head_dim), dtype=bits, endpoint=True)
+    return raw.view(values)
+
+
+def as_torch(array: np.ndarray) -> torch.Tensor:
+    """A torch tensor of a NumPy / ml_dtypes array (a copy), of the same dtype."""
+    bits = {1: np.uint8, 2: np.int16, 4: np.int32}[array.dtype.itemsize]
+    return torch.from_numpy(array.view(bits).copy()).view(getattr(torch, array.dtype.name))
+
+
+def bits(tensor: torch.Tensor) -> np.ndarray:
+    """The bit patterns of a tensor's values, to compare NaNs exactly."""
+    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]
+    return tensor.cpu().view(width).numpy()
+
+
+def checkpoint_weights(config, layer, weight, scale):
+    """The layer's checkpoint entries, named relative to the layer, shard by shard."""
+    layout = nc.layer_layout(config, layer)
+    parts = config.split_ngram_parts
+    yield "layer_multipliers", torch.tensor(layout.multipliers)
+    yield "ngram_heads_vocab_sizes", torch.tensor(layout.head_sizes)
+    yield "ngram_heads_offsets", torch.tensor(layout.head_offsets)
+    yield "ngram_embedding.hashstats_counts", torch.zeros(3)
+    for index in range(parts):
+        start, stop = split_rows(layout.padded_rows, parts, index)
+        yield f"ngram_embedding.shard_{index}.weight", as_torch(weight[start:stop])
+    if scale is not None:
+        yield "ngram_embedding.weight_scale", torch.tensor(scale, dtype=torch.bfloat16)
+    yield "token_lookup", torch.zeros(2)
+
+
+def loaded_module(config, layer, dtype_name, seed=0, placement="cpu"):
+    """A module with random rows loaded through ``load_weights``, and those rows and scale."""
+    layout = nc.layer_layout(config, layer)
+    weight = random_rows(layout.padded_rows, layout.head_dim, dtype_name, seed)
+    scale = DTYPES[dtype_name][2]
+    module = NGramEmbeddingModule(config, layer, placement=placement, weight_dtype=dtype_name)
+    module.load_weights(checkpoint_weights(config, layer, weight, scale))
+    return module, weight, scale
+
+
+def expected_rows(config, layer, weight, scale, input_ids, starts, context) -> np.ndarray:
+    """EmbeddingTable lookups of the reference ids: what ``forward`` must return."""
+    layout = nc.layer_layout(config, layer)
+    ids = reference.compute_ngram_ids(layout, input_ids.numpy(), starts.numpy(), context.numpy())
+    return nc.EmbeddingTable(weight, scale=scale).lookup(ids)
+
+
+def small_config(**changes):
+    values = dict(vocab_size=40, ngram_size=3, heads_per_ngram=2, ngram_vocab_size_base=25,
+                  eos_token_id=3, embedding_dim=12, make_ngram_vocab_size_divisible_by=4,
+                  split_ngram_parts=4)
+    return nc.NGramConfig(**{**values, **changes})
+
+
+@pytest.mark.parametrize("dtype_name", DTYPES)
+@SETTINGS
+@given(data=st.data())
+def test_forward_is_table_lookup_of_reference_ids(dtype_name, data):
+    config, layer = data.draw(configs())
+    tokens, contexts = data.draw(sequences(config))
+    batch = packed(config, tokens, contexts, spare_rows=data.draw(st.integers(0, 2)))
+    module, weight, scale = loaded_module(config, layer, dtype_name, data.draw(st.integers(0, 9)))
+    hidden_states = torch.zeros(len(batch[0]), 5)
+    result = module(hidden_states, *batch)
+    want = expected_rows(config, layer, weight, scale, *batch)
+    assert result.dtype == module.out_dtype
+    assert result.shape == (len(batch[0]), config.embedding_dim)
+    np.testing.assert_array_equal(bits(result), want.view(bits(result).dtype))
+
+
+@SETTINGS
+@given(data=st.data())
+def test_ids_are_the_reference_ids(data):
+    config, layer = data.draw(configs())
+    tokens, contexts = data.draw(sequences(config))
+    input_ids, starts, context = packed(config, tokens, contexts)
+    module = NGramEmbeddingModule(config, layer, placement="cpu", weight_dtype=torch.float16)
+    layout = nc.layer_layout(config, layer)
+    want = reference.compute_ngram_ids(layout, input_ids.numpy(), starts.numpy(),
+                                       context.numpy())
+    ids = module.compute_ngram_ids(input_ids.int(), starts.int(), context.int())
+    assert ids.dtype == torch.int64
+    np.testing.assert_array_equal(ids.numpy(), want)
+    output = torch.full_like(ids, -1)
+    assert module.compute_ngram_ids(input_ids, starts, context, output=output) is output
+    np.testing.assert_array_equal(output.numpy(), want)
+
+
+@SETTINGS
+@given(data=st.data())
+def test_chunked_prefill_then_decode_equals_whole(data):
+    config, layer = data.draw(configs())
+    tokens, contexts = data.draw(sequences(config, max_len=10))
+    module, _, _ = loaded_module(config, layer, "float8_e4m3fn")
+    layout = nc.layer_layout(config, layer)
+    whole = module(None, *packed(config, tokens, contexts))
+    # Each request: a few prefill chunks (maybe empty), then one token per decode step.
+    schedules = []
+    for request in tokens:
+        prefill = data.draw(st.integers(0, len(request)))
+        cuts = sorted(data.draw(st.lists(st.integers(0, prefill), max_size=3)))
+        sizes = np.diff([0, *cuts, prefill]).tolist() + [1] * (len(request) - prefill)
+        schedules.append(sizes)
+    steps = max((len(s) for s in schedules), default=0)
+    context = packed(config, tokens, contexts)[2]
+    done = [0] * len(tokens)
+    pieces = [[] for _ in tokens]
+    for step in range(steps):
+        chunk = []
+        for r, sizes in enumerate(schedules):
+            size = sizes[step] if step < len(sizes) else 0
+            chunk.append(tokens[r][done[r]:done[r] + size])
+            done[r] += size
+        input_ids, starts, _ = packed(config, chunk, [])
+        rows = module(None, input_ids, starts, context)
+        for r in range(len(tokens)):
+            pieces[r].append(rows[starts[r]:starts[r + 1]])
+        context = torch.as_tensor(np.asarray(nc.advance_context(layout, input_ids, starts,
+                                                                context)))
+    chunked = torch.cat([p for request in pieces for p in request] or [whole[:0]])
+    np.testing.assert_array_equal(bits(chunked), bits(whole))
+
+
+@pytest.mark.parametrize("placement", ["cpu", "host"])
+@SETTINGS
+@given(data=st.data())
+def test_prefetch_then_forward_equals_forward(placement, data):
+    config, layer = data.draw(configs())
+    module, _, _ = loaded_module(config, layer, "bfloat16", placement=placement)
+    batch = packed(config, *data.draw(sequences(config)))
+    other = packed(config, *data.draw(sequences(config)))
+    alone = module(None, *batch)
+    module.start_prefetch(None, *batch)
+    np.testing.assert_array_equal(bits(module(None, *batch)), bits(alone))
+    module.start_prefetch(None, *other)  # stale: the forward asks for other rows
+    np.testing.assert_array_equal(bits(module(None, *batch)), bits(alone))
+
+
+def test_load_weights_returns_the_reference_names():
+    config = small_config(split_ngram_parts=3)
+    layout = nc.layer_layout(config, 1)
+    weight = random_rows(layout.padded_rows, layout.head_dim, "float8_e4m3fn", 1)
+    module = NGramEmbeddingModule(config, 1, placement="cpu", weight_dtype=torch.float8_e4m3fn)
+    assert module.missing_shards == [0, 1, 2]
+    loaded = module.load_weights(checkpoint_weights(config, 1, weight, 0.375))
+    assert loaded == {*BUFFER_NAMES, "ngram_embedding.weight", "ngram_embedding.weight_scale"}
+    assert module.missing_shards == []
+    assert module.table.scale == np.float32(0.375)
+    assert module.ngram_embedding.weight_scale.item() == 0.375
+    np.testing.assert_array_equal(bits(module.ngram_embedding.weight), weight.view(np.uint8))
+
+
+def test_load_weights_takes_the_whole_table():
+    config = small_config()
+    layout = nc.layer_layout(config, 0)
+    weight = random_rows(layout.padded_rows, layout.head_dim, "float32", 2)
+    module = NGramEmbeddingModule(config, 0, placement="cpu", weight_dtype="float32")
+    assert module.load_weights([("ngram_embedding.weight", as_torch(weight))]) == {
+        "ngram_embedding.weight"}
+    assert module.missing_shards == []
+    np.testing.assert_array_equal(module.ngram_embedding.weight.numpy(), weight)
+
+
+def bad_weights():
+    """``(entry, error type, message fragment)`` for entries load_weights must refuse."""
+    config = small_config()
+    layout = nc.layer_layout(config, 0)
+    multipliers = torch.tensor(layout.multipliers)
+    wrong = multipliers.clone()
+    wrong[1] += 2
+    shard_rows = split_rows(layout.padded_rows, 4, 0)[1]
+    shard = torch.zeros(shard_rows, layout.head_dim, dtype=torch.bfloat16)
+    return [
+        (("layer_multipliers", multipliers[:2]), ValueError, "shape (2,)"),
+        (("ngram_heads_offsets", torch.zeros(4, 1, dtype=torch.int64)), ValueError, "shape"),
+        (("layer_multipliers", wrong), ValueError,
+         f"first at index 1: got {int(wrong[1])}, the layout derives {int(multipliers[1])}"),
+        (("layer_multipliers", multipliers.double()), ValueError, "integer"),
+        (("ngram_embedding.shard_4.weight", shard), ValueError, "split_ngram_parts=4"),
+        (("ngram_embedding.shard_0.weight", shard[1:]), ValueError, "shard_0.weight has shape"),
+        (("ngram_embedding.shard_0.weight", shard[:, :1]), ValueError, "must be"),
+        (("ngram_embedding.shard_0.weight", shard.float()), TypeError, "torch.float32"),
+        (("ngram_embedding.shard_x.weight", shard), ValueError, "unexpected weight"),
+        (("ngram_embedding.weight_scale", torch.tensor(0.5)), ValueError, "takes no scale"),
+        (("ngram_embedding.bias", shard), ValueError, "unexpected weight"),
+        (("layer_multipliers", [1, 2, 3]), TypeError, "torch.Tensor"),
+    ]
+
+
+@pytest.mark.parametrize("entry, error, message", bad_weights())
+def test_load_weights_refuses(entry, error, message):
+    module = NGramEmbeddingModule(small_config(), 0, placement="cpu", weight_dtype="bfloat16")
+    before = bits(module.ngram_embedding.weight).copy()
+    with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):
+        module.load_weights([entry])
+    np.testing.assert_array_equal(bits(module.ngram_embedding.weight), before)
+
+
+def test_fp8_scale_must_be_one_float():
+    module = NGramEmbeddingModule(small_config(), 0, placement="cpu", weight_dtype="fp8")
+    for value in (torch.tensor([0.5, 0.5]), torch.tensor(2)):
+        with pytest.raises(ValueError, match="one floating value"):
+            module.load_weights([("ngram_embedding.weight_scale", value)])
+    assert module.table.scale == np.float32(1.0)
+
+
+def test_load_weights_streams_shard_by_shard(monkeypatch):
+    """Each shard is written as it arrives, and no copy of the table is made meanwhile."""
+    config = small_config(ngram_size=2, heads_per_ngram=2, ngram_vocab_size_base=2000,
+                          embedding_dim=64, split_ngram_parts=8)
+    layout = nc.layer_layout(config, 0)
+    module = NGramEmbeddingModule(config, 0, placement="cpu", weight_dtype="float32")
+    events = []
+    write_rows = module.table.write_rows
+
+    def spy(start, rows):
+        events.append(("write", start, rows.shape[0]))
+        write_rows(start, rows)
+
+    monkeypatch.setattr(module.table, "write_rows", spy)
+
+    def shards():
+        for index in range(config.split_ngram_parts):
+            start, stop = split_rows(layout.padded_rows, config.split_ngram_parts, index)
+            events.append(("yield", start, stop - start))
+            block = np.full((stop - start, layout.head_dim), index, dtype=np.float32)
+            yield f"ngram_embedding.shard_{index}.weight", torch.from_numpy(block)
+
+    tracemalloc.start()
+    try:
+        module.load_weights(shards())
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    expected = []
+    for index in range(config.split_ngram_parts):
+        start, stop = split_rows(layout.padded_rows, config.split_ngram_parts, index)
+        expected += [("yield", start, stop - start), ("write", start, stop - start)]
+    assert events == expected
+    shard_bytes = -(-layout.padded_rows // config.split_ngram_parts) * layout.head_dim * 4
+    assert peak < 3 * shard_bytes < module.table.nbytes / 2
+    first_rows = np.repeat(np.arange(8), -(-layout.padded_rows // 8))[: layout.padded_rows]
+    np.testing.assert_array_equal(module.ngram_embedding.weight[:, 0].numpy(), first_rows)
+
+
+@pytest.mark.parametrize("dtype_name", DTYPES)
+def test_state_dict_round_trip(dtype_name):
+    config = small_config()
+    source, weight, scale = loaded_module(config, 1, dtype_name, seed=3)
+    state = source.state_dict()
+    names = {*BUFFER_NAMES, "ngram_embedding.weight"}
+    assert set(state) == (names | {"ngram_embedding.weight_scale"} if scale else names)
+    np.testing.assert_array_equal(bits(state["ngram_embedding.weight"]),
+                                  weight.view(DTYPES[dtype_name][1]))
+    saved = io.BytesIO()
+    torch.save(state, saved)
+    saved.seek(0)
+    target = NGramEmbeddingModule(config, 1, placement="cpu", weight_dtype=dtype_name)
+    target.load_state_dict(torch.load(saved))
+    assert target.missing_shards == []
+    if scale is not None:
+        assert target.table.scale == np.float32(scale)
+    batch = packed(config, [[1, 2, 3, 4], [3, 5]], [[0, 3], [7, 8]])
+    np.testing.assert_array_equal(bits(target(None, *batch)), bits(source(None, *batch)))
+    for name, value in target.state_dict().items():
+        np.testing.assert_array_equal(bits(value), bits(state[name]))
+
+
+def test_load_state_dict_assign_still_fills_the_table():
+    config = small_config()
+    source, weight, _ = loaded_module(config, 0, "float8_e4m3fn", seed=6)
+    state = {name: value.clone() for name, value in source.state_dict().items()}
+    state["ngram_embedding.weight_scale"] = torch.tensor([0.75], dtype=torch.bfloat16)
+    target = NGramEmbeddingModule(config, 0, placement="cpu", weight_dtype="float8_e4m3fn")
+    target.load_state_dict(state, assign=True)
+    weights = target.ngram_embedding
+    assert weights.weight.data_ptr() == target.table.host_view.ctypes.data
+    np.testing.assert_array_equal(target.table.host_view.view(np.uint8), weight.view(np.uint8))
+    assert target.table.scale == np.float32(0.75)
+    assert weights.weight_scale.dtype == torch.float32 and weights.weight_scale.shape == ()
+
+
+def test_load_state_dict_checks_buffers_before_copying():
+    config = small_config()
+    source, _, _ = loaded_module(config, 0, "float16")
+    state = source.state_dict()
+    state["ngram_heads_vocab_sizes"] = state["ngram_heads_vocab_sizes"] + 1
+    target = NGramEmbeddingModule(config, 0, placement="cpu", weight_dtype="float16")
+    with pytest.raises(ValueError, match="ngram_heads_vocab_sizes differs .* first at index 0"):
+        target.load_state_dict(state)
+    layout = nc.layer_layout(config, 0)
+    np.testing.assert_array_equal(target.ngram_heads_vocab_sizes.numpy(), layout.head_sizes)
+
+
+def test_conversions_leave_the_table_alone():
+    config = small_config()
+    module, weight, scale = loaded_module(config, 0, "float8_e4m3fn", seed=4)
+    batch = packed(config, [[5, 6, 7]], [[1, 2]])
+    before = bits(module(None, *batch))
+    module.half().double().to("cpu")
+    assert module.ngram_embedding.weight.dtype == torch.float8_e4m3fn
+    assert module.ngram_embedding.weight.data_ptr() == module.table.host_view.ctypes.data
+    np.testing.assert_array_equal(bits(module(None, *batch)), before)
+
+
+def test_default_weight_dtype_follows_the_config_then_torch():
+    assert NGramEmbeddingModule(small_config(ple_embedding_dtype="float8_e4m3fn"), 0,
+                                placement="cpu").ngram_embedding.weight.dtype == (
+        torch.float8_e4m3fn)
+    module = NGramEmbeddingModule(small_config(), 0, placement="cpu")
+    assert module.ngram_embedding.weight.dtype == torch.get_default_dtype()
+    assert not hasattr(module.ngram_embedding, "weight_scale")
+
+
+def test_constructor_refuses_bad_arguments():
+    with pytest.raises(ValueError, match="embedding_dim"):
+        NGramEmbeddingModule(small_config(embedding_dim=None), 0, placement="cpu")
+    with pytest.raises(ValueError, match="placement"):
+        NGramEmbeddingModule(small_config(), 0, placement="tpu")
+    with pytest.raises(TypeError, match="weight_dtype|dtype"):
+        NGramEmbeddingModule(small_config(), 0, placement="cpu", weight_dtype=torch.int8)
+    with pytest.raises(TypeError, match="NGramConfig"):
+        NGramEmbeddingModule({"vocab_size": 3}, 0, placement="cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("placement", ["gpu", "host"])
+@pytest.mark.parametrize("dtype_name", DTYPES)
+def test_cuda_tensors_match_the_cpu(placement, dtype_name):
+    config = small_config(split_ngram_parts=5)
+    cpu, weight, scale = loaded_module(config, 2, dtype_name, seed=5)
+    module, _, _ = loaded_module(config, 2, dtype_name, seed=5, placement=placement)
+    batch = packed(config, [[1, 2, 3, 4, 3, 9], [], [3, 5]], [[0, 3], [7, 8], [3, 3]], 2)
+    want = cpu(None, *batch)
+    cuda_batch = [t.cuda() for t in batch]
+    hidden_states = torch.zeros(len(batch[0]), 8, device="cuda")
+    result = module(hidden_states, *cuda_batch)
+    assert result.is_cuda and result.dtype == want.dtype
+    np.testing.assert_array_equal(bits(result), bits(want))
+    module.start_prefetch(hidden_states, *cuda_batch)
+    np.testing.assert_array_equal(bits(module(hidden_states, *cuda_batch)), bits(want))
+    ids = module.compute_ngram_ids(*cuda_batch)
+    assert ids.is_cuda
+    np.testing.assert_array_equal(ids.cpu().numpy(), cpu.compute_ngram_ids(*batch).numpy())
+    state = module.state_dict()
+    assert state["ngram_embedding.weight"].is_cuda == (placement == "gpu")
+    restored = NGramEmbeddingModule(config, 2, placement=placement, weight_dtype=dtype_name)
+    restored.load_state_dict(cpu.state_dict())
+    np.testing.assert_array_equal(bits(restored(hidden_states, *cuda_batch)), bits(want))
