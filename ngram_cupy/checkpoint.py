@@ -20,17 +20,17 @@ from tqdm.auto import tqdm
 from .arrays import to_host
 from .checks import check_layout
 from .config import MAX_SPLIT_PARTS, NGramConfig
-from .dequant import storage_format
 from .embedding import NGramEmbedding
+from .formats import BY_SAFETENSORS, FORMATS, SCALE_FORMATS, find_format, storage_format
 from .layout import LayerLayout, layer_layout
 from .mapped import MappedTable
 from .safetensors_files import DTYPES, Checkpoint, write_checkpoint
 from .table import EmbeddingTable, _unwrap
 
 # Safetensors dtype codes of table rows, and which of them carry a scale.
-TABLE_DTYPES = ("F32", "F16", "BF16", "F8_E4M3")
-SCALED_DTYPES = ("F8_E4M3",)
-SCALE_DTYPES = ("F32", "F16", "BF16")
+TABLE_DTYPES = tuple(BY_SAFETENSORS)
+SCALED_DTYPES = tuple(fmt.safetensors for fmt in FORMATS if fmt.scaled)
+SCALE_DTYPES = tuple(fmt.safetensors for fmt in SCALE_FORMATS)
 BUFFERS = ("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets")
 _SHARD = re.compile(r"^ngram_embedding\.shard_(\d+)\.weight$")
 _PLE_KEY = re.compile(
@@ -318,8 +318,8 @@ def ngram_tensors(
             or not 1 <= parts <= MAX_SPLIT_PARTS:
         raise ValueError(f"parts must be an integer in [1, {MAX_SPLIT_PARTS}], got {parts!r}")
     prefix = default_prefix(layout) if prefix is None else prefix
-    codes = {dtype: code for code, dtype in DTYPES.items() if code in TABLE_DTYPES}
-    if weight.dtype not in codes:
+    fmt = find_format(weight.dtype)
+    if fmt is None or weight.dtype != fmt.dtype:
         raise TypeError(
             "weight must be float32, float16, bfloat16 or float8_e4m3fn, got " f"{weight.dtype}"
         )
@@ -328,7 +328,7 @@ def ngram_tensors(
             f"weight must have shape (padded_rows, head_dim) = "
             f"{(layout.padded_rows, layout.head_dim)}, got {tuple(weight.shape)}"
         )
-    scaled = codes[weight.dtype] in SCALED_DTYPES
+    scaled = fmt.scaled
     if scaled != (scale is not None):
         raise ValueError(
             f"scale is {'required' if scaled else 'only allowed'} for float8 tables "
@@ -345,7 +345,7 @@ def ngram_tensors(
         tensors[shard_key(prefix, index)] = weight[start:stop]
     if scaled:
         scale = _host_values(scale, "scale")
-        if scale.dtype not in (DTYPES[code] for code in SCALE_DTYPES):
+        if scale.dtype not in (scale_format.dtype for scale_format in SCALE_FORMATS):
             scale = scale.astype(np.float32)
         if scale.size != 1:
             raise ValueError(f"scale must be a single value, got shape {scale.shape}")

@@ -19,13 +19,13 @@ from typing import Any
 
 from .atomic import atomic_file
 from .config import NGramConfig
+from .formats import FORMATS
 from .layout import LayerLayout, layer_layout
 
 PROG = "ngram-cupy"
 EXIT_USAGE = 2
 EXIT_SIGINT = 130
 EXIT_SIGTERM = 143
-TABLE_DTYPES = (("float32", 4), ("bfloat16", 2), ("float8_e4m3fn", 1))
 _BYTE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
                "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
                "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
@@ -260,9 +260,9 @@ def describe_layout(layout: LayerLayout) -> list[str]:
         return lines
     lines.append(f"head_dim {layout.head_dim} ({config.embedding_dim} / {layout.num_heads} heads); "
                  f"table bytes per layer:")
-    for name, itemsize in TABLE_DTYPES:
-        nbytes = layout.table_nbytes(itemsize)
-        lines.append(f"  {name:<14} {nbytes:>18,} B  {nbytes / (1 << 30):9.1f} GiB")
+    for fmt in FORMATS:
+        nbytes = layout.table_nbytes(fmt.itemsize)
+        lines.append(f"  {fmt.name:<14} {nbytes:>18,} B  {nbytes / (1 << 30):9.1f} GiB")
     return lines
 
 

@@ -1,8 +1,9 @@
 """Storage formats of table rows and their exact decoding, shared by the Numba CPU and CUDA code.
 
-Rows are stored as float32, float16, bfloat16 or float8 e4m3 (``ml_dtypes`` types on the NumPy
-side, raw unsigned bits everywhere else). A value is decoded to float32, multiplied by the table's
-float32 scale, and rounded once, to nearest even, to the output type. Every function here works on
+Rows are stored as float32, float16, bfloat16 or float8 e4m3 (the formats of ``formats.py``:
+``ml_dtypes`` types on the NumPy side, raw unsigned bits everywhere else). A value is decoded to
+float32, multiplied by the table's float32 scale, and rounded once, to nearest even, to the
+output type. Every function here works on
 integer bit patterns, so the CPU, the CUDA simulator and compiled CUDA give the same bits; NaNs
 come out as one canonical quiet NaN (CUDA and x86 disagree on NaN payloads). ``kernels/dequant.cuh``
 is the CUDA C twin of this file and is tested against it.
@@ -10,82 +11,31 @@ is the CUDA C twin of this file and is tested against it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import ml_dtypes
 import numpy as np
 from llvmlite import ir
 from numba import float32, int64, types, uint32
 from numba.core.extending import intrinsic, overload
 
+from .formats import (
+    BFLOAT16,
+    FLOAT8_E4M3,
+    FLOAT16,
+    FLOAT32,
+    FORMATS,
+    OUTPUT_CODES,
+    Format,
+    default_output,
+    output_format,
+    storage_format,
+)
 from .jitable import inline_jitable
 
-# Format codes: compile-time constants of every kernel (the same numbers in dequant.cuh).
-FLOAT32, FLOAT16, BFLOAT16, FLOAT8_E4M3 = 0, 1, 2, 3
-
-
-@dataclass(frozen=True)
-class Format:
-    """One storage or output format: its code, its NumPy type, and the unsigned type of its bits."""
-
-    code: int
-    dtype: np.dtype
-    raw: np.dtype
-
-    @property
-    def name(self) -> str:
-        """The NumPy / ml_dtypes name, e.g. ``float8_e4m3fn``."""
-        return self.dtype.name
-
-    @property
-    def itemsize(self) -> int:
-        """Bytes per value."""
-        return self.dtype.itemsize
-
-
-FORMATS = (
-    Format(FLOAT32, np.dtype(np.float32), np.dtype(np.uint32)),
-    Format(FLOAT16, np.dtype(np.float16), np.dtype(np.uint16)),
-    Format(BFLOAT16, np.dtype(ml_dtypes.bfloat16), np.dtype(np.uint16)),
-    Format(FLOAT8_E4M3, np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(np.uint8)),
-)
-OUTPUT_CODES = (FLOAT32, FLOAT16, BFLOAT16)
-_ALIASES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16", "f8_e4m3": "float8_e4m3fn",
-            "float8_e4m3": "float8_e4m3fn", "fp8": "float8_e4m3fn", "half": "float16"}
-
-
-def storage_format(dtype, name: str = "dtype") -> Format:
-    """The format of a NumPy / ml_dtypes / torch dtype or its name; TypeError for anything else."""
-    text = str(dtype).removeprefix("torch.").lower()
-    text = _ALIASES.get(text, text)
-    for fmt in FORMATS:
-        if fmt.name == text:
-            return fmt
-    try:
-        numpy_dtype = np.dtype(dtype)
-    except TypeError:
-        numpy_dtype = None
-    for fmt in FORMATS:
-        if numpy_dtype == fmt.dtype:
-            return fmt
-    names = ", ".join(fmt.name for fmt in FORMATS)
-    raise TypeError(f"{name} must be one of {names}, got {dtype}")
-
-
-def output_format(dtype, name: str = "out_dtype") -> Format:
-    """An output format: float32, float16 or bfloat16."""
-    try:
-        fmt = storage_format(dtype, name)
-    except TypeError:
-        fmt = None
-    if fmt is None or fmt.code not in OUTPUT_CODES:
-        raise TypeError(f"{name} must be float32, float16 or bfloat16, got {dtype}")
-    return fmt
-
-
-def default_output(storage: Format) -> Format:
-    """float32 tables give float32, float16 give float16, bfloat16 and float8 give bfloat16."""
-    return FORMATS[BFLOAT16] if storage.code == FLOAT8_E4M3 else storage
+# The format registry lives in formats.py; its names stay importable from here.
+__all__ = [
+    "BFLOAT16", "FLOAT16", "FLOAT32", "FLOAT8_E4M3", "FORMATS", "OUTPUT_CODES", "Format",
+    "convert", "decode", "default_output", "encode", "output_format", "reference_lookup",
+    "storage_format",
+]
 
 
 def reference_lookup(table: np.ndarray, ids: np.ndarray, scale, out_dtype) -> np.ndarray:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .dequant import storage_format
+from .formats import storage_format
 from .layout import LayerLayout
 from .table import EmbeddingTable
 

@@ -24,19 +24,20 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from .atomic import atomic_file, remove_stale_temporaries
+from .formats import BY_SAFETENSORS
 
 INDEX_FILE = "model.safetensors.index.json"
 # The __metadata__ key (in each file) and index metadata key naming a checkpoint's generation.
 GENERATION_KEY = "ngram_cupy_generation"
 _GENERATION_FILE = re.compile(r"^model-\d{5}-of-\d{5}-[0-9a-f]{8}\.safetensors$")
 
-# Safetensors dtype codes and the NumPy (or ml_dtypes) types that hold them.
+# Safetensors dtype codes and the NumPy (or ml_dtypes) types that hold them: the integer buffers
+# and float64 here, the table formats from the format registry.
 DTYPES: dict[str, np.dtype] = {
     "BOOL": np.dtype(np.bool_),
     "U8": np.dtype(np.uint8),
@@ -47,15 +48,13 @@ DTYPES: dict[str, np.dtype] = {
     "U32": np.dtype(np.uint32),
     "I64": np.dtype(np.int64),
     "U64": np.dtype(np.uint64),
-    "F16": np.dtype(np.float16),
-    "BF16": np.dtype(ml_dtypes.bfloat16),
-    "F32": np.dtype(np.float32),
     "F64": np.dtype(np.float64),
-    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    **{code: fmt.dtype for code, fmt in BY_SAFETENSORS.items()},
 }
 # Dtypes whose NumPy type comes from ml_dtypes: the safetensors NumPy loader cannot build
 # F8_E4M3 (and BF16 only in some releases), so these are read from the file's bytes instead.
-_MAPPED_ONLY = frozenset({"BF16", "F8_E4M3"})
+_MAPPED_ONLY = frozenset(code for code, fmt in BY_SAFETENSORS.items()
+                         if not issubclass(fmt.dtype.type, np.floating))
 
 
 @dataclass(frozen=True)

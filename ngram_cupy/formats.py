@@ -1,0 +1,123 @@
+"""The registry of table storage formats: one entry per format says everything about its type.
+
+For each format: the code every kernel is compiled for (the same numbers in
+``kernels/dequant.cuh``), its NumPy / ``ml_dtypes`` type, the unsigned type of its bits (what
+CuPy, DLPack and the kernels move), its torch dtype name, its safetensors dtype code, whether
+checkpoints store a scale with it, and whether it can be an output type. Adding a format is
+adding an entry here (and its decoding in ``dequant.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+# Format codes: compile-time constants of every kernel (the same numbers in dequant.cuh).
+FLOAT32, FLOAT16, BFLOAT16, FLOAT8_E4M3 = 0, 1, 2, 3
+
+
+@dataclass(frozen=True)
+class Format:
+    """One storage or output format of table values."""
+
+    code: int
+    dtype: np.dtype  # NumPy / ml_dtypes type of the values
+    raw: np.dtype  # unsigned type of the same width: the bits
+    torch_name: str  # attribute of the ``torch`` module
+    safetensors: str  # dtype code in safetensors headers
+    scaled: bool  # checkpoints store a float scale beside tables of this format
+    output: bool  # lookups can produce it
+
+    @property
+    def name(self) -> str:
+        """The NumPy / ml_dtypes name, e.g. ``float8_e4m3fn``."""
+        return self.dtype.name
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per value."""
+        return self.dtype.itemsize
+
+    @property
+    def torch_dtype(self):
+        """The torch dtype (imports torch)."""
+        import torch
+
+        return getattr(torch, self.torch_name)
+
+
+FORMATS = (
+    Format(FLOAT32, np.dtype(np.float32), np.dtype(np.uint32), "float32", "F32", False, True),
+    Format(FLOAT16, np.dtype(np.float16), np.dtype(np.uint16), "float16", "F16", False, True),
+    Format(BFLOAT16, np.dtype(ml_dtypes.bfloat16), np.dtype(np.uint16), "bfloat16", "BF16",
+           False, True),
+    Format(FLOAT8_E4M3, np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(np.uint8), "float8_e4m3fn",
+           "F8_E4M3", True, False),
+)
+OUTPUT_CODES = tuple(fmt.code for fmt in FORMATS if fmt.output)
+# Formats a float8 table's scale may be stored in.
+SCALE_FORMATS = tuple(fmt for fmt in FORMATS if fmt.output)
+BY_SAFETENSORS = {fmt.safetensors: fmt for fmt in FORMATS}
+_ALIASES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16", "f8_e4m3": "float8_e4m3fn",
+            "float8_e4m3": "float8_e4m3fn", "fp8": "float8_e4m3fn", "half": "float16"}
+
+
+def names() -> str:
+    """Every format's name, for error messages."""
+    return ", ".join(fmt.name for fmt in FORMATS)
+
+
+def find_format(dtype: Any) -> Format | None:
+    """The format of a NumPy / ml_dtypes / torch dtype, a name or a safetensors code; or None."""
+    text = str(dtype).removeprefix("torch.")
+    if text in BY_SAFETENSORS:
+        return BY_SAFETENSORS[text]
+    text = _ALIASES.get(text.lower(), text.lower())
+    for fmt in FORMATS:
+        if fmt.name == text:
+            return fmt
+    try:
+        numpy_dtype = np.dtype(dtype)
+    except TypeError:
+        return None
+    return next((fmt for fmt in FORMATS if numpy_dtype == fmt.dtype), None)
+
+
+def storage_format(dtype: Any, name: str = "dtype") -> Format:
+    """The storage format of ``dtype``; a TypeError naming the argument for anything else."""
+    fmt = find_format(dtype)
+    if fmt is None:
+        raise TypeError(f"{name} must be one of {names()}, got {dtype}")
+    return fmt
+
+
+def output_format(dtype: Any, name: str = "out_dtype") -> Format:
+    """An output format: float32, float16 or bfloat16."""
+    fmt = find_format(dtype)
+    if fmt is None or not fmt.output:
+        raise TypeError(f"{name} must be float32, float16 or bfloat16, got {dtype}")
+    return fmt
+
+
+def default_output(storage: Format) -> Format:
+    """float32 tables give float32, float16 give float16, bfloat16 and float8 give bfloat16."""
+    return storage if storage.output else FORMATS[BFLOAT16]
+
+
+def holds(dtype: Any, fmt: Format) -> bool:
+    """Whether an array of ``dtype`` holds ``fmt`` values: of that type, or as bits in an integer
+    type of the same width."""
+    dtype = np.dtype(dtype)
+    return dtype == fmt.dtype or (dtype.kind in "iu" and dtype.itemsize == fmt.itemsize)
+
+
+def raw_torch_name(torch_dtype: Any) -> str | None:
+    """For a torch dtype NumPy and DLPack consumers cannot type (bfloat16, float8), the torch
+    name of the same-width integer it moves as; None for every other dtype."""
+    fmt = find_format(torch_dtype) if str(torch_dtype).startswith("torch.") else None
+    if fmt is None or issubclass(fmt.dtype.type, np.floating):  # NumPy's own types pass
+        return None
+    return {1: "uint8", 2: "int16"}[fmt.itemsize]
