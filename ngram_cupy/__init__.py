@@ -40,7 +40,16 @@ __all__ = [
     "save_ngram_embedding",
 ]
 
-__version__ = "0.1.0"
+
+def _package_version() -> str:
+    """The installed distribution's version (a source tree on ``PYTHONPATH`` has none)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ngram-cupy")
+    except PackageNotFoundError:
+        return "0+unknown"
+
 
 if TYPE_CHECKING:
     from .checkpoint import load_ngram_embedding, save_ngram_embedding
@@ -54,7 +63,11 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> Any:
-    """Import the module defining ``name`` on first access, and keep the name here."""
+    """Import the module defining ``name`` on first access, and keep the name here
+    (``__version__`` is read from the package metadata on first access too)."""
+    if name == "__version__":
+        globals()[name] = _package_version()
+        return globals()[name]
     if name not in _EXPORTS:
         raise AttributeError(f"module 'ngram_cupy' has no attribute {name!r}")
     value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)

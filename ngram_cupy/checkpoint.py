@@ -9,23 +9,25 @@ scalar ``P.ngram_embedding.weight_scale``.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
+import secrets
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 import numpy as np
 from tqdm.auto import tqdm
 
-from .arrays import to_host
-from .checks import check_layout
+from .backends import HOST, unwrap_torch
 from .config import MAX_SPLIT_PARTS, NGramConfig
 from .embedding import NGramEmbedding
-from .formats import BY_SAFETENSORS, FORMATS, SCALE_FORMATS, find_format, storage_format
-from .layout import LayerLayout, layer_layout
+from .formats import BY_SAFETENSORS, FORMATS, SCALE_FORMATS, find_format
+from .layout import LayerLayout, check_layout, layer_layout, split_rows
 from .mapped import MappedTable
 from .safetensors_files import DTYPES, Checkpoint, write_checkpoint
-from .table import EmbeddingTable, _unwrap
+from .table import EmbeddingTable
 
 # Safetensors dtype codes of table rows, and which of them carry a scale.
 TABLE_DTYPES = tuple(BY_SAFETENSORS)
@@ -38,7 +40,7 @@ _PLE_KEY = re.compile(
     r"|ngram_embedding\.(?:shard_\d+\.weight|weight_scale))$"
 )
 _LAYER_NUMBER = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
-PLACEMENTS = ("cpu", "gpu", "host", "mmap")
+PLACEMENTS = ("cpu", "gpu", "pinned", "host", "mmap")
 
 
 def shard_key(prefix: str, index: int) -> str:
@@ -58,24 +60,6 @@ def default_prefix(layout: LayerLayout) -> str:
         raise ValueError(f"layer {layout.layer} is past ple_layer_ids {ids}")
     decoder_layer = layout.layer if ids is None else ids[layout.layer]
     return f"model.layers.{decoder_layer}.ple.ple_embedding"
-
-
-def split_rows(total_rows: int, parts: int, index: int) -> tuple[int, int]:
-    """Rows ``[start, stop)`` of block ``index`` when ``total_rows`` are cut into ``parts``
-    contiguous blocks of ``ceil(total_rows / parts)`` rows (the last ones shorter or empty).
-
-    The rule for both checkpoint shards (``parts = split_ngram_parts``) and the rows each rank
-    owns under row sharding (``parts = world_size``, ``index = rank``).
-    """
-    for name, value in (("total_rows", total_rows), ("parts", parts), ("index", index)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise TypeError(f"{name} must be an integer, got {type(value).__name__}")
-    if total_rows < 0 or parts < 1:
-        raise ValueError(f"need total_rows >= 0 and parts >= 1, got {total_rows} and {parts}")
-    if not 0 <= index < parts:
-        raise ValueError(f"index must lie in [0, {parts}), got {index}")
-    size = -(-int(total_rows) // int(parts))
-    return min(index * size, total_rows), min((index + 1) * size, total_rows)
 
 
 def owned_pieces(
@@ -296,9 +280,9 @@ def load_ngram_embedding(
 def _host_values(value, name: str) -> np.ndarray:
     """A NumPy view of a host array; torch bfloat16 / float8 tensors (which NumPy cannot import)
     come as their ``ml_dtypes`` type."""
-    value, torch_dtype = _unwrap(value)
-    array = to_host(value)
-    return array if torch_dtype is None else array.view(storage_format(torch_dtype, name).dtype)
+    value, fmt = unwrap_torch(value)
+    array = HOST.asarray(value)
+    return array if fmt is None else array.view(fmt.dtype)
 
 
 def ngram_tensors(
@@ -356,19 +340,55 @@ def ngram_tensors(
 
 def save_ngram_embedding(
     path: str | os.PathLike,
-    layout: LayerLayout,
-    weight,
+    config: NGramConfig | LayerLayout,
+    layer,
+    weight=None,
     scale=None,
+    *,
     parts: int | None = None,
     prefix: str | None = None,
     num_files: int = 1,
+    write_config: bool = True,
 ) -> list[str]:
     """Write one layer in the checkpoint layout, atomically; return the files written.
 
-    ``path`` ending in ``.safetensors`` is a single file; anything else a folder with
-    ``num_files`` files and an index json (see :func:`write_checkpoint`). ``weight`` is the
-    padded table ``[padded_rows, head_dim]`` in float32, float16, bfloat16 or float8 e4m3 (then
-    with ``scale``); to write several layers in one checkpoint, merge their
-    :func:`ngram_tensors` and call :func:`write_checkpoint` once.
+    The mirror of :func:`load_ngram_embedding`: ``config`` and the dense PLE ``layer`` index name
+    the layout. ``path`` ending in ``.safetensors`` is a single file; anything else a folder with
+    ``num_files`` files and an index json (see :func:`write_checkpoint`), and, unless
+    ``write_config=False``, the config's ``config.json`` (merged into one already there), so that
+    ``load_ngram_embedding(path, NGramConfig.from_hf(path), layer)`` reads it back. ``weight`` is
+    the padded table ``[padded_rows, head_dim]`` in float32, float16, bfloat16 or float8 e4m3
+    (then with ``scale``); ``parts`` defaults to ``config.split_ngram_parts``. To write several
+    layers in one checkpoint, merge their :func:`ngram_tensors` and call
+    :func:`write_checkpoint` once. The older form ``(path, layout, weight, scale)`` is accepted.
     """
-    return write_checkpoint(path, ngram_tensors(layout, weight, scale, parts, prefix), num_files)
+    if isinstance(config, LayerLayout):  # the older form: (path, layout, weight, scale)
+        layout, weight, scale = config, layer, weight
+    elif isinstance(config, NGramConfig) and isinstance(layer, (int, np.integer)) \
+            and not isinstance(layer, bool):
+        layout = layer_layout(config, layer)
+    else:
+        raise TypeError(f"layout must be a LayerLayout, or config an NGramConfig with an integer "
+                        f"layer; got {type(config).__name__} and {type(layer).__name__}")
+    files = write_checkpoint(path, ngram_tensors(layout, weight, scale, parts, prefix), num_files)
+    if write_config and not os.fspath(path).endswith(".safetensors"):
+        write_config_json(path, layout.config)
+    return files
+
+
+def write_config_json(folder: str | os.PathLike, config: NGramConfig) -> str:
+    """Write ``config`` into ``folder/config.json`` (keys of a model's config already there are
+    kept), atomically; return its path."""
+    path = Path(folder) / "config.json"
+    try:
+        existing = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, json.JSONDecodeError):
+        existing = {}
+    merged = {**(existing if isinstance(existing, dict) else {}), **config.to_hf()}
+    temporary = path.with_name(f".config.json.{secrets.token_hex(8)}.tmp")
+    try:
+        temporary.write_text(json.dumps(merged, indent=2, sort_keys=True) + "\n")
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+    return str(path)

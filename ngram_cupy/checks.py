@@ -6,22 +6,16 @@ of ``query_start_loc`` need host data and run on the CPU path only.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
-from .arrays import where
-from .layout import LayerLayout
+from .backends import where
+
+if TYPE_CHECKING:
+    from .layout import LayerLayout
 
 INDEX_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
-
-
-def check_layout(layout) -> LayerLayout:
-    """Reject anything that is not a ``LayerLayout``."""
-    if not isinstance(layout, LayerLayout):
-        raise TypeError(
-            f"layout must be a LayerLayout (from ngram_cupy.layer_layout), got "
-            f"{type(layout).__name__}"
-        )
-    return layout
 
 
 def check_index_array(name: str, array, ndim: int) -> None:
@@ -81,3 +75,13 @@ def check_destination(name: str, value) -> None:
     if value is not None and where(value) is None:
         raise TypeError(f"{name} must be an array (NumPy, CuPy, torch, DLPack), got "
                         f"{type(value).__name__}")
+
+
+def check_integer(name: str, value, minimum: int | None = None) -> int:
+    """``value`` as a Python int: a TypeError for non-integers (bools included), a ValueError
+    below ``minimum``; both name the argument."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be at least {minimum}, got {value}")
+    return int(value)

@@ -148,6 +148,19 @@ class NGramConfig:
             return None
         return self.embedding_dim // self.num_heads
 
+    def to_hf(self) -> dict[str, Any]:
+        """The Hugging Face ``config.json`` keys that ``from_hf`` reads (unset ones left out)."""
+        raw = {"vocab_size": self.vocab_size, "ngram_size": self.ngram_size,
+               "heads_per_ngram": self.heads_per_ngram,
+               "ngram_vocab_size_base": self.ngram_vocab_size_base,
+               "eos_token_id": self.eos_token_id, "ple_embed_dim": self.embedding_dim,
+               "seed": self.seed,
+               "make_ngram_vocab_size_divisible_by": self.make_ngram_vocab_size_divisible_by,
+               "split_ngram_parts": self.split_ngram_parts,
+               "ple_layer_ids": None if self.ple_layer_ids is None else list(self.ple_layer_ids),
+               "ple_embedding_dtype": self.ple_embedding_dtype}
+        return {key: value for key, value in raw.items() if value is not None}
+
     @classmethod
     def from_hf(cls, path_or_dict: str | os.PathLike | dict) -> NGramConfig:
         """Read a Hugging Face style ``config.json`` (a file, a model folder, or a dict)."""

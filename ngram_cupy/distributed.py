@@ -11,14 +11,13 @@ up the same gathered batch, sum, and keep their own slice.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import nullcontext
 
 import numpy as np
 
-from .arrays import DEVICE, convert, cuda_stream
-from .checkpoint import split_rows
+from .backends import DEVICE, bind, cuda_stream, where
 from .checks import check_index_array
 from .embedding import NGramEmbedding
+from .layout import split_rows
 from .table import EmbeddingTable
 
 
@@ -83,18 +82,19 @@ class ShardedLookup:
         ``EmbeddingTable.lookup``.
         """
         dist = _dist()
-        side, arrays = convert(ids=ids)
-        ids = arrays["ids"]
+        call = bind(_torch_stream_of(ids), ids=ids)
+        ids = call["ids"]
         check_index_array("ids", ids, 2)  # before the collectives: float ids are no row ids
-        with _torch_stream() if side == DEVICE else nullcontext():
+        with call.on():
             local_tokens, offset = ids.shape[0], 0
             if self.dp_group is not None:
                 ids, offset = self._gather_ids(dist, ids, num_tokens_across_dp)
-            out = self.table.lookup(ids, out_dtype=out_dtype)
+            out = self.table.lookup(ids, out_dtype=out_dtype, stream=call.stream)
             if out.size:  # a byte-wise sum: each byte has one non-zero term at most, so it is
                 # an exact copy of the owner's bits (a float sum would turn -0.0 into 0.0)
                 dist.all_reduce(_as_bytes(out), group=self.group)
-        return out[offset : offset + local_tokens]
+        out_format, _ = self.table.destination(call.side, (0, 0), None, out_dtype)
+        return call.result(out[offset : offset + local_tokens], out_format)
 
     def forward(self, input_ids, query_start_loc, ngram_context, **kwargs):
         """N-gram ids of this rank's batch, then :meth:`lookup` (``kwargs`` go to it)."""
@@ -135,13 +135,14 @@ class ShardedLookup:
 
 def _cupy_view(tensor):
     """A CuPy view of a CUDA torch tensor."""
-    import cupy
-
-    return cupy.from_dlpack(tensor)
+    return DEVICE.asarray(tensor)
 
 
-def _torch_stream():
-    """CuPy work enqueued on torch's current stream, so it is ordered with the collectives."""
+def _torch_stream_of(ids):
+    """Torch's current stream for GPU ids (CuPy work then runs where the collectives run),
+    None for host ids."""
+    if where(ids) is not DEVICE:
+        return None
     import torch
 
     return cuda_stream(torch.cuda.current_stream())

@@ -1,23 +1,21 @@
 """One per-layer n-gram embedding: ids of a packed batch, then their table rows.
 
 Mirrors the reference model's module: ``forward`` returns ``[T, num_heads * head_dim]`` vectors and
-``start_prefetch`` begins the (host table) gather early, during the preceding decoder layer.
-NumPy / torch CPU inputs run on the CPU; CuPy / CUDA torch inputs on the GPU, and the CuPy
-results go to PyTorch without a copy (``torch.from_dlpack``).
+``prefetch`` (``start_prefetch``) begins the table gather early, during the preceding decoder
+layer. NumPy / torch CPU inputs run on the CPU; CuPy / CUDA torch inputs on the GPU; results follow
+the inputs (torch in, torch out, without a copy).
 """
 
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 
-from .arrays import DEVICE, convert, cuda_stream, placement
-from .checks import check_destination, check_layout, check_out
-from .layout import LayerLayout
-from .ngram_ids import _batch, compute_ngram_ids
+from .backends import DEVICE, Backend
+from .checks import check_integer, check_out
+from .layout import LayerLayout, check_layout
+from .ngram_ids import Batch, batch_ids, bind_batch, compute_ngram_ids
 from .prefetch import Buffers
-from .table import EmbeddingTable, _empty, _unwrap, staging_buffers
+from .table import EmbeddingTable, public_dtype
 
 
 class NGramEmbedding:
@@ -41,7 +39,8 @@ class NGramEmbedding:
         self.layout = layout
         self.table = table
         self.fused = fused
-        self._ids_buffers: dict[str, Buffers] = {}
+        self._ids_buffers: dict[Backend, Buffers] = {}
+        self._keep: set[int] = set()
         self._prefetched = False
 
     def compute_ids(self, input_ids, query_start_loc, ngram_context, out=None, stream=None):
@@ -49,78 +48,87 @@ class NGramEmbedding:
         return compute_ngram_ids(self.layout, input_ids, query_start_loc, ngram_context,
                                  out=out, stream=stream)
 
-    def _ids(self, input_ids, query_start_loc, ngram_context, stream, ids_out=None):
-        """Ids into ``ids_out``, else into a buffer kept per shape (stable under CUDA graphs;
-        lookups copy what they keep, so it is free again at once)."""
-        check_destination("ids_out", ids_out)
-        if ids_out is not None or np.ndim(input_ids) != 1:  # (compute_ids names the problem)
-            return self.compute_ids(input_ids, query_start_loc, ngram_context, out=ids_out,
-                                    stream=stream)
-        side = placement(input_ids=input_ids, query_start_loc=query_start_loc,
-                         ngram_context=ngram_context)
-        if side not in self._ids_buffers:
-            self._ids_buffers[side] = staging_buffers(side)
-        shape = (len(input_ids), self.layout.num_heads)
-        with cuda_stream(stream) if side == DEVICE else contextlib.nullcontext():
-            buffer = self._ids_buffers[side].get("ids", shape, np.int64)
-        return self.compute_ids(input_ids, query_start_loc, ngram_context, out=buffer,
-                                stream=stream)
+    def keep_staging(self, num_tokens) -> None:
+        """Keep the ids and rows staging buffers of these batch sizes for the layer's life
+        (CUDA graphs hold the addresses they captured: call this before capturing)."""
+        sizes = [check_integer("num_tokens", n) for n in num_tokens]
+        self._keep.update(sizes)
+        for buffers in self._ids_buffers.values():
+            buffers.pin(self._keep)
+        self.table.keep_staging(sizes)
 
-    def start_prefetch(self, input_ids, query_start_loc, ngram_context, stream=None) -> None:
+    def _ids(self, batch: Batch):
+        """The batch's ids into its ``ids_out``, else into a buffer kept per shape (stable
+        under CUDA graphs; lookups copy what they keep, so it is free again at once)."""
+        call, shape = batch.call, (batch.num_tokens, self.layout.num_heads)
+        out = call["ids_out"]
+        if out is not None:
+            check_out("ids_out", out, shape, np.int64)
+        else:
+            if call.side not in self._ids_buffers:
+                self._ids_buffers[call.side] = Buffers(call.side.empty)
+                self._ids_buffers[call.side].pin(self._keep)
+            with call.on():
+                out = self._ids_buffers[call.side].get("ids", shape, np.int64)
+        return batch_ids(self.layout, batch, out)
+
+    def prefetch(self, input_ids, query_start_loc, ngram_context, stream=None) -> None:
         """Compute the ids and start gathering their rows (GPU side stream / CPU worker)."""
-        ids = self._ids(input_ids, query_start_loc, ngram_context, stream)
-        self.table.prefetch(ids, stream=stream)
+        batch = bind_batch(self.layout, stream, input_ids, query_start_loc, ngram_context,
+                           ids_out=None)
+        self.table.prefetch(self._ids(batch), stream=batch.call.stream)
         self._prefetched = True
+
+    start_prefetch = prefetch
 
     def forward(self, input_ids, query_start_loc, ngram_context, out=None, out_dtype=None,
                 stream=None, ids_out=None):
         """``[T, num_heads * head_dim]`` embeddings of a packed batch (into ``out`` if given;
         the ``[T, num_heads]`` int64 ids into ``ids_out`` if given).
 
-        After ``start_prefetch`` this joins the prefetch and re-gathers only rows whose ids
-        differ from the prefetched ones.
+        After ``prefetch`` this joins the prefetch and re-gathers only rows whose ids differ
+        from the prefetched ones.
         """
-        use_fused = (self.fused and not self._prefetched
-                     and self.table.device_rows is not None
-                     and placement(input_ids=input_ids) == DEVICE)
+        batch = bind_batch(self.layout, stream, input_ids, query_start_loc, ngram_context,
+                           out=out, ids_out=ids_out)
+        use_fused = (self.fused and not self._prefetched and batch.call.side is DEVICE
+                     and self.table.device_rows is not None)
         self._prefetched = False
         if use_fused:
-            return self._forward_fused(input_ids, query_start_loc, ngram_context, out, out_dtype,
-                                       stream, ids_out)
-        ids = self._ids(input_ids, query_start_loc, ngram_context, stream, ids_out)
-        return self.table.lookup(ids, out=out, out_dtype=out_dtype, stream=stream)
+            return self._forward_fused(batch, out_dtype)
+        call = batch.call
+        rows = self.table.lookup(self._ids(batch), out=call.given["out"], out_dtype=out_dtype,
+                                 stream=call.stream)
+        if call.given["out"] is not None:
+            return rows
+        out_format, _ = self.table.destination(call.side, (0, 0), None, out_dtype)
+        return call.result(rows, out_format)
 
     __call__ = forward
 
-    def _forward_fused(self, input_ids, query_start_loc, ngram_context, out, out_dtype, stream,
-                       ids_out):
+    def _forward_fused(self, batch: Batch, out_dtype):
         """Ids and rows in one launch (GPU)."""
         from .fused_cuda import fused_lookup_cuda
 
-        check_destination("ids_out", ids_out)
-        caller_out = out
-        out, out_torch_dtype = _unwrap(out)
-        stream, (tokens, starts, context), out, num_tokens, _ = _batch(
-            self.layout, stream, input_ids, query_start_loc, ngram_context, out)
-        shape = (num_tokens, self.layout.num_heads)
-        out_format, out = self.table.destination(DEVICE, shape, out, out_dtype, out_torch_dtype)
+        call, table = batch.call, self.table
+        shape = (batch.num_tokens, self.layout.num_heads)
+        out_format, out = table.destination(DEVICE, shape, call["out"], out_dtype,
+                                            call.formats.get("out"))
+        ids_out = call["ids_out"]
         if ids_out is not None:
-            with stream:
-                side, arrays = convert(ids_out=ids_out)
-            if side != DEVICE:
-                raise ValueError("ids_out must be on the GPU, like the batch")
-            ids_out = arrays["ids_out"]
             check_out("ids_out", ids_out, shape, np.int64)
-        result = out
-        with stream:
+        with call.on():
+            result = out
             if result is None:
-                result = _empty(DEVICE)((num_tokens, self.layout.num_heads * self.table.head_dim),
-                                        dtype=self.table.public_dtype(DEVICE, out_format))
+                result = DEVICE.empty((batch.num_tokens, self.layout.num_heads * table.head_dim),
+                                      public_dtype(DEVICE, out_format))
             with result.device:
-                fused_lookup_cuda(self.layout, self.table, tokens, starts, context,
-                                  result.view(out_format.raw), out_format.code, ids_out, stream)
-        return result if caller_out is None else caller_out
+                fused_lookup_cuda(self.layout, table.device_rows_on(call.stream), table.format,
+                                  table.row_start, table.scale, batch.tokens,
+                                  batch.query_start_loc, batch.context,
+                                  result.view(out_format.raw), out_format.code, ids_out,
+                                  call.stream)
+        return call.result(result, out_format)
 
     def __repr__(self) -> str:
         return f"NGramEmbedding(layer={self.layout.layer}, table={self.table!r})"
-

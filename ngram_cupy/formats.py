@@ -114,10 +114,14 @@ def holds(dtype: Any, fmt: Format) -> bool:
     return dtype == fmt.dtype or (dtype.kind in "iu" and dtype.itemsize == fmt.itemsize)
 
 
-def raw_torch_name(torch_dtype: Any) -> str | None:
-    """For a torch dtype NumPy and DLPack consumers cannot type (bfloat16, float8), the torch
-    name of the same-width integer it moves as; None for every other dtype."""
-    fmt = find_format(torch_dtype) if str(torch_dtype).startswith("torch.") else None
+def bits_name(fmt: Format | None) -> str | None:
+    """For a format NumPy has no type of its own for (bfloat16, float8), the name of the
+    same-width integer type its values move as through torch and DLPack; else None."""
     if fmt is None or issubclass(fmt.dtype.type, np.floating):  # NumPy's own types pass
         return None
     return {1: "uint8", 2: "int16"}[fmt.itemsize]
+
+
+def raw_torch_name(torch_dtype: Any) -> str | None:
+    """``bits_name`` of a torch dtype; None for dtypes that are not table formats."""
+    return bits_name(find_format(torch_dtype)) if str(torch_dtype).startswith("torch.") else None

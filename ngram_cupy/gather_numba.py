@@ -10,8 +10,6 @@ at a time.
 
 from __future__ import annotations
 
-import hashlib
-import inspect
 from functools import cache, lru_cache
 
 import numpy as np
@@ -19,14 +17,14 @@ from llvmlite import ir
 from numba import int64, njit, prange, types
 from numba.core.extending import intrinsic
 
-from . import dequant
+from . import dequant, formats
 from .cpu_threads import use_threads
 from .dequant import FLOAT32, FORMATS, convert
+from .jitable import source_digest
 
 # Numba's on-disk cache only watches this file: the digest of dequant.py in the kernels' closure
 # changes the cache key whenever the shared decoding changes.
-DEQUANT_DIGEST = int.from_bytes(
-    hashlib.sha256(inspect.getsource(dequant).encode()).digest()[:7], "little")
+DEQUANT_DIGEST = source_digest(dequant, formats)
 
 # Rows below which a thread pool costs more than it saves (decode batches of a few hundred tokens).
 PARALLEL_MIN_ROWS = 8192

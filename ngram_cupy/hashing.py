@@ -1,5 +1,8 @@
 """Per-token hash arithmetic shared by every compiled path: Numba CPU, Numba CUDA, the simulator.
 
+It also holds the device helpers the ids and fused kernels share (request search, clamping,
+staging a token's ids, rolling a context row), so no kernel module imports another's internals.
+
 Each function here is ``inline_jitable``: plain Python when called from Python (the CUDA
 simulator runs exactly these bodies), compiled by Numba when called from an ``@njit`` function or a
 ``@cuda.jit`` kernel. All wrapping arithmetic is done in uint64, where it is the same bit pattern
@@ -85,3 +88,59 @@ def write_token_ids(tokens, context, request, start, t, ngram_size, heads_per_ng
             reduced = floor_mod(signed, uint64(sizes[head]), uint64(magics[head]))
             out[row, head] = reduced + offsets[head]
             head += 1
+
+
+@inline_jitable
+def clamp(value, low, high):
+    """``value`` limited to ``[low, high]`` (Numba's CUDA target cannot type ``min(max(...))``)."""
+    if value < low:
+        return low
+    if value > high:
+        return high
+    return value
+
+
+@inline_jitable
+def find_request(query_start_loc, t):
+    """The last request ``r < R`` with ``query_start_loc[r] <= t``, by binary search.
+
+    Reads only ``query_start_loc[1..R-1]``, and returns a valid row whatever those hold.
+    """
+    lo = 0
+    hi = query_start_loc.shape[0] - 1
+    while hi - lo > 1:
+        mid = (lo + hi) >> 1
+        if query_start_loc[mid] <= t:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@inline_jitable
+def stage_token_ids(tokens, query_start_loc, context, params, eos, ngram_size, heads_per_ngram,
+                    t, staged, row):
+    """Hash token ``t``, if it exists, into ``staged[row]`` (shared memory): a block's threads
+    stage one token each, then store or use the ids together (the ids and fused kernels).
+    ``params`` is ``[multipliers, sizes, reciprocals, offsets]`` as int64 rows."""
+    if t < tokens.shape[0]:
+        request = find_request(query_start_loc, t)
+        start = clamp(int64(query_start_loc[request]), int64(0), int64(t))
+        write_token_ids(tokens, context, request, start, t, ngram_size, heads_per_ngram, eos,
+                        params[0], params[1], params[2], params[3], staged, row)
+
+
+@inline_jitable
+def roll_context_row(tokens, context, request, start, end, out):
+    """``out[request]``: the last ``out.shape[1]`` of ``context[request] ++ tokens[start:end]``.
+
+    Safe in place (``out`` aliasing ``context``): each entry reads at or after the one it writes.
+    Shared by the CPU and GPU kernels.
+    """
+    width = out.shape[1]
+    for i in range(width):
+        position = end - width + i
+        if position >= start:
+            out[request, i] = tokens[position]
+        else:
+            out[request, i] = context[request, i + (end - start)]

@@ -1,10 +1,11 @@
 """The GPU path for n-gram ids and context rolling: Numba CUDA kernels on the caller's stream.
 
-The per-token arithmetic is ``hashing.write_token_ids``, the very code the CPU path compiles and
-the CUDA simulator runs in CI. A call is one kernel launch that reads nothing back to the host and
-never synchronises, so it can be captured in a CUDA graph. Since ``query_start_loc`` is not
-checked on the GPU, the kernels clamp every index they derive from it: wrong values give
-meaningless ids (each still inside its head's rows) but never a read or write out of bounds.
+The per-token arithmetic is ``hashing.stage_token_ids`` (over ``write_token_ids``), the very code
+the CPU path compiles and the CUDA simulator runs in CI. A call is one kernel launch that reads
+nothing back to the host and never synchronises, so it can be captured in a CUDA graph. Since
+``query_start_loc`` is not checked on the GPU, the kernels clamp every index they derive from it:
+wrong values give meaningless ids (each still inside its head's rows) but never a read or write
+out of bounds.
 
 Kernels are compiled by Numba and launched by CuPy (``cuda_launch``): a few microseconds of host
 time per call. The first call per layer and device uploads the layer's constants and compiles the
@@ -18,10 +19,9 @@ from functools import cache
 import numpy as np
 from numba import cuda, int64
 
+from .backends import cupy_module
 from .cuda_launch import NumbaKernel
-from .hashing import write_token_ids
-from .ids_numba import roll_context_row
-from .jitable import inline_jitable
+from .hashing import clamp, roll_context_row, stage_token_ids
 from .layout import LayerLayout
 
 # Tokens per block (fewer for many heads): each thread hashes one token into shared memory, then
@@ -55,45 +55,6 @@ def staging_shape(num_heads: int, block: int | None = None) -> tuple[int, int]:
         f"{num_heads} heads per token do not fit the GPU kernel's {SHARED_BYTES} bytes of shared "
         f"memory (at most {SHARED_BYTES // (8 * BLOCKS[-1]) - 1} heads)"
     )
-
-
-@inline_jitable
-def clamp(value, low, high):
-    """``value`` limited to ``[low, high]`` (Numba's CUDA target cannot type ``min(max(...))``)."""
-    if value < low:
-        return low
-    if value > high:
-        return high
-    return value
-
-
-@inline_jitable
-def find_request(query_start_loc, t):
-    """The last request ``r < R`` with ``query_start_loc[r] <= t``, by binary search.
-
-    Reads only ``query_start_loc[1..R-1]``, and returns a valid row whatever those hold.
-    """
-    lo = 0
-    hi = query_start_loc.shape[0] - 1
-    while hi - lo > 1:
-        mid = (lo + hi) >> 1
-        if query_start_loc[mid] <= t:
-            lo = mid
-        else:
-            hi = mid
-    return lo
-
-
-@inline_jitable
-def stage_token_ids(tokens, query_start_loc, context, params, eos, ngram_size, heads_per_ngram,
-                    t, staged, row):
-    """Hash token ``t``, if it exists, into ``staged[row]`` (shared memory): a block's threads
-    stage one token each, then store or use the ids together. Shared with the fused kernel."""
-    if t < tokens.shape[0]:
-        request = find_request(query_start_loc, t)
-        start = clamp(int64(query_start_loc[request]), int64(0), int64(t))
-        write_token_ids(tokens, context, request, start, t, ngram_size, heads_per_ngram, eos,
-                        params[0], params[1], params[2], params[3], staged, row)
 
 
 @cache
@@ -157,19 +118,14 @@ def launch_advance_context(tokens, query_start_loc, context, out, stream=None):
     return out
 
 
-_params: dict[tuple[LayerLayout, int], object] = {}
-
-
+@cache
 def device_params(layout: LayerLayout, device: int):
-    """The layer's constants on ``device``, uploaded once (the only host synchronisation)."""
-    key = (layout, device)
-    if key not in _params:
-        import cupy
-
-        array = cupy.asarray(layout_params(layout))
-        cupy.cuda.get_current_stream().synchronize()  # once: then any stream may read it
-        _params[key] = array
-    return _params[key]
+    """The layer's constants on ``device`` (the current one), uploaded once per device (the only
+    host synchronisation)."""
+    cupy = cupy_module()
+    array = cupy.asarray(layout_params(layout))
+    cupy.cuda.get_current_stream().synchronize()  # once: then any stream may read it
+    return array
 
 
 def ngram_ids_cuda(layout: LayerLayout, tokens, query_start_loc, context, out, stream):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import inspect
 from functools import cache
 
 import numpy as np
@@ -11,13 +9,12 @@ from numba import njit, prange
 
 from . import hashing
 from .cpu_threads import use_threads
-from .hashing import write_token_ids
-from .jitable import inline_jitable
+from .hashing import roll_context_row, write_token_ids
+from .jitable import source_digest
 
 # Numba's on-disk cache only watches this file; the kernels' closure carries a digest of the
 # shared arithmetic too, so editing hashing.py can never reuse stale machine code.
-HASHING_DIGEST = int.from_bytes(hashlib.sha256(inspect.getsource(hashing).encode()).digest()[:7],
-                                "little")
+HASHING_DIGEST = source_digest(hashing)
 
 # Tokens per parallel work item: large enough to amortise the request search, small enough to
 # balance a single long request across every core.
@@ -65,22 +62,6 @@ def ngram_ids_numba(layout, tokens, query_start_loc, context, out, parallel: boo
         kernel(tokens, query_start_loc, context, layout.multipliers, layout.head_sizes,
                layout.head_magics, layout.head_offsets, layout.eos_token_id, out)
     return out
-
-
-@inline_jitable
-def roll_context_row(tokens, context, request, start, end, out):
-    """``out[request]``: the last ``out.shape[1]`` of ``context[request] ++ tokens[start:end]``.
-
-    Safe in place (``out`` aliasing ``context``): each entry reads at or after the one it writes.
-    Shared with the GPU kernel.
-    """
-    width = out.shape[1]
-    for i in range(width):
-        position = end - width + i
-        if position >= start:
-            out[request, i] = tokens[position]
-        else:
-            out[request, i] = context[request, i + (end - start)]
 
 
 @njit(cache=True, nogil=True)

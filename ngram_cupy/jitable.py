@@ -9,7 +9,10 @@ therefore gets a numba-core overload and the CUDA target numba-cuda's own ``regi
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 from collections.abc import Callable
+from types import ModuleType
 
 from numba.core.extending import overload, register_jitable
 
@@ -33,3 +36,13 @@ def inline_jitable(fn: Callable) -> Callable:
     overload(fn, target="cpu", inline="always", strict=False)(lambda *args, **kwargs: fn)
     cuda_register(inline="always")(fn)
     return fn
+
+
+def source_digest(*modules: ModuleType) -> int:
+    """A 56-bit digest of the modules' source. Numba's on-disk cache watches only the file of
+    the kernel it compiles; a kernel that inlines code from other modules carries this digest
+    in its closure (its cache key), so editing them never reuses stale machine code."""
+    digest = hashlib.sha256()
+    for module in modules:
+        digest.update(inspect.getsource(module).encode())
+    return int.from_bytes(digest.digest()[:7], "little")

@@ -1,4 +1,5 @@
-"""Per-layer hash layout: multipliers, per-head prime table sizes and row offsets (SPEC section 1).
+"""Per-layer hash layout: multipliers, per-head prime table sizes and row offsets (SPEC section 1),
+and the row ranges a table is cut into (checkpoint shards, ranks).
 
 Everything here is exact host-side integer arithmetic in plain Python ints; the arrays it returns
 are what the id kernels consume.
@@ -12,6 +13,7 @@ from functools import cache
 
 import numpy as np
 
+from .checks import check_integer
 from .config import MAX_LAYOUT_PRIMES, NGramConfig
 
 MASK64 = (1 << 64) - 1
@@ -141,6 +143,16 @@ class LayerLayout:
         return self.padded_rows * self.head_dim * itemsize
 
 
+def check_layout(layout) -> LayerLayout:
+    """Reject anything that is not a ``LayerLayout``."""
+    if not isinstance(layout, LayerLayout):
+        raise TypeError(
+            f"layout must be a LayerLayout (from ngram_cupy.layer_layout), got "
+            f"{type(layout).__name__}"
+        )
+    return layout
+
+
 @cache
 def layer_layout(config: NGramConfig, layer: int) -> LayerLayout:
     """The exact hash layout of dense PLE layer ``layer`` (0-based among the PLE layers), cached."""
@@ -170,3 +182,20 @@ def layer_layout(config: NGramConfig, layer: int) -> LayerLayout:
         padded_rows=padded_rows,
         head_magics=_readonly([(1 << 64) // s for s in sizes], np.uint64),
     )
+
+
+def split_rows(total_rows: int, parts: int, index: int) -> tuple[int, int]:
+    """Rows ``[start, stop)`` of block ``index`` when ``total_rows`` are cut into ``parts``
+    contiguous blocks of ``ceil(total_rows / parts)`` rows (the last ones shorter or empty).
+
+    The rule for both checkpoint shards (``parts = split_ngram_parts``) and the rows each rank
+    owns under row sharding (``parts = world_size``, ``index = rank``).
+    """
+    for name, value in (("total_rows", total_rows), ("parts", parts), ("index", index)):
+        check_integer(name, value)
+    if total_rows < 0 or parts < 1:
+        raise ValueError(f"need total_rows >= 0 and parts >= 1, got {total_rows} and {parts}")
+    if not 0 <= index < parts:
+        raise ValueError(f"index must lie in [0, {parts}), got {index}")
+    size = -(-int(total_rows) // int(parts))
+    return min(index * size, total_rows), min((index + 1) * size, total_rows)

@@ -1,64 +1,70 @@
 """Public entry points for n-gram ids and context rolling (SPEC sections 2 and 3).
 
-NumPy arguments (or torch CPU tensors, viewed zero-copy) run the Numba CPU kernels and give NumPy
-results; CuPy arrays, CUDA torch tensors and other CUDA arrays run the Numba CUDA kernels on the
-caller's stream and give CuPy results (``torch.from_dlpack`` takes them without a copy).
+NumPy arguments (or torch CPU tensors, viewed zero-copy) run the Numba CPU kernels; CuPy arrays,
+CUDA torch tensors and other CUDA arrays run the Numba CUDA kernels on the caller's stream.
+Results follow the inputs (``backends``): NumPy for NumPy, CuPy for CuPy, torch for torch, and a
+given ``out`` is what is returned.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import numpy as np
 
-from .arrays import place
-from .checks import (
-    check_batch,
-    check_destination,
-    check_layout,
-    check_out,
-    check_query_start_loc_values,
-)
+from .backends import HOST, Call, bind
+from .checks import check_batch, check_destination, check_out, check_query_start_loc_values
 from .ids_numba import advance_context_numba, ngram_ids_numba
-from .layout import LayerLayout
+from .layout import LayerLayout, check_layout
 
 
-def _batch(layout: LayerLayout, stream, input_ids, query_start_loc, ngram_context, out):
-    """Checked, contiguous arrays of one call on its side: ``(stream, arrays, out, T, R)``.
+@dataclass
+class Batch:
+    """One packed batch, checked and contiguous on its side: the bound call (side, stream,
+    ``out``), the three arrays, and the token and request counts."""
 
-    ``stream`` is None on the host. On the GPU only shapes are checked: reading
-    ``query_start_loc`` would synchronise with the device, and the kernels clamp it instead.
+    call: Call
+    tokens: Any
+    query_start_loc: Any
+    context: Any
+    num_tokens: int
+    num_requests: int
+
+
+def bind_batch(layout: LayerLayout, stream, input_ids, query_start_loc, ngram_context,
+               **outs) -> Batch:
+    """Bind and check one packed batch (and its ``out`` arrays, by name).
+
+    On the GPU only shapes are checked: reading ``query_start_loc`` would synchronise with the
+    device, and the kernels clamp it instead.
     """
     check_layout(layout)
-    check_destination("out", out)
-    stream, arrays = place(stream, input_ids=input_ids, query_start_loc=query_start_loc,
-                           ngram_context=ngram_context, out=out)
+    for name, value in outs.items():
+        check_destination(name, value)
+    call = bind(stream, input_ids=input_ids, query_start_loc=query_start_loc,
+                ngram_context=ngram_context, **outs)
     names = ("input_ids", "query_start_loc", "ngram_context")
-    # Checked before ascontiguousarray, which would turn a 0-d array into a 1-D one.
-    num_tokens, num_requests = check_batch(layout, *(arrays[name] for name in names))
-    if stream is None:
-        batch = tuple(np.ascontiguousarray(arrays[name]) for name in names)
-        check_query_start_loc_values(batch[1], num_tokens)
-    else:
-        if num_requests == 0 and num_tokens:
-            raise ValueError(
-                f"query_start_loc holds no request but input_ids has {num_tokens} tokens")
-        import cupy
-
-        with stream:
-            batch = tuple(cupy.ascontiguousarray(arrays[name]) for name in names)
-    return stream, batch, arrays["out"], num_tokens, num_requests
+    # Checked before making contiguous, which would turn a 0-d array into a 1-D one.
+    num_tokens, num_requests = check_batch(layout, *(call[name] for name in names))
+    if call.side is not HOST and num_requests == 0 and num_tokens:
+        raise ValueError(f"query_start_loc holds no request but input_ids has {num_tokens} tokens")
+    with call.on():
+        arrays = tuple(call.side.contiguous(call[name]) for name in names)
+    if call.side is HOST:
+        check_query_start_loc_values(arrays[1], num_tokens)
+    return Batch(call, *arrays, num_tokens, num_requests)
 
 
-def _output(stream, out, shape: tuple[int, int], dtype):
-    """``out`` checked, or a new array on the call's side (allocated for the call's stream)."""
+def output(call: Call, shape: tuple[int, ...], dtype, name: str = "out"):
+    """The call's ``name`` array checked, or a new array on the call's side (allocated for the
+    call's stream)."""
+    out = call[name]
     if out is not None:
-        check_out("out", out, shape, dtype)
+        check_out(name, out, shape, dtype)
         return out
-    if stream is None:
-        return np.empty(shape, dtype=dtype)
-    import cupy
-
-    with stream:
-        return cupy.empty(shape, dtype=dtype)
+    with call.on():
+        return call.side.empty(shape, dtype)
 
 
 def compute_ngram_ids(layout: LayerLayout, input_ids, query_start_loc, ngram_context,
@@ -68,19 +74,25 @@ def compute_ngram_ids(layout: LayerLayout, input_ids, query_start_loc, ngram_con
     ``input_ids[T]`` holds the requests' tokens back to back, ``query_start_loc[R+1]`` where each
     starts, and ``ngram_context[R' >= R, ngram_size-1]`` the tokens before each request (oldest
     first; all EOS for a fresh sequence). Bit-exact with the reference model on any input.
-    GPU arrays run one kernel on ``stream`` (default: CuPy's current stream; a CuPy or torch
-    stream), with no host synchronisation; there ``query_start_loc`` is trusted, not checked.
+    GPU arrays run one kernel on ``stream`` (default: torch's current stream for torch inputs,
+    else CuPy's current stream; a CuPy or torch stream), with no host synchronisation; there
+    ``query_start_loc`` is trusted, not checked.
     """
-    stream, (tokens, starts, context), out, num_tokens, _ = _batch(
-        layout, stream, input_ids, query_start_loc, ngram_context, out
-    )
-    out = _output(stream, out, (num_tokens, layout.num_heads), np.int64)
-    if stream is None:
-        return ngram_ids_numba(layout, tokens, starts, context, out)
+    batch = bind_batch(layout, stream, input_ids, query_start_loc, ngram_context, out=out)
+    return batch.call.result(batch_ids(layout, batch, output(
+        batch.call, (batch.num_tokens, layout.num_heads), np.int64)))
+
+
+def batch_ids(layout: LayerLayout, batch: Batch, out):
+    """Write the ids of a bound batch into ``out`` (an array on its side, checked) and return
+    it: the Numba kernel on the host, the CUDA kernel on the batch's stream on the GPU."""
+    if batch.call.side is HOST:
+        return ngram_ids_numba(layout, batch.tokens, batch.query_start_loc, batch.context, out)
     from .ids_cuda import ngram_ids_cuda
 
     with out.device:
-        return ngram_ids_cuda(layout, tokens, starts, context, out, stream)
+        return ngram_ids_cuda(layout, batch.tokens, batch.query_start_loc, batch.context, out,
+                              batch.call.stream)
 
 
 def advance_context(layout: LayerLayout, input_ids, query_start_loc, ngram_context,
@@ -92,14 +104,16 @@ def advance_context(layout: LayerLayout, input_ids, query_start_loc, ngram_conte
     The result's dtype holds both inputs' (``numpy.result_type``): int64 tokens rolled into an
     int32 context give an int64 context, never a truncated token; ``out`` must have that dtype.
     """
-    stream, (tokens, starts, context), out, _, num_requests = _batch(
-        layout, stream, input_ids, query_start_loc, ngram_context, out
-    )
-    dtype = np.result_type(context.dtype, tokens.dtype)
-    out = _output(stream, out, (num_requests, layout.ngram_size - 1), dtype)
-    if stream is None:
-        return advance_context_numba(tokens, starts, context, out)
-    from .ids_cuda import advance_context_cuda
+    batch = bind_batch(layout, stream, input_ids, query_start_loc, ngram_context, out=out)
+    call = batch.call
+    rolled = output(call, (batch.num_requests, layout.ngram_size - 1),
+                    np.result_type(batch.context.dtype, batch.tokens.dtype))
+    if call.side is HOST:
+        advance_context_numba(batch.tokens, batch.query_start_loc, batch.context, rolled)
+    else:
+        from .ids_cuda import advance_context_cuda
 
-    with out.device:
-        return advance_context_cuda(tokens, starts, context, out, stream)
+        with rolled.device:
+            advance_context_cuda(batch.tokens, batch.query_start_loc, batch.context, rolled,
+                                 call.stream)
+    return call.result(rolled)

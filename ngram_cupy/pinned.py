@@ -2,27 +2,80 @@
 
 An anonymous ``mmap`` registered with ``cudaHostRegister`` (portable and mapped) rather than a
 pinned-memory pool: a pool rounds allocations up to powers of two, turning a 47.7 GiB table into
-64 GiB. The registration is released by ``close()`` or when the buffer is garbage-collected.
+64 GiB.
+
+Release never synchronises the whole device: ``cudaDeviceSynchronize`` fails inside a
+global-mode CUDA graph capture, and ruins it. Each buffer remembers the streams whose kernels read
+it (``used_on``); ``close()`` waits for those streams only, then unregisters. Garbage collection
+(which may run in the middle of someone's capture) makes no CUDA call at all: it queues the
+registration, and the queue is released at the next ``close()``, the next ``PinnedBuffer`` or
+``release_deferred()``, skipping any registration one of whose streams is capturing.
 """
 
 from __future__ import annotations
 
 import mmap
 import weakref
+from typing import Any
 
 import numpy as np
+
+from .backends import cupy_module
 
 # cudaHostRegisterPortable | cudaHostRegisterMapped: every device and context may map it.
 _REGISTER_FLAGS = 0x01 | 0x02
 
 
-def _unregister(pointer: int) -> None:
-    """Release one registration once the GPU is done with it (the finaliser: it must not refer
-    to the buffer object)."""
-    import cupy
+def host_unregister(pointer: int) -> None:
+    """``cudaHostUnregister``."""
+    cupy_module().cuda.runtime.hostUnregister(pointer)
 
-    cupy.cuda.runtime.deviceSynchronize()  # no kernel may still read the rows
-    cupy.cuda.runtime.hostUnregister(pointer)
+
+class Registration:
+    """One registered range and the memory behind it (kept mapped until unregistered)."""
+
+    def __init__(self, pointer: int, memory: Any):
+        self.pointer = pointer
+        self.memory = memory
+        self.streams: dict[int, Any] = {}  # by handle: the streams that read the memory
+
+    @property
+    def released(self) -> bool:
+        """Whether the range is unregistered."""
+        return self.memory is None
+
+    def used_on(self, stream: Any) -> None:
+        """Remember a stream that reads the memory."""
+        self.streams.setdefault(stream.ptr, stream)
+
+    def release(self) -> bool:
+        """Wait for the streams that read the memory, then unregister it. While any of them is
+        capturing a CUDA graph nothing is done (a wait would break the capture): False."""
+        if self.released:
+            return True
+        if any(stream.is_capturing() for stream in self.streams.values()):
+            return False
+        for stream in self.streams.values():
+            stream.synchronize()
+        host_unregister(self.pointer)
+        self.memory = None
+        self.streams.clear()
+        return True
+
+
+_deferred: list[Registration] = []
+
+
+def _collected(registration: Registration) -> None:
+    """The finaliser: queue the release (no CUDA call here)."""
+    _deferred.append(registration)
+
+
+def release_deferred() -> int:
+    """Release the queued registrations of collected buffers that can be released now; return
+    how many are still queued."""
+    _deferred[:] = [registration for registration in _deferred if not registration.release()]
+    return len(_deferred)
 
 
 def _registration_error(nbytes: int, error: Exception) -> RuntimeError:
@@ -42,17 +95,17 @@ class PinnedBuffer:
     """``nbytes`` of page-locked host memory, as a NumPy byte array and a GPU-visible address."""
 
     def __init__(self, nbytes: int, device: int | None = None):
-        import cupy
-
         if nbytes <= 0:
             raise ValueError(f"nbytes must be positive, got {nbytes}")
         self.nbytes = int(nbytes)
-        self._map = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE)  # anonymous, this process
+        memory = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE)  # anonymous, this process
         if hasattr(mmap, "MADV_HUGEPAGE"):  # fewer pages to lock and to map into the GPU
-            self._map.madvise(mmap.MADV_HUGEPAGE)
-        self.array = np.frombuffer(self._map, dtype=np.uint8)
+            memory.madvise(mmap.MADV_HUGEPAGE)
+        self.array = np.frombuffer(memory, dtype=np.uint8)
         self.pointer = self.array.ctypes.data
         try:
+            cupy = cupy_module()
+            release_deferred()
             self.device = cupy.cuda.runtime.getDevice() if device is None else int(device)
             if not cupy.cuda.runtime.deviceGetAttribute(
                     cupy.cuda.runtime.cudaDevAttrCanUseHostPointerForRegisteredMem, self.device):
@@ -61,26 +114,35 @@ class PinnedBuffer:
             cupy.cuda.runtime.hostRegister(self.pointer, self.nbytes, _REGISTER_FLAGS)
         except Exception as error:
             raise _registration_error(self.nbytes, error) from error
-        self._finalizer = weakref.finalize(self, _unregister, self.pointer)
+        self._registration = Registration(self.pointer, memory)
+        self._finalizer = weakref.finalize(self, _collected, self._registration)
         self._finalizer.atexit = False  # at exit the process's memory goes anyway
 
     @property
     def registered(self) -> bool:
         """Whether the memory is still page-locked and mapped for the GPU."""
-        return self._finalizer.alive
+        return not self._registration.released
+
+    def used_on(self, stream: Any) -> None:
+        """Note that a kernel reading this memory runs on ``stream`` (a CuPy stream)."""
+        self._registration.used_on(stream)
 
     def device_array(self, shape: tuple[int, ...], dtype):
         """A CuPy array over the mapped memory: GPU kernels read the host rows through it (UVA)."""
-        import cupy
-
+        cupy = cupy_module()
         if not self.registered:
             raise ValueError("the pinned buffer is closed")
         memory = cupy.cuda.UnownedMemory(self.pointer, self.nbytes, self, self.device)
         return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, 0))
 
     def close(self) -> None:
-        """Unregister the memory now; the NumPy view stays readable as ordinary memory."""
-        self._finalizer()
+        """Unregister the memory now, after the streams that read it; the NumPy view stays
+        readable as ordinary memory. Inside a capture on one of those streams: a RuntimeError."""
+        if not self._registration.release():
+            raise RuntimeError("cannot release pinned memory while a stream that reads it is "
+                               "capturing a CUDA graph: close it after the capture")
+        self._finalizer.detach()
+        release_deferred()
 
     def __enter__(self) -> PinnedBuffer:
         return self

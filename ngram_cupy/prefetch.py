@@ -1,8 +1,8 @@
 """The prefetch protocol: start a gather early, join it at the next lookup.
 
-A prefetch gathers into a staging buffer and remembers the ids it gathered; ``lookup`` always
-joins it (the in-flight gather owns the staging buffer, even when other ids are asked for) and
-then re-gathers only the heads whose ids differ. On the GPU the gather runs on a private CUDA
+A prefetch gathers into a staging buffer and remembers the ids it gathered; the next lookup
+always joins it (the in-flight gather owns the staging buffer, even when other ids are asked for)
+and then re-gathers only the heads whose ids differ. On the GPU the gather runs on a private CUDA
 stream ordered by events, with no host synchronisation; on the CPU it runs on a worker thread.
 
 Threads: a pending prefetch belongs to the thread that started it, and only that thread's
@@ -10,6 +10,11 @@ lookup joins it; other threads' lookups gather on their own meanwhile. Staging b
 per thread, so no thread's result is ever another's staging buffer. A table holds one pending
 prefetch: another thread's prefetch while it is pending raises ``RuntimeError`` naming both
 threads (give each thread its own table: tables over one weight array share its memory).
+
+Staging buffers are kept per shape, the latest ``STAGING_SHAPES`` of them on each side: batch
+sizes change from step to step. A CUDA graph holds the addresses of the buffers it captured, so a
+graph user pins the batch sizes it captures with ``keep(num_tokens)`` (``EmbeddingTable.
+keep_staging``) before capturing; pinned buffers are never dropped.
 """
 
 from __future__ import annotations
@@ -17,10 +22,17 @@ from __future__ import annotations
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
+
+from .backends import HOST, Backend, cupy_module
+
+# Staging buffer shapes kept per side (beyond the pinned ones).
+STAGING_SHAPES = 8
 
 
 @dataclass
@@ -30,35 +42,54 @@ class Pending:
     ids: Any
     rows: Any
     out_code: int
+    captured: bool = False  # issued inside a CUDA graph capture
 
 
 class Buffers:
-    """Arrays allocated once per (role, shape, dtype): their addresses stay put, so CUDA graphs
-    captured over them replay correctly.
+    """Arrays allocated once per (thread, role, shape, dtype), so their addresses stay put.
 
-    ``keep`` bounds how many are kept, dropping the least recently used: only for host memory,
-    which no graph can hold (a batch size per step would otherwise keep a buffer per size ever
-    seen); None keeps every one.
+    ``keep`` bounds how many are kept, dropping the least recently used (it stays alive wherever
+    it is still referenced); buffers whose first dimension was pinned with ``pin`` are never
+    dropped nor counted. None keeps every one.
     """
 
-    def __init__(self, empty: Callable[..., Any], keep: int | None = None):
+    def __init__(self, empty: Callable[..., Any], keep: int | None = STAGING_SHAPES):
         self._empty = empty
         self._keep = keep
         self._arrays: OrderedDict[tuple, Any] = OrderedDict()
+        self._pinned: OrderedDict[tuple, Any] = OrderedDict()
+        self._pinned_sizes: set[int] = set()
         self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._arrays) + len(self._pinned)
+
+    def pin(self, sizes: Iterable[int]) -> None:
+        """Keep every buffer whose first dimension is one of ``sizes``, now and later."""
+        with self._lock:
+            self._pinned_sizes.update(int(size) for size in sizes)
+            for key in [key for key in self._arrays
+                        if key[2][:1] and key[2][0] in self._pinned_sizes]:
+                self._pinned[key] = self._arrays.pop(key)
 
     def get(self, role: str, shape: tuple[int, ...], dtype) -> Any:
         """The calling thread's buffer for this role, shape and dtype, allocated on first use
         (per thread: a result one thread still holds is never another's staging buffer)."""
         key = (threading.get_ident(), role, tuple(shape), str(dtype))
         with self._lock:
+            if key in self._pinned:
+                return self._pinned[key]
             if key in self._arrays:
                 self._arrays.move_to_end(key)
+                return self._arrays[key]
+            array = self._empty(shape, dtype=dtype)
+            if shape and shape[0] in self._pinned_sizes:
+                self._pinned[key] = array
             else:
-                self._arrays[key] = self._empty(shape, dtype=dtype)
+                self._arrays[key] = array
                 if self._keep is not None and len(self._arrays) > self._keep:
-                    self._arrays.popitem(last=False)  # still alive wherever it is referenced
-            return self._arrays[key]
+                    self._arrays.popitem(last=False)
+            return array
 
 
 def _refuse_second_prefetch(owner: int | None) -> None:
@@ -102,6 +133,11 @@ class ThreadPrefetcher:
             self._owner = threading.get_ident()
             self._future = self._executor.submit(gather)
 
+    def wait(self) -> None:
+        """Wait for the issued gather without joining it (its rows stay pending)."""
+        if self._future is not None and self._pid == os.getpid():
+            self._future.exception()
+
     def join(self) -> Pending | None:
         """Wait for the issued prefetch, if any; its exception, if it raised, surfaces here.
 
@@ -125,8 +161,8 @@ class ThreadPrefetcher:
         joining a thread from a finaliser can deadlock when the collection runs inside the
         start of another thread.
         """
-        if wait and self._future is not None and self._pid == os.getpid():
-            self._future.exception()
+        if wait:
+            self.wait()
         self._future = self._pending = self._owner = None
         if self._executor is not None:
             self._executor.shutdown(wait=wait)
@@ -135,14 +171,18 @@ class ThreadPrefetcher:
 
 class StreamPrefetcher:
     """GPU prefetch: the gather runs on a private stream that first waits for an event recorded
-    on the caller's stream; ``join`` makes the caller's stream wait for the gather's event."""
+    on the caller's stream; ``join`` makes the caller's stream wait for the gather's event.
 
-    def __init__(self) -> None:
-        import cupy
+    A prefetch issued inside a CUDA graph capture must be joined (by its lookup) inside the same
+    capture, and one issued outside cannot be joined inside one: either mismatch is a clear
+    ``RuntimeError`` (CUDA would report an unjoined or isolated capture).
+    """
 
-        self.stream = cupy.cuda.Stream(non_blocking=True)
-        self._ready = cupy.cuda.Event(disable_timing=True)
-        self._done = cupy.cuda.Event(disable_timing=True)
+    def __init__(self, stream: Any = None, event: Callable[[], Any] | None = None) -> None:
+        cupy = cupy_module() if stream is None or event is None else None
+        self.stream = cupy.cuda.Stream(non_blocking=True) if stream is None else stream
+        event = event or (lambda: cupy.cuda.Event(disable_timing=True))
+        self._ready, self._done = event(), event()
         self._pending: Pending | None = None
         self._owner: int | None = None  # the thread that started the pending prefetch
         self._lock = threading.Lock()
@@ -152,6 +192,7 @@ class StreamPrefetcher:
         with self._lock:
             if self._pending is not None:
                 _refuse_second_prefetch(self._owner)
+            pending.captured = caller.is_capturing()
             self._ready.record(caller)
             self.stream.wait_event(self._ready)
             with self.stream:
@@ -167,11 +208,91 @@ class StreamPrefetcher:
             if not _mine(self._owner):
                 return None
             pending, self._pending, self._owner = self._pending, None, None
-        if pending is not None:
-            caller.wait_event(self._done)
+        if pending is None:
+            return None
+        capturing = caller.is_capturing()
+        if pending.captured and not capturing:
+            raise RuntimeError(
+                "a prefetch was captured in a CUDA graph without its lookup: capture the "
+                "lookup that consumes it in the same graph (the capture itself fails as "
+                "unjoined); the prefetch is dropped")
+        if capturing and not pending.captured:
+            raise RuntimeError(
+                "a lookup captured in a CUDA graph cannot join a prefetch issued outside the "
+                "capture: capture prefetch and lookup together; the prefetch is dropped")
+        caller.wait_event(self._done)
         return pending
 
     def close(self) -> None:
         """Let the private stream drain: its gather may still read the table."""
         self._pending = self._owner = None
         self.stream.synchronize()
+
+
+class Prefetcher:
+    """A table's prefetch state on both sides: the worker thread, the private stream, and the
+    staging buffers of each side."""
+
+    def __init__(self) -> None:
+        self.threads = ThreadPrefetcher()
+        self.streams: StreamPrefetcher | None = None
+        self._buffers: dict[Backend, Buffers] = {}
+        self._keep: set[int] = set()
+
+    def buffers(self, side: Backend) -> Buffers:
+        """The staging buffers of one side."""
+        if side not in self._buffers:
+            self._buffers[side] = Buffers(side.empty)
+            self._buffers[side].pin(self._keep)
+        return self._buffers[side]
+
+    def keep(self, num_tokens: Iterable[int]) -> None:
+        """Never drop the staging buffers of these batch sizes (CUDA graphs hold them)."""
+        self._keep.update(int(n) for n in num_tokens)
+        for buffers in self._buffers.values():
+            buffers.pin(self._keep)
+
+    def join(self, side: Backend, stream: Any) -> Pending | None:
+        """Join the issued prefetch of ``side``, if any (it owns the staging buffers)."""
+        if side is HOST:
+            return self.threads.join()
+        return None if self.streams is None else self.streams.join(stream)
+
+    def issue(self, side: Backend, stream: Any, ids, rows_shape: tuple[int, int], rows_dtype,
+              out_code: int, out, gather: Callable[[Any, Any, bool], object]) -> None:
+        """Join the previous prefetch, snapshot ``ids`` and start ``gather(ids, rows, worker)``
+        into ``out`` (or a staging buffer), on the worker thread or the private stream."""
+        buffers = self.buffers(side)
+        self.join(side, stream)
+        snapshot = buffers.get("ids", ids.shape, np.int64)
+        snapshot[...] = ids
+        rows = out if out is not None else buffers.get("rows", rows_shape, rows_dtype)
+        pending = Pending(snapshot, rows, out_code)
+        if side is HOST:
+            self.threads.start(pending, lambda: gather(snapshot, rows, True))
+        else:
+            if self.streams is None:
+                self.streams = StreamPrefetcher()
+            self.streams.start(stream, pending, lambda: gather(snapshot, rows, False))
+
+    def finish(self, side: Backend, stream: Any, ids, out_code: int, out,
+               gather: Callable[[Any, Any, Any], object]):
+        """Join the prefetch of ``side``; when it gathered ids of this shape and output format,
+        complete its rows (into ``out`` when given) with ``gather(ids, target, expected)`` for
+        the heads whose ids changed, and return them; else None."""
+        pending = self.join(side, stream)
+        if pending is None or pending.ids.shape != ids.shape or pending.out_code != out_code:
+            return None
+        target = pending.rows if out is None else out
+        if side.address(target) != side.address(pending.rows):
+            target[...] = pending.rows
+        gather(ids, target, pending.ids)
+        return target
+
+    def close(self, wait: bool = True) -> None:
+        """Finish and stop both prefetchers (see ``ThreadPrefetcher.close``)."""
+        if self.streams is not None and wait:
+            self.streams.close()
+            self.streams = None
+        self.threads.close(wait)
+

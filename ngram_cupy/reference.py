@@ -1,39 +1,16 @@
 """Plain NumPy reference for SPEC sections 2 and 3: slow, vectorised, and obviously right.
 
 Every fast path is tested against these functions; they favour clarity over speed and never
-share code with the kernels.
+share code with the kernels (``token_histories``, the EOS-cut histories in plain NumPy, is shared
+with the corpus statistics, which hash the same n-grams).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from .histories import token_histories
 from .layout import LayerLayout
-
-
-def token_histories(layout: LayerLayout, input_ids, query_start_loc, ngram_context) -> np.ndarray:
-    """``[T, n]`` int64: column j holds the token j places before each token, EOS-cut."""
-    tokens = np.asarray(input_ids, dtype=np.int64)
-    starts = np.asarray(query_start_loc, dtype=np.int64)
-    context = np.asarray(ngram_context, dtype=np.int64)
-    n, eos = layout.ngram_size, layout.eos_token_id
-    positions = np.arange(tokens.size)
-    request = np.searchsorted(starts, positions, side="right") - 1
-    start = starts[request]
-
-    history = np.empty((tokens.size, n), dtype=np.int64)
-    seen_eos = np.zeros(tokens.size, dtype=bool)
-    for j in range(n):
-        source = positions - j
-        in_batch = source >= start
-        # Before the request's first token, read its context: column n-1 is the newest.
-        context_column = np.where(in_batch, 0, (n - 1) - (start - source))
-        w = np.where(in_batch, tokens[np.maximum(source, 0)], context[request, context_column])
-        if j > 0:
-            w = np.where(seen_eos, eos, w)
-            seen_eos |= w == eos
-        history[:, j] = w
-    return history
 
 
 def compute_ngram_ids(layout: LayerLayout, input_ids, query_start_loc, ngram_context) -> np.ndarray:

@@ -14,9 +14,9 @@ import numpy as np
 import pyarrow as pa
 
 from .arrow import DocumentPacker
+from .histories import token_histories
 from .layout import LayerLayout
 from .ngram_ids import compute_ngram_ids
-from .reference import token_histories
 
 # Pending n-grams are folded into the distinct set once they outnumber it and this count.
 _MERGE_AT = 1 << 20

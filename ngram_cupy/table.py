@@ -1,81 +1,32 @@
-"""Embedding tables: rows in CPU, GPU or pinned host memory, looked up with fused dequantisation.
+"""Embedding tables: a storage, a format and a prefetcher behind one lookup front.
 
 ``EmbeddingTable`` owns global rows ``[row_start, row_start + num_rows)`` of a table of
 ``total_rows`` rows (row sharding across ranks): other ids give zero rows and are never read.
-NumPy ids are gathered on the CPU (Numba), CuPy / CUDA torch ids on the GPU (``kernels/gather.cu``),
-which reads a ``"host"`` table over PCIe through its mapped address (UVA).
+Where the rows live is its storage (``storage/``: CPU, GPU, pinned host memory, mapped files);
+what they hold is its format (``formats.py``); ``prefetch.py`` runs gathers ahead of lookups.
+NumPy ids are gathered on the CPU (Numba), CuPy / CUDA torch ids on the GPU
+(``kernels/gather.cu``), which reads a pinned table over PCIe through its mapped address (UVA).
 """
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from . import gather_numba
-from .arrays import DEVICE, HOST, convert, place
-from .checks import check_destination, check_index_array, check_out
-from .dequant import BFLOAT16, Format, default_output, output_format, storage_format
-from .pinned import PinnedBuffer
-from .prefetch import Buffers, Pending, StreamPrefetcher, ThreadPrefetcher
+from .backends import DEVICE, HOST, Backend, Call, bind, cuda_stream
+from .checks import check_destination, check_index_array, check_integer, check_out
+from .formats import BFLOAT16, Format, default_output, holds, output_format, storage_format
+from .prefetch import STAGING_SHAPES, Prefetcher
+from .storage import Gather, Storage, adopt, allocate, canonical_placement
 
-PLACEMENTS = ("cpu", "gpu", "host")
-# Staging buffers (ids and rows) kept on the host: batch sizes vary from step to step.
-HOST_BUFFER_SHAPES = 8
-# Torch dtypes that NumPy and DLPack consumers cannot type: moved as same-width integers.
-_TORCH_RAW = {"torch.bfloat16": "int16", "torch.float8_e4m3fn": "uint8"}
+# The old name of the bound on kept staging shapes.
+HOST_BUFFER_SHAPES = STAGING_SHAPES
 
 
-def _gpu_available() -> bool:
-    """Whether CuPy is importable and sees a CUDA device."""
-    try:
-        import cupy
-
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        return False
-
-
-def _unwrap(value: Any) -> tuple[Any, str | None]:
-    """``(array, logical dtype name)``: torch bfloat16/float8 tensors become integer views."""
-    name = str(getattr(value, "dtype", ""))
-    if name in _TORCH_RAW and type(value).__module__.startswith("torch"):
-        import torch
-
-        return value.view(getattr(torch, _TORCH_RAW[name])), name
-    return value, None
-
-
-def _holds(array, fmt: Format) -> bool:
-    """Whether ``array`` holds ``fmt`` values: of that dtype, or as same-width integer bits."""
-    dtype = np.dtype(array.dtype)
-    return dtype == fmt.dtype or (dtype.kind in "iu" and dtype.itemsize == fmt.itemsize)
-
-
-def _empty(side: str):
-    """``numpy.empty`` or ``cupy.empty``."""
-    if side == HOST:
-        return np.empty
-    import cupy
-
-    return cupy.empty
-
-
-def staging_buffers(side: str) -> Buffers:
-    """Buffers reused across calls: on the GPU all are kept (CUDA graphs hold their addresses),
-    on the host the few most recent shapes."""
-    return Buffers(_empty(side), keep=HOST_BUFFER_SHAPES if side == HOST else None)
-
-
-def _address(array) -> int:
-    """Data pointer of a NumPy or CuPy array."""
-    return array.ctypes.data if isinstance(array, np.ndarray) else array.data.ptr
-
-
-def _scale_value(scale) -> np.float32 | None:
+def scale_value(scale) -> np.float32 | None:
     """The scale as a float32 scalar (exact for bf16 / f16 / f32 inputs), or None."""
     if scale is None:
         return None
@@ -93,69 +44,82 @@ def _scale_value(scale) -> np.float32 | None:
     return value
 
 
+def public_dtype(side: Backend, fmt: Format):
+    """Output dtype: the real one on the host; raw uint16 for bfloat16 on the GPU (no CuPy
+    bfloat16: ``torch.from_dlpack(out).view(torch.bfloat16)`` reads it)."""
+    return fmt.raw if side is DEVICE and fmt.code == BFLOAT16 else fmt.dtype
+
+
 @dataclass
 class _Request:
-    """A checked lookup: which side, the ids, the output format and destination."""
+    """A checked lookup: the bound call, contiguous ids, the output format and destination."""
 
-    side: str
+    call: Call
     ids: Any
     out_format: Format
     shape: tuple[int, int]
-    out: Any  # public view of the caller's out, or None
-    caller_out: Any  # the object the caller passed as out
-    stream: Any
+    out: Any  # the caller's out viewed as the output format's array type, or None
+
+    @property
+    def side(self) -> Backend:
+        return self.call.side
 
 
 class EmbeddingTable:
     """``[num_rows, head_dim]`` rows (float32 / float16 / bfloat16 / float8 e4m3, optional scale)
     that turn ``ids[T, H]`` into ``[T, H * head_dim]`` dequantised vectors.
 
-    ``placement``: ``"cpu"`` (NumPy, Numba gather), ``"gpu"`` (device memory) or ``"host"``
-    (page-locked host memory of exactly the table's size, read by the GPU over PCIe; without a
-    GPU, ordinary memory and the CPU gather). ``dtype`` names the storage type of raw-bit weights
-    (CuPy has no bfloat16 / float8). ``dedup=True`` makes GPU lookups fetch each distinct id once
-    (worth it for large batches over PCIe; it waits for the GPU, so it is not graph-capturable).
+    ``weight``: the rows (NumPy, CuPy, torch or any DLPack array), or a ``storage.Storage``.
+    ``placement``: ``"cpu"`` (NumPy, Numba gather), ``"gpu"`` (device memory) or ``"pinned"``
+    (``"host"``: page-locked host memory of exactly the table's size, read by the GPU over PCIe;
+    without a GPU, ordinary memory and the CPU gather). ``dtype`` names the storage type of
+    raw-bit weights (CuPy has no bfloat16 / float8). ``dedup=True`` makes GPU lookups fetch each
+    distinct id once (worth it for large batches over PCIe; it waits for the GPU, so it is not
+    graph-capturable).
     """
 
     def __init__(self, weight, scale=None, placement: str = "cpu", row_start: int = 0,
                  total_rows: int | None = None, *, dtype=None, dedup: bool = False):
-        weight, torch_dtype = _unwrap(weight)
-        side, arrays = convert(weight=weight)
-        weight = arrays["weight"]
-        if weight.ndim != 2:
-            raise ValueError(f"weight must be 2-D [rows, head_dim], got shape {weight.shape}")
-        if dtype is None:
-            dtype = torch_dtype or weight.dtype
-        fmt = storage_format(dtype, "dtype" if torch_dtype is None else "weight")
-        if not _holds(weight, fmt):
-            raise TypeError(f"weight of dtype {weight.dtype} cannot hold {fmt.name} values")
-        self._setup(weight.shape[0], weight.shape[1], fmt, placement, scale, row_start,
-                    total_rows, dedup, storage=weight, storage_side=side)
+        if isinstance(weight, Storage):
+            self._setup(weight, weight.placement, scale, row_start, total_rows, dedup)
+            return
+        call = bind(weight=weight)
+        array, torch_format = call["weight"], call.formats.get("weight")
+        if array.ndim != 2:
+            raise ValueError(f"weight must be 2-D [rows, head_dim], got shape {array.shape}")
+        fmt = storage_format(dtype or torch_format or array.dtype,
+                             "dtype" if torch_format is None else "weight")
+        if not holds(array.dtype, fmt):
+            raise TypeError(f"weight of dtype {array.dtype} cannot hold {fmt.name} values")
+        placement = canonical_placement(placement)
+        self._check_geometry(array.shape[0], array.shape[1], row_start, total_rows)
+        storage = adopt(placement, call.side, array, fmt)
+        if storage is None:
+            storage = allocate(placement, array.shape[0], array.shape[1], fmt)
+            with call.on():
+                storage.write_rows(0, array.view(fmt.raw))
+        self._setup(storage, placement, scale, row_start, total_rows, dedup)
 
     @classmethod
     def empty(cls, num_rows: int, head_dim: int, dtype, placement: str = "cpu", scale=None,
               row_start: int = 0, total_rows: int | None = None, *,
               dedup: bool = False) -> EmbeddingTable:
         """Allocated, unfilled storage, to be filled with ``write_rows`` (checkpoint loading)."""
-        table = cls.__new__(cls)
-        table._setup(num_rows, head_dim, storage_format(dtype), placement, scale, row_start,
-                     total_rows, dedup)
-        return table
+        fmt = storage_format(dtype)
+        placement = canonical_placement(placement)
+        cls._check_geometry(num_rows, head_dim, row_start, total_rows)
+        return cls(allocate(placement, int(num_rows), int(head_dim), fmt), scale,
+                   row_start=row_start, total_rows=total_rows, dedup=dedup)._named(placement)
 
     # ---- construction ----
 
-    def _setup(self, num_rows, head_dim, fmt, placement, scale, row_start, total_rows, dedup,
-               storage=None, storage_side=None):
-        """Check the geometry, allocate (or adopt) the storage, and fill it from ``storage``."""
-        if placement not in PLACEMENTS:
-            raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+    @staticmethod
+    def _check_geometry(num_rows, head_dim, row_start, total_rows) -> None:
+        """Integers, non-negative, and the owned rows inside the table."""
         total_rows = num_rows if total_rows is None else total_rows
         for name, value in (("num_rows", num_rows), ("head_dim", head_dim),
                             ("row_start", row_start), ("total_rows", total_rows)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-                raise TypeError(f"{name} must be an integer, got {value!r}")
-        num_rows, head_dim, row_start, total_rows = map(int, (num_rows, head_dim, row_start,
-                                                              total_rows))
+            check_integer(name, value)
         if min(num_rows, head_dim) < 0:
             raise ValueError(f"num_rows and head_dim must be non-negative, got {num_rows} and "
                              f"{head_dim}")
@@ -163,180 +127,140 @@ class EmbeddingTable:
             raise ValueError(
                 f"rows [{row_start}, {row_start + num_rows}) must lie within [0, total_rows="
                 f"{total_rows})")
-        self.num_rows, self.head_dim, self.format = num_rows, head_dim, fmt
-        self.dtype = fmt.dtype
-        self.scale = _scale_value(scale)
+
+    def _setup(self, storage: Storage, placement: str, scale, row_start, total_rows,
+               dedup: bool) -> None:
+        """Adopt ``storage`` with the global geometry, scale and a prefetcher."""
+        self._check_geometry(storage.num_rows, storage.head_dim, row_start, total_rows)
+        self.storage = storage
+        self.num_rows, self.head_dim, self.format = storage.num_rows, storage.head_dim, \
+            storage.format
+        self.dtype = self.format.dtype
+        self.scale = scale_value(scale)
         self.placement = placement
-        self.row_start, self.total_rows = row_start, total_rows
-        self.nbytes = num_rows * head_dim * fmt.itemsize
+        self.row_start = int(row_start)
+        self.total_rows = self.num_rows if total_rows is None else int(total_rows)
+        self.nbytes = self.num_rows * self.head_dim * self.format.itemsize
         self.dedup = bool(dedup)
-        self.pinned = False
-        self.host_view: np.ndarray | None = None
-        self._device_rows = None  # raw CuPy view the GPU gathers from
-        self._pinned: PinnedBuffer | None = None
-        self._threads = ThreadPrefetcher()
-        self._stream: StreamPrefetcher | None = None
-        self._buffers: dict[str, Buffers] = {}
-        adopted = self._allocate(storage, storage_side)
-        weakref.finalize(self, EmbeddingTable._release, self._threads, self._pinned, False)
-        if storage is not None and not adopted:
-            self._copy_in(0, storage)
+        self.prefetcher = Prefetcher()
+        weakref.finalize(self, self.prefetcher.close, False)  # never joins the worker
 
-    def _allocate(self, storage, storage_side) -> bool:
-        """Set up the storage of the placement; True when the caller's array is used as it is."""
-        shape, fmt = (self.num_rows, self.head_dim), self.format
-        if self.placement == "gpu":
-            if not _gpu_available():
-                raise RuntimeError("placement='gpu' needs CuPy and a CUDA device")
-            if storage_side == DEVICE and storage.flags.c_contiguous:
-                self._device_rows = storage.view(fmt.raw)
-                return True
-            self._device_rows = _empty(DEVICE)(shape, dtype=fmt.raw)
-        elif self.placement == "host" and _gpu_available() and self.nbytes > 0:
-            self._pinned = PinnedBuffer(self.nbytes)
-            self.pinned = True
-            self.host_view = self._pinned.array.view(fmt.dtype).reshape(shape)
-            self._device_rows = self._pinned.device_array(shape, fmt.raw)
-        elif storage_side == HOST and self.placement == "cpu" and storage.flags.c_contiguous:
-            self.host_view = storage.view(fmt.dtype)
-            return True
-        else:
-            self.host_view = np.empty(shape, dtype=fmt.dtype)
-        return False
+    def _named(self, placement: str) -> EmbeddingTable:
+        """Report the placement asked for (a pinned table without a GPU is CPU storage)."""
+        self.placement = placement
+        return self
 
-    def _copy_in(self, local_start: int, rows) -> None:
-        """Copy a NumPy or CuPy block of rows into local rows ``[local_start, +len(rows))``."""
-        stop = local_start + rows.shape[0]
-        raw = rows.view(self.format.raw)
-        if self.host_view is not None:
-            block = raw if isinstance(raw, np.ndarray) else raw.get()
-            self.host_view.view(self.format.raw)[local_start:stop] = block
-        elif isinstance(raw, np.ndarray):
-            self._device_rows[local_start:stop].set(np.ascontiguousarray(raw))
-        else:
-            self._device_rows[local_start:stop] = raw
+    @property
+    def pinned(self) -> bool:
+        """Whether the rows are in page-locked host memory the GPU reads."""
+        return self.storage.placement == "pinned"
+
+    @property
+    def host_view(self) -> np.ndarray | None:
+        """The rows in host memory (of the storage dtype), or None when they are not there."""
+        return self.storage.host_view
+
+    @property
+    def device_rows(self):
+        """The raw-bit ``[num_rows, head_dim]`` CuPy view GPU kernels read (device memory, or
+        pinned host memory through its mapped address); None when the GPU cannot read the table."""
+        return self.storage.device_view
+
+    def device_rows_on(self, stream):
+        """``device_rows`` for a kernel outside the table (the fused ids + gather) that reads
+        them on ``stream``: the storage keeps its memory until that stream's work is done."""
+        self.storage.used_on(stream)
+        return self.storage.device_view
 
     def write_rows(self, start: int, rows) -> None:
         """Copy a block of rows into global rows ``[start, start + len(rows))``, in place.
 
         The block must lie inside the owned rows and match ``head_dim`` and ``dtype``. Host
         placements write straight into their memory; ``"gpu"`` copies just this block over.
+        When this returns, every later lookup sees the rows, on any stream or graph replay.
         """
-        rows, torch_dtype = _unwrap(rows)
-        _, arrays = convert(rows=rows)
-        rows = arrays["rows"]
+        call = bind(rows=rows)
+        rows, torch_format = call["rows"], call.formats.get("rows")
         if rows.ndim != 2 or rows.shape[1] != self.head_dim:
             raise ValueError(f"rows must have shape [n, head_dim={self.head_dim}], got "
                              f"{tuple(rows.shape)}")
-        if not (_holds(rows, self.format) if torch_dtype is None
-                else storage_format(torch_dtype, "rows") == self.format):
-            raise TypeError(f"rows must have dtype {self.format.name}, got "
-                            f"{torch_dtype or rows.dtype}")
-        if isinstance(start, bool) or not isinstance(start, (int, np.integer)):
-            raise TypeError(f"start must be an integer, got {type(start).__name__}")
+        if not (holds(rows.dtype, self.format) if torch_format is None
+                else torch_format == self.format):
+            shown = rows.dtype if torch_format is None else f"torch.{torch_format.torch_name}"
+            raise TypeError(f"rows must have dtype {self.format.name}, got {shown}")
+        check_integer("start", start)
         end = start + rows.shape[0]
         if start < self.row_start or end > self.row_start + self.num_rows:
             raise ValueError(
                 f"rows [{start}, {end}) fall outside this table's rows [{self.row_start}, "
                 f"{self.row_start + self.num_rows})")
-        if self.host_view is not None and not self.host_view.flags.writeable:
+        if not self.storage.writable:
             raise ValueError("the table's storage is read-only")
-        self._copy_in(start - self.row_start, rows)
-
-    @property
-    def device_rows(self):
-        """The raw-bit ``[num_rows, head_dim]`` CuPy view GPU kernels read (device memory, or
-        pinned host memory through its mapped address); None when the GPU cannot read the table."""
-        return self._device_rows
+        with call.on():
+            self.storage.write_rows(int(start) - self.row_start, rows.view(self.format.raw))
 
     # ---- lookups ----
 
     def _request(self, ids, out, out_dtype, stream) -> _Request:
         """Check and convert one lookup's arguments; errors name the argument."""
         check_destination("out", out)
-        caller_out = out
-        out, out_torch_dtype = _unwrap(out)
-        stream, arrays = place(stream, ids=ids, out=out)
-        side = HOST if stream is None else DEVICE
-        ids = arrays["ids"]
-        check_index_array("ids", ids, 2)
-        self._check_side(side)
-        if side == HOST:
-            ids = np.ascontiguousarray(ids)
-        else:
-            import cupy
-
-            with stream:
-                ids = cupy.ascontiguousarray(ids)
-        out_format, out = self.destination(side, ids.shape, arrays["out"], out_dtype,
-                                           out_torch_dtype)
+        call = bind(stream, ids=ids, out=out)
+        check_index_array("ids", call["ids"], 2)
+        self._check_side(call.side)
+        with call.on():
+            ids = call.side.contiguous(call["ids"])
+        out_format, out = self.destination(call.side, ids.shape, call["out"], out_dtype,
+                                           call.formats.get("out"))
         shape = (ids.shape[0], ids.shape[1] * self.head_dim)
-        return _Request(side, ids, out_format, shape, out, caller_out, stream)
+        return _Request(call, ids, out_format, shape, out)
 
-    def _check_side(self, side: str) -> None:
+    def _check_side(self, side: Backend) -> None:
         """Refuse ids on a side that cannot read this table."""
-        if side == HOST and self.host_view is None:
+        if self.storage.reads(side):
+            return
+        if side is HOST:
             raise ValueError("this table is in GPU memory: pass ids on the GPU (CuPy or CUDA "
                              "torch)")
-        if side == DEVICE and self._device_rows is None:
-            raise ValueError(f"this table (placement={self.placement!r}) is not readable by the "
-                             "GPU: pass NumPy / CPU ids, or place it on 'gpu' or 'host'")
+        raise ValueError(f"this table (placement={self.placement!r}) is not readable by the "
+                         "GPU: pass NumPy / CPU ids, or place it on 'gpu' or 'pinned'")
 
-    def destination(self, side: str, ids_shape: tuple[int, int], out, out_dtype,
-                    out_torch_dtype: str | None = None) -> tuple[Format, Any]:
+    def destination(self, side: Backend, ids_shape: tuple[int, int], out, out_dtype,
+                    out_format: Format | None = None) -> tuple[Format, Any]:
         """The output format of a lookup of ``ids_shape`` ids, and ``out`` checked and viewed
-        as that format's array type (None stays None)."""
+        as that format's array type (None stays None). ``out_format``: the format of a torch
+        ``out`` passed as its bits."""
         self._check_side(side)
         if out_dtype is not None:
-            out_format = output_format(out_dtype)
-        elif out is not None and (out_torch_dtype or out.dtype.kind not in "iu"):
-            out_format = output_format(out_torch_dtype or out.dtype, "out")
+            fmt = output_format(out_dtype)
+        elif out is not None and (out_format is not None or out.dtype.kind not in "iu"):
+            fmt = out_format if out_format is not None else output_format(out.dtype, "out")
+            if not fmt.output:
+                raise TypeError(f"out must be float32, float16 or bfloat16, got {fmt.name}")
         else:
-            out_format = default_output(self.format)
+            fmt = default_output(self.format)
         if out is not None:
-            public = self.public_dtype(side, out_format)
-            if _holds(out, out_format):
+            public = public_dtype(side, fmt)
+            if holds(out.dtype, fmt):
                 out = out.view(public)
             check_out("out", out, (ids_shape[0], ids_shape[1] * self.head_dim), public)
-        return out_format, out
+        return fmt, out
 
-    @staticmethod
-    def public_dtype(side: str, fmt: Format):
-        """Output dtype: the real one on the host; raw uint16 for bfloat16 on the GPU (no CuPy
-        bfloat16: ``torch.from_dlpack(out).view(torch.bfloat16)`` reads it)."""
-        return fmt.raw if side == DEVICE and fmt.code == BFLOAT16 else fmt.dtype
+    public_dtype = staticmethod(public_dtype)
 
-    def _buffers_for(self, side: str) -> Buffers:
-        """Staging buffers of one side, allocated once per shape."""
-        if side not in self._buffers:
-            self._buffers[side] = staging_buffers(side)
-        return self._buffers[side]
+    def keep_staging(self, num_tokens) -> None:
+        """Keep the prefetch staging buffers of these batch sizes (``[T, H]`` ids with T in
+        ``num_tokens``) for the table's life. Others are dropped beyond the latest few shapes;
+        a CUDA graph that captured a prefetch holds its buffers' addresses, so call this with
+        the captured batch sizes before capturing."""
+        self.prefetcher.keep(check_integer("num_tokens", n) for n in num_tokens)
 
     def _gather(self, request: _Request, ids, out, expected=None, worker: bool = False):
-        """Gather ``ids`` into the public array ``out`` on the request's side."""
-        scale = np.float32(1.0) if self.scale is None else self.scale
-        raw_out = out.view(request.out_format.raw)
-        if request.side == HOST:  # the worker gathers serially: two threads running Numba
-            # parallel kernels at once abort the process under the workqueue threading layer
-            gather_numba.gather_rows(self.host_view.view(self.format.raw), self.format.code,
-                                     self.row_start, scale, ids, raw_out,
-                                     request.out_format.code, expected,
-                                     parallel=False if worker else None)
-            return
-        from . import gather_cupy
-
-        if self.dedup and expected is None:
-            gather_cupy.gather_unique_rows(self._device_rows, self.format.code, self.row_start,
-                                           scale, ids, raw_out, request.out_format.code)
-        else:
-            gather_cupy.gather_rows(self._device_rows, self.format.code, self.row_start, scale,
-                                    ids, raw_out, request.out_format.code, expected)
-
-    def _join(self, request: _Request) -> Pending | None:
-        """Join the issued prefetch of this side, if any (it owns the staging buffers)."""
-        if request.side == HOST:
-            return self._threads.join()
-        return None if self._stream is None else self._stream.join(request.stream)
+        """Gather ``ids`` into the public array ``out`` on the request's side (on the current
+        stream: the caller's, or the prefetch's private one)."""
+        self.storage.gather(Gather(
+            request.side, ids, out.view(request.out_format.raw), request.out_format.code,
+            self.row_start, np.float32(1.0) if self.scale is None else self.scale, expected,
+            worker, self.dedup, cuda_stream() if request.side is DEVICE else None))
 
     def lookup(self, ids, out=None, out_dtype=None, stream=None):
         """Rows of ``ids[T, H]`` as ``[T, H * head_dim]``: heads in order, dequantised.
@@ -344,28 +268,25 @@ class EmbeddingTable:
         ``float(value) * scale`` is computed in float32 and rounded once (to nearest even) to
         ``out_dtype``: by default float32 for float32 tables, float16 for float16 tables and
         bfloat16 for bfloat16 and float8 ones (or the dtype of ``out``). NumPy ids give a NumPy
-        array; CuPy / CUDA torch ids a CuPy array (bfloat16 as raw uint16 bits), computed on
-        ``stream`` (CuPy's current one by default) without a host sync. After a ``prefetch``
-        of the same shape, the result lives in the prefetch's buffer (or is copied to ``out``)
-        and only the heads whose ids changed are gathered again; that buffer is reused by the
-        next prefetch of the same shape.
+        array, CuPy ids a CuPy array (bfloat16 as raw uint16 bits), torch ids a torch tensor
+        (bfloat16 typed), and a given ``out`` is what is returned. GPU lookups run on
+        ``stream`` (default: torch's current stream for torch ids, else CuPy's) without a host
+        sync. After a ``prefetch`` of the same shape, the result lives in the prefetch's buffer
+        (or is copied to ``out``) and only the heads whose ids changed are gathered again; that
+        buffer is reused by the next prefetch of the same shape.
         """
         request = self._request(ids, out, out_dtype, stream)
-        with self._on(request):
-            pending = self._join(request)
-            if (pending is not None and pending.ids.shape == request.ids.shape
-                    and pending.out_code == request.out_format.code):
-                target = pending.rows if request.out is None else request.out
-                if _address(target) != _address(pending.rows):
-                    target[...] = pending.rows
-                self._gather(request, request.ids, target, expected=pending.ids)
-            else:
+        with request.call.on():
+            target = self.prefetcher.finish(
+                request.side, request.call.stream, request.ids, request.out_format.code,
+                request.out, lambda i, rows, expected: self._gather(request, i, rows, expected))
+            if target is None:
                 target = request.out
                 if target is None:
-                    target = _empty(request.side)(
-                        request.shape, dtype=self.public_dtype(request.side, request.out_format))
+                    target = request.side.empty(request.shape,
+                                                public_dtype(request.side, request.out_format))
                 self._gather(request, request.ids, target)
-        return target if request.out is None else request.caller_out
+        return request.call.result(target, request.out_format)
 
     def prefetch(self, ids, out=None, out_dtype=None, stream=None) -> None:
         """Start gathering ``ids`` now, so that the next ``lookup`` of them finds them ready.
@@ -373,53 +294,27 @@ class EmbeddingTable:
         On the GPU the gather runs on a private stream once ``stream`` (the caller's) reaches
         this point; on the CPU, on a worker thread. ``ids`` may change afterwards: a copy is
         gathered. Rows go to ``out`` when given (pass the same ``out`` to ``lookup``), else to a
-        staging buffer allocated once per shape. Errors in the worker surface at the next
-        ``lookup`` or ``prefetch``.
+        staging buffer kept per shape (see ``keep_staging``). Errors in the worker surface at
+        the next ``lookup`` or ``prefetch``. In a CUDA graph capture, capture the ``lookup``
+        that consumes a prefetch in the same graph.
         """
         request = self._request(ids, out, out_dtype, stream)
-        buffers = self._buffers_for(request.side)
-        with self._on(request):
-            self._join(request)  # the previous prefetch owns the snapshot and staging buffers
-            snapshot = buffers.get("ids", request.ids.shape, np.int64)
-            snapshot[...] = request.ids
-            rows = request.out
-            if rows is None:
-                rows = buffers.get("rows", request.shape,
-                                   self.public_dtype(request.side, request.out_format))
-            pending = Pending(snapshot, rows, request.out_format.code)
-            if request.side == HOST:
-                self._threads.start(pending, lambda: self._gather(request, snapshot, rows,
-                                                                  worker=True))
-            else:
-                if self._stream is None:
-                    self._stream = StreamPrefetcher()
-                self._stream.start(request.stream, pending,
-                                   lambda: self._gather(request, snapshot, rows))
+        with request.call.on():
+            self.prefetcher.issue(
+                request.side, request.call.stream, request.ids, request.shape,
+                public_dtype(request.side, request.out_format), request.out_format.code,
+                request.out,
+                lambda i, rows, worker: self._gather(request, i, rows, worker=worker))
 
-    @staticmethod
-    def _on(request: _Request):
-        """The caller's CUDA stream as the current one (GPU), or nothing (CPU)."""
-        return request.stream if request.side == DEVICE else contextlib.nullcontext()
+    start_prefetch = prefetch
 
     # ---- lifetime ----
 
-    @staticmethod
-    def _release(threads: ThreadPrefetcher, pinned: PinnedBuffer | None, wait: bool) -> None:
-        """Stop the worker and unregister pinned memory (also run at garbage collection, which
-        must not wait for the worker thread)."""
-        threads.close(wait)
-        if pinned is not None:
-            pinned.close()
-
     def close(self) -> None:
-        """Finish any prefetch and release the pinned registration; the table is then unusable
-        on the GPU."""
-        if self._stream is not None:
-            self._stream.close()
-            self._stream = None
-        EmbeddingTable._release(self._threads, self._pinned, True)
-        if self._pinned is not None:
-            self._device_rows = None
+        """Finish any prefetch and release the storage's registrations (pinned memory: the
+        table is then unusable on the GPU)."""
+        self.prefetcher.close()
+        self.storage.close()
 
     def __enter__(self) -> EmbeddingTable:
         return self
@@ -429,7 +324,7 @@ class EmbeddingTable:
 
     def __repr__(self) -> str:
         scale = "" if self.scale is None else f", scale={float(self.scale)}"
-        return (f"EmbeddingTable(rows=[{self.row_start}, {self.row_start + self.num_rows}) of "
-                f"{self.total_rows}, head_dim={self.head_dim}, dtype={self.format.name}{scale}, "
+        return (f"{type(self).__name__}(rows=[{self.row_start}, "
+                f"{self.row_start + self.num_rows}) of {self.total_rows}, "
+                f"head_dim={self.head_dim}, dtype={self.format.name}{scale}, "
                 f"placement={self.placement!r}{', pinned' if self.pinned else ''})")
-

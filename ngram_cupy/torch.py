@@ -15,11 +15,11 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
-from .checkpoint import BUFFERS, split_rows
+from .checkpoint import BUFFERS
 from .config import NGramConfig
 from .dequant import default_output
 from .embedding import NGramEmbedding
-from .layout import layer_layout
+from .layout import layer_layout, split_rows
 from .table import EmbeddingTable
 
 WEIGHT = "ngram_embedding.weight"

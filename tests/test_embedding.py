@@ -94,8 +94,11 @@ def test_torch_cpu_tensors_in_and_out_without_copies():
     np.testing.assert_array_equal(out.view(torch.int16).numpy(),
                                   reference_lookup(weight, ids, 0.5, ml_dtypes.bfloat16)
                                   .view(np.int16))
-    floats = layer(tokens, starts, context, out_dtype=np.float32)
-    assert torch.from_dlpack(floats).data_ptr() == floats.ctypes.data
+    floats = layer(tokens, starts, context, out_dtype=np.float32)  # torch in, torch out
+    assert isinstance(floats, torch.Tensor) and floats.dtype == torch.float32
+    np.testing.assert_array_equal(floats.numpy(), reference_lookup(weight, ids, 0.5, np.float32))
+    rows = layer(tokens, starts, context)  # bfloat16 comes back typed
+    assert rows.dtype == torch.bfloat16 and torch.equal(rows, out)
 
 
 def test_layer_checks_the_table_against_the_layout():

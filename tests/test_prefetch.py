@@ -51,7 +51,7 @@ def test_the_prefetch_gathers_a_copy_of_the_ids(weight):
     ids[:] = 7  # the caller reuses its buffer at once
     np.testing.assert_array_equal(table.lookup(original), expected(weight, original))
     table.prefetch(original)
-    table._threads._future.result()  # gathered (not yet joined) before the caller moves on
+    table.prefetcher.threads.wait()  # gathered (not yet joined) before the caller moves on
     original[::2] = 7  # the same buffer, refilled: the rows that changed must be gathered again
     np.testing.assert_array_equal(table.lookup(original), expected(weight, original))
 
@@ -116,8 +116,8 @@ def test_staging_buffers_are_allocated_once_per_shape(weight):
 
 def test_host_staging_buffers_do_not_pile_up(weight):
     """Batch sizes change from step to step: the host keeps only the latest few buffers."""
-    from ngram_cupy.arrays import HOST
-    from ngram_cupy.table import HOST_BUFFER_SHAPES
+    from ngram_cupy.backends import HOST
+    from ngram_cupy.prefetch import STAGING_SHAPES as HOST_BUFFER_SHAPES
 
     table = nc.EmbeddingTable(weight, scale=SCALE)
     kept = []
@@ -125,7 +125,7 @@ def test_host_staging_buffers_do_not_pile_up(weight):
         ids = random_ids(tokens, (tokens, 4))
         table.prefetch(ids)
         kept.append((ids, table.lookup(ids)))  # each a staging buffer, of its own shape
-    assert len(table._buffers[HOST]._arrays) <= HOST_BUFFER_SHAPES
+    assert len(table.prefetcher.buffers(HOST)) <= HOST_BUFFER_SHAPES
     for ids, result in kept:
         np.testing.assert_array_equal(result, expected(weight, ids))
 
@@ -226,7 +226,8 @@ def test_a_forked_child_does_not_wait_for_the_parents_worker(weight):
     table = nc.EmbeddingTable(weight, scale=SCALE)
     ids = random_ids(31)
     release = threading.Event()
-    table._threads.start(Pending(ids=ids, rows=None, out_code=-1), release.wait)  # in flight
+    in_flight = Pending(ids=ids, rows=None, out_code=-1)
+    table.prefetcher.threads.start(in_flight, release.wait)
     child = multiprocessing.get_context("fork").Process(
         target=_use_after_fork, args=(table, ids, expected(weight, ids)))
     child.start()
@@ -410,7 +411,7 @@ def test_collecting_a_table_never_waits_for_its_prefetch_worker(weight):
     collection can happen), a join deadlocks. Here the worker is blocked until released, and a
     helper thread drops the last reference, so a regression fails instead of hanging."""
     holder = [nc.EmbeddingTable(weight, scale=SCALE)]
-    threads, release = holder[0]._threads, threading.Event()
+    threads, release = holder[0].prefetcher.threads, threading.Event()
     threads.start(Pending(ids=None, rows=None, out_code=0), release.wait)
     collected = threading.Event()
 
@@ -495,3 +496,84 @@ def test_a_pending_prefetch_is_joined_only_by_its_thread(weight):
     np.testing.assert_array_equal(table.lookup(mine), expected(weight, mine))
     table.prefetch(theirs)  # joined: free for the next prefetch, from any thread
     table.close()
+
+
+def test_kept_staging_shapes_survive_any_number_of_other_shapes(weight):
+    """Bug 4: staging buffers are bounded on both sides; the batch sizes a CUDA graph captured
+    are pinned with keep_staging and never dropped (the graph holds their addresses)."""
+    from ngram_cupy.prefetch import STAGING_SHAPES
+
+    table = nc.EmbeddingTable(weight, scale=SCALE)
+    table.keep_staging([5])
+    table.prefetch(random_ids(40, (5, 4)))
+    captured = table.lookup(random_ids(40, (5, 4)))
+    for tokens in range(6, 6 + 3 * STAGING_SHAPES):
+        table.prefetch(random_ids(tokens, (tokens, 4)))
+        table.lookup(random_ids(tokens, (tokens, 4)))
+    ids = random_ids(41, (5, 4))
+    table.prefetch(ids)
+    assert table.lookup(ids) is captured  # the same buffer, at the same address
+    np.testing.assert_array_equal(captured, expected(weight, ids))
+    assert len(table.prefetcher.buffers(nc.backends.HOST)) <= STAGING_SHAPES + 2
+    with pytest.raises(TypeError, match="num_tokens must be an integer"):
+        table.keep_staging([2.5])
+
+
+def test_buffers_drop_the_oldest_unpinned_shapes():
+    from ngram_cupy.prefetch import Buffers
+
+    buffers = Buffers(np.empty, keep=2)
+    first = buffers.get("rows", (1, 3), np.float32)
+    buffers.pin([7])
+    pinned = buffers.get("rows", (7, 3), np.float32)
+    for size in (2, 3, 4):
+        buffers.get("rows", (size, 3), np.float32)
+    assert buffers.get("rows", (7, 3), np.float32) is pinned  # pinned: kept, not counted
+    assert buffers.get("rows", (1, 3), np.float32) is not first  # dropped, made anew
+    assert len(buffers) == 3
+
+
+class FakeEvent:
+    def record(self, stream):
+        pass
+
+
+class FakeStream:
+    """Just the CuPy stream methods the stream prefetcher calls."""
+
+    def __init__(self, capturing=False):
+        self.capturing = capturing
+        self.waited = 0
+
+    def is_capturing(self):
+        return self.capturing
+
+    def wait_event(self, event):
+        self.waited += 1
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+
+def test_a_prefetch_captured_without_its_lookup_is_a_clear_error():
+    """Bug 6: a prefetch inside a CUDA graph capture whose lookup is not captured leaves the
+    side stream unjoined; the next join says what happened instead of a CUDA error."""
+    from ngram_cupy.prefetch import StreamPrefetcher
+
+    prefetcher = StreamPrefetcher(stream=FakeStream(), event=FakeEvent)
+    caller = FakeStream(capturing=True)
+    prefetcher.start(caller, Pending(ids=None, rows=None, out_code=0), lambda: None)
+    caller.capturing = False  # the capture ended without the lookup
+    with pytest.raises(RuntimeError, match="captured in a CUDA graph without its lookup"):
+        prefetcher.join(caller)
+    assert prefetcher.join(caller) is None  # dropped: the table works on
+    prefetcher.start(caller, Pending(ids=None, rows=None, out_code=0), lambda: None)
+    caller.capturing = True  # issued outside, joined inside a capture
+    with pytest.raises(RuntimeError, match="cannot join a prefetch issued outside"):
+        prefetcher.join(caller)
+    pending = Pending(ids=None, rows=None, out_code=0)
+    prefetcher.start(caller, pending, lambda: None)  # both inside one capture: joined
+    assert prefetcher.join(caller) is pending and caller.waited == 1

@@ -226,14 +226,17 @@ def test_torch_tensors_in_and_zero_copy_out():
     table = nc.EmbeddingTable(torch.from_numpy(weight.view(np.int16)).view(torch.bfloat16))
     assert table.dtype == np.dtype(ml_dtypes.bfloat16)
     ids = torch.randint(0, 20, (4, 2))
-    result = table.lookup(ids)
-    assert_same(result, reference_lookup(weight, ids.numpy(), 1.0, ml_dtypes.bfloat16))
+    result = table.lookup(ids)  # torch in, torch out (bfloat16 typed)
+    assert isinstance(result, torch.Tensor) and result.dtype == torch.bfloat16
+    expected = reference_lookup(weight, ids.numpy(), 1.0, ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(result.view(torch.int16).numpy(), expected.view(np.int16))
+    assert_same(table.lookup(ids.numpy()), expected)  # NumPy in, NumPy out
     out = torch.empty(4, 16, dtype=torch.bfloat16)
     assert table.lookup(ids, out=out) is out  # torch bf16 out written in place
-    np.testing.assert_array_equal(out.view(torch.int16).numpy(), result.view(np.int16))
+    assert torch.equal(out, result)
     fp8 = torch.from_numpy(random_table(rng, 20, 8, ml_dtypes.float8_e4m3fn).view(np.uint8))
     table = nc.EmbeddingTable(fp8.view(torch.float8_e4m3fn), scale=torch.tensor(0.25))
-    floats = table.lookup(ids.int(), out_dtype=np.float32)
+    floats = table.lookup(ids.int().numpy(), out_dtype=np.float32)
     shared = torch.from_dlpack(floats)
     assert shared.data_ptr() == floats.ctypes.data  # NumPy result to torch without a copy
 

@@ -1,4 +1,5 @@
-"""Array interop on the CPU: torch tensors zero-copy in and out, DLPack, device mixing, streams."""
+"""Array sides on the CPU: torch tensors zero-copy in and out (torch in gives torch out, out= is
+returned), DLPack, device mixing, stream choice and the DLPack handoff to torch."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import pytest
 import torch
 
 import ngram_cupy as nc
-from ngram_cupy import arrays, reference
+from ngram_cupy import backends, reference
+from ngram_cupy.formats import storage_format
 
 LAYOUT = nc.layer_layout(nc.NGramConfig(300, 3, 2, 40, 7), 0)
 TOKENS = np.array([5, 7, 7, 1, 9, 2, 299, 0], dtype=np.int64)
@@ -38,40 +40,43 @@ def shares(numpy_array: np.ndarray, tensor: torch.Tensor) -> bool:
 
 @pytest.mark.parametrize(
     "value, side",
-    [(TOKENS, arrays.HOST), (torch.from_numpy(TOKENS), arrays.HOST), ([1, 2], None), (3, None),
-     (FakeDeviceArray(TOKENS), arrays.DEVICE), (np.int64(3), arrays.HOST)],
+    [(TOKENS, backends.HOST), (torch.from_numpy(TOKENS), backends.HOST), ([1, 2], None), (3, None),
+     (FakeDeviceArray(TOKENS), backends.DEVICE), (np.int64(3), backends.HOST)],
 )
 def test_where(value, side):
-    assert arrays.where(value) == side
+    assert backends.where(value) == side
 
 
 def test_unsupported_dlpack_device_is_refused():
     with pytest.raises(TypeError, match="DLPack device type 7"):
-        arrays.where(FakeDLPack())
+        backends.where(FakeDLPack())
 
 
 def test_torch_cpu_tensors_are_viewed_not_copied():
     tensors = {name: torch.from_numpy(a.copy()) for name, a in
                dict(input_ids=TOKENS, query_start_loc=STARTS, ngram_context=CONTEXT).items()}
-    side, converted = arrays.convert(**tensors, out=None, extra=[0, 1])
-    assert side == arrays.HOST and converted["out"] is None
+    side, converted = backends.convert(**tensors, out=None, extra=[0, 1])
+    assert side == backends.HOST and converted["out"] is None
     np.testing.assert_array_equal(converted["extra"], [0, 1])
     for name, tensor in tensors.items():
         assert isinstance(converted[name], np.ndarray) and shares(converted[name], tensor)
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
-def test_torch_cpu_in_numpy_out(dtype):
+def test_torch_cpu_in_torch_out(dtype):
     ids = nc.compute_ngram_ids(LAYOUT, torch.from_numpy(TOKENS).to(dtype),
                                torch.from_numpy(STARTS).to(dtype), torch.from_numpy(CONTEXT))
+    assert isinstance(ids, torch.Tensor) and ids.dtype == torch.int64
+    np.testing.assert_array_equal(ids.numpy(),
+                                  reference.compute_ngram_ids(LAYOUT, TOKENS, STARTS, CONTEXT))
+    ids = nc.compute_ngram_ids(LAYOUT, TOKENS, STARTS, CONTEXT)  # NumPy in, NumPy out
     assert isinstance(ids, np.ndarray)
-    np.testing.assert_array_equal(ids, reference.compute_ngram_ids(LAYOUT, TOKENS, STARTS, CONTEXT))
 
 
-def test_torch_out_is_written_in_place():
+def test_torch_out_is_written_in_place_and_returned():
     out = torch.full((len(TOKENS), LAYOUT.num_heads), -1, dtype=torch.int64)
-    ids = nc.compute_ngram_ids(LAYOUT, torch.from_numpy(TOKENS), STARTS, CONTEXT, out=out)
-    assert shares(ids, out)
+    for tokens in (torch.from_numpy(TOKENS), TOKENS):  # whatever the inputs: out comes back
+        assert nc.compute_ngram_ids(LAYOUT, tokens, STARTS, CONTEXT, out=out) is out
     np.testing.assert_array_equal(out.numpy(), reference.compute_ngram_ids(LAYOUT, TOKENS, STARTS,
                                                                            CONTEXT))
 
@@ -107,8 +112,8 @@ def test_host_and_device_arguments_do_not_mix(device_argument):
 
 
 def test_plain_sequences_follow_the_arrays():
-    assert arrays.placement(a=[0, 1], b=None) == arrays.HOST
-    assert arrays.placement(a=[0, 1], b=FakeDeviceArray(TOKENS)) == arrays.DEVICE
+    assert backends.placement(a=[0, 1], b=None) == backends.HOST
+    assert backends.placement(a=[0, 1], b=FakeDeviceArray(TOKENS)) == backends.DEVICE
     ids = nc.compute_ngram_ids(LAYOUT, TOKENS.tolist(), STARTS.tolist(), CONTEXT.tolist())
     np.testing.assert_array_equal(ids, nc.compute_ngram_ids(LAYOUT, TOKENS, STARTS, CONTEXT))
 
@@ -135,18 +140,62 @@ class OldTorchStream:
 
 def test_cuda_stream_accepts_cupy_torch_and_protocol_streams():
     cupy = pytest.importorskip("cupy")
-    assert arrays.cuda_stream(cupy.cuda.Stream.null) is cupy.cuda.Stream.null
-    assert arrays.cuda_stream(ProtocolStream()).ptr == 0x5000
-    assert arrays.cuda_stream(OldTorchStream()).ptr == 0x6000
-    assert arrays.cuda_stream(ProtocolStream()) is arrays.cuda_stream(ProtocolStream())
+    assert backends.cuda_stream(cupy.cuda.Stream.null) is cupy.cuda.Stream.null
+    assert backends.cuda_stream(ProtocolStream()).ptr == 0x5000
+    assert backends.cuda_stream(OldTorchStream()).ptr == 0x6000
+    assert backends.cuda_stream(ProtocolStream()) is backends.cuda_stream(ProtocolStream())
 
 
 @pytest.mark.parametrize("stream", ["default", 5, True, 1.5, object()])
 def test_bad_stream_is_refused(stream):
     pytest.importorskip("cupy")
     with pytest.raises(TypeError, match="stream must be"):
-        arrays.cuda_stream(stream)
+        backends.cuda_stream(stream)
     device = {name: FakeDeviceArray(a) for name, a in
               dict(input_ids=TOKENS, query_start_loc=STARTS, ngram_context=CONTEXT).items()}
     with pytest.raises(TypeError, match="stream must be"):  # refused before any device work
         nc.compute_ngram_ids(LAYOUT, **device, stream=stream)
+
+
+def test_bfloat16_results_go_back_to_torch_typed():
+    import ml_dtypes
+
+    bits = np.arange(6, dtype=np.uint16).reshape(2, 3)
+    fmt = storage_format("bfloat16")
+    tensor = backends.HOST.to_torch(bits.view(ml_dtypes.bfloat16), fmt)
+    assert tensor.dtype == torch.bfloat16 and tensor.data_ptr() == bits.ctypes.data
+    np.testing.assert_array_equal(tensor.view(torch.int16).numpy(), bits.view(np.int16))
+
+
+class RecordingStream:
+    """A CuPy-like stream that records when it is entered and left."""
+
+    def __init__(self, log, name):
+        self.log, self.name = log, name
+
+    def __enter__(self):
+        self.log.append(("enter", self.name))
+        return self
+
+    def __exit__(self, *exc):
+        self.log.append(("exit", self.name))
+
+
+def test_device_results_are_handed_to_torch_from_the_producing_stream(monkeypatch):
+    """DLPack orders torch's current stream after CuPy's current one: the handoff must happen
+    with the producing stream current, so a lookup on another stream is not read early."""
+    log = []
+    producer = RecordingStream(log, "producer")
+    monkeypatch.setattr(torch, "from_dlpack", lambda array: log.append(("from_dlpack", array))
+                        or torch.zeros(1))
+    backends.DEVICE.to_torch("rows", None, producer)
+    assert log == [("enter", "producer"), ("from_dlpack", "rows"), ("exit", "producer")]
+
+
+def test_torch_inputs_run_on_torchs_current_stream(monkeypatch):
+    """With torch inputs and no stream, kernels run on torch's current stream: a torch caller
+    (a graph capture included) then sees no cross-stream event in either DLPack handoff."""
+    pytest.importorskip("cupy")
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: ProtocolStream())
+    assert backends.DEVICE.kernel_stream(None, prefer_torch=True).ptr == 0x5000
+    assert backends.DEVICE.kernel_stream(OldTorchStream(), prefer_torch=True).ptr == 0x6000

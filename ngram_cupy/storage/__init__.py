@@ -1,0 +1,149 @@
+"""Table storage: one class per placement, all with the same small interface.
+
+A storage holds a table's local rows ``[0, num_rows)`` as the bits of one format (``format``),
+in one kind of memory. ``EmbeddingTable`` is a thin front over a storage: it checks arguments,
+owns the global geometry (``row_start``, ``total_rows``), the scale and the prefetch protocol, and
+asks the storage for everything that depends on where the rows live.
+
+The interface (``Storage``; each placement is one module: ``cpu``, ``gpu``, ``pinned``,
+``mapped``):
+
+- ``placement``: the storage's kind (``"cpu"``, ``"gpu"``, ``"pinned"``, ``"mmap"``, ...);
+  ``format``, ``num_rows``, ``head_dim``; ``nbytes`` (bytes of memory it holds).
+- ``reads(side) -> bool``: whether lookups with ids on ``side`` (``backends.HOST`` /
+  ``backends.DEVICE``) can gather from it.
+- ``writable``: whether ``write_rows`` may be called.
+- ``write_rows(local_start, rows)``: copy a raw-bits block (NumPy or CuPy, ``[n, head_dim]`` of
+  ``format.raw``) into local rows ``[local_start, local_start + n)``. When it returns, the rows
+  are visible to every later gather, on any stream and in any CUDA graph replay.
+- ``gather(job: Gather)``: write the dequantised rows of ``job.ids`` into ``job.out`` on
+  ``job.side`` (on ``job.stream`` on the GPU, without a host synchronisation); ids outside
+  ``[job.row_start, job.row_start + num_rows)`` give zero rows and are never read.
+- ``host_view``: a NumPy view of the rows (of ``format.dtype``) when they are in host memory,
+  else None; ``device_view``: the raw ``[num_rows, head_dim]`` CuPy view GPU kernels read (device
+  memory, or host memory mapped for the GPU), else None.
+- ``used_on(stream)``: note that a kernel reading ``device_view`` runs on ``stream`` (the fused
+  kernel calls it); storages whose memory must outlive such kernels remember it.
+- ``close()``: release what the storage holds (registrations); it may be unusable afterwards.
+
+A new placement is one more class: a tiered storage (hot rows in GPU memory over a cold storage)
+implements the same methods, gathering hot rows itself and the rest through the cold storage.
+``allocate`` makes the storage of a placement name; ``adopt`` wraps a caller's array when it can
+serve as the storage without a copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..backends import DEVICE, HOST, Backend, gpu_available
+from ..formats import Format
+
+# Placement names; "host" is the old name of "pinned" (page-locked host memory).
+PLACEMENTS = ("cpu", "gpu", "pinned")
+ALIASES = {"host": "pinned"}
+
+
+@dataclass
+class Gather:
+    """One gather: ids ``[T, H]`` (contiguous int32/int64 on ``side``) into the raw output
+    ``out[T, H * head_dim]`` of format ``out_code``; rows dequantised with ``scale``.
+
+    ``expected`` (int64 ``[T, H]``): ids whose rows ``out`` already holds (a finished prefetch),
+    skipped. ``worker``: on the CPU prefetch worker (serial gathers only). ``dedup``: fetch each
+    distinct id once (GPU; waits for the GPU). ``stream``: the CuPy stream (GPU).
+    """
+
+    side: Backend
+    ids: Any
+    out: Any
+    out_code: int
+    row_start: int
+    scale: np.float32
+    expected: Any = None
+    worker: bool = False
+    dedup: bool = False
+    stream: Any = None
+
+
+class Storage:
+    """The common part of every storage: geometry, and the defaults of optional methods."""
+
+    placement = "?"
+    writable = True
+    host_view: np.ndarray | None = None
+    device_view: Any = None
+
+    def __init__(self, num_rows: int, head_dim: int, fmt: Format):
+        self.num_rows, self.head_dim, self.format = num_rows, head_dim, fmt
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the rows."""
+        return self.num_rows * self.head_dim * self.format.itemsize
+
+    def reads(self, side: Backend) -> bool:
+        """Whether ids on ``side`` can gather from this storage."""
+        return (self.host_view if side is HOST else self.device_view) is not None
+
+    def write_rows(self, local_start: int, rows) -> None:
+        """Copy a raw block into local rows ``[local_start, +len(rows))``."""
+        raise NotImplementedError
+
+    def gather(self, job: Gather) -> None:
+        """Write the rows of ``job.ids`` into ``job.out``."""
+        raise NotImplementedError
+
+    def used_on(self, stream) -> None:
+        """Nothing to remember by default."""
+
+    def close(self) -> None:
+        """Nothing to release by default."""
+
+
+def canonical_placement(placement: str) -> str:
+    """The placement name, aliases resolved; a ValueError naming the choices otherwise."""
+    placement = ALIASES.get(placement, placement) if isinstance(placement, str) else placement
+    if placement not in PLACEMENTS:
+        choices = ", ".join(repr(p) for p in (*PLACEMENTS, *ALIASES))
+        raise ValueError(f"placement must be one of {choices}, got {placement!r}")
+    return placement
+
+
+def allocate(placement: str, num_rows: int, head_dim: int, fmt: Format) -> Storage:
+    """Unfilled storage of a placement. ``"pinned"`` without a GPU is ordinary host memory
+    (nothing could read it over PCIe anyway)."""
+    from .cpu import CpuStorage
+    from .gpu import GpuStorage
+    from .pinned import PinnedStorage
+
+    placement = canonical_placement(placement)
+    shape = (num_rows, head_dim)
+    if placement == "gpu":
+        if not gpu_available():
+            raise RuntimeError("placement='gpu' needs CuPy and a CUDA device")
+        return GpuStorage(DEVICE.empty(shape, fmt.raw), fmt)
+    if placement == "pinned" and gpu_available() and num_rows * head_dim > 0:
+        return PinnedStorage(num_rows, head_dim, fmt)
+    return CpuStorage(np.empty(shape, fmt.dtype), fmt)
+
+
+def adopt(placement: str, side: Backend, array, fmt: Format) -> Storage | None:
+    """A storage over the caller's ``array`` itself (no copy) when the placement allows it:
+    C-contiguous host arrays for ``"cpu"``, C-contiguous device arrays for ``"gpu"``."""
+    from .cpu import CpuStorage
+    from .gpu import GpuStorage
+
+    placement = canonical_placement(placement)
+    if not array.flags.c_contiguous:
+        return None
+    if placement == "cpu" and side is HOST:
+        return CpuStorage(array.view(fmt.dtype), fmt)
+    if placement == "gpu" and side is DEVICE:
+        if not gpu_available():
+            raise RuntimeError("placement='gpu' needs CuPy and a CUDA device")
+        return GpuStorage(array.view(fmt.raw), fmt)
+    return None

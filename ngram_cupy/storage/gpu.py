@@ -1,0 +1,61 @@
+"""Rows in GPU memory (a CuPy array), gathered by ``kernels/gather.cu``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..backends import DEVICE, cuda_stream
+from ..formats import Format
+from . import Gather, Storage
+
+
+def gather_device(rows, code: int, job: Gather) -> None:
+    """The GPU gather of raw ``rows`` (device memory, or host memory mapped for the GPU) on
+    ``job.stream``; with ``job.dedup`` each distinct id is fetched once."""
+    from .. import gather_cupy
+
+    if job.dedup and job.expected is None:
+        gather_cupy.gather_unique_rows(rows, code, job.row_start, job.scale, job.ids, job.out,
+                                       job.out_code, stream=job.stream)
+    else:
+        gather_cupy.gather_rows(rows, code, job.row_start, job.scale, job.ids, job.out,
+                                job.out_code, job.expected, stream=job.stream)
+
+
+def fill(destination, rows, stream: Any) -> None:
+    """Copy a raw NumPy or CuPy block into device rows on ``stream``, then wait for the copy.
+
+    Waiting ends the fill on the host: a gather on any other stream, or a CUDA graph replayed
+    later, reads the new rows (an event would leave a captured lookup waiting on work outside
+    its capture). Fills are loading, not the lookup path, so the wait costs nothing that
+    matters.
+    """
+    with stream:
+        if isinstance(rows, np.ndarray):
+            destination.set(np.ascontiguousarray(rows))
+        else:
+            destination[...] = rows
+    stream.synchronize()
+
+
+class GpuStorage(Storage):
+    """``[num_rows, head_dim]`` raw bits of ``fmt`` in a CuPy array (the caller's, or new)."""
+
+    placement = "gpu"
+
+    def __init__(self, rows, fmt: Format):
+        super().__init__(rows.shape[0], rows.shape[1], fmt)
+        self.device_view = rows
+
+    def write_rows(self, local_start: int, rows) -> None:
+        """Copy the block over on CuPy's current stream, finished when this returns."""
+        with self.device_view.device:
+            fill(self.device_view[local_start : local_start + rows.shape[0]], rows,
+                 cuda_stream())
+
+    def gather(self, job: Gather) -> None:
+        """The CUDA gather."""
+        assert job.side is DEVICE
+        gather_device(self.device_view, self.format.code, job)

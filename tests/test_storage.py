@@ -1,0 +1,137 @@
+"""Table storages behind their one interface, and the ordering rules of fills and releases:
+GPU fills end on the host (bug 2), pinned memory is released without a device-wide
+synchronisation and never inside a capture (bug 5). CUDA streams are mocked here."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import ngram_cupy as nc
+from ngram_cupy import pinned
+from ngram_cupy.backends import DEVICE, HOST
+from ngram_cupy.dequant import reference_lookup
+from ngram_cupy.formats import BFLOAT16, storage_format
+from ngram_cupy.storage import Gather, allocate, canonical_placement
+from ngram_cupy.storage.gpu import fill
+from ngram_cupy.storage.mapped import MappedStorage
+
+FP8 = storage_format("float8_e4m3fn")
+
+
+def rows(seed=0, count=40, head_dim=6):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((count, head_dim)) * 4).astype(ml_dtypes.float8_e4m3fn)
+
+
+def gather(storage, ids, row_start=0, scale=0.5):
+    out = np.empty((ids.shape[0], ids.shape[1] * storage.head_dim), np.uint16)
+    storage.gather(Gather(HOST, ids, out, BFLOAT16, row_start, np.float32(scale)))
+    return out.view(ml_dtypes.bfloat16)
+
+
+@pytest.mark.parametrize("make", ["cpu", "pinned", "mapped"])
+def test_every_host_storage_gathers_like_the_reference(make):
+    weight = rows()
+    if make == "mapped":
+        storage = MappedStorage([(0, weight[:13]), (13, weight[13:])], 6, FP8)
+    else:
+        storage = allocate(make, 40, 6, FP8)
+        storage.write_rows(0, weight[:25].view(np.uint8))
+        storage.write_rows(25, weight[25:].view(np.uint8))
+    assert storage.reads(HOST) and storage.num_rows == 40 and storage.format is FP8
+    ids = np.random.default_rng(1).integers(95, 145, (17, 3))  # global rows 100..139 owned
+    expected = reference_lookup(weight, ids - 100, 0.5, ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(gather(storage, ids, row_start=100).view(np.uint16),
+                                  expected.view(np.uint16))
+
+
+def test_placement_names():
+    assert canonical_placement("host") == "pinned" == canonical_placement("pinned")
+    with pytest.raises(ValueError, match="placement must be one of 'cpu', 'gpu', 'pinned'"):
+        canonical_placement("disk")
+    table = nc.EmbeddingTable(rows(), placement="host", scale=1.0)
+    assert table.placement == "pinned"
+
+
+def test_mapped_storage_is_read_only_and_cpu_only():
+    storage = MappedStorage([(0, rows())], 6, FP8)
+    assert storage.reads(HOST) and not storage.reads(DEVICE) and not storage.writable
+
+
+class FakeStream:
+    """A CuPy-like stream: records what happens, and whether it is capturing a graph."""
+
+    def __init__(self, log, name, capturing=False, ptr=1):
+        self.log, self.name, self.capturing, self.ptr = log, name, capturing, ptr
+
+    def __enter__(self):
+        self.log.append(f"enter {self.name}")
+        return self
+
+    def __exit__(self, *exc):
+        self.log.append(f"exit {self.name}")
+
+    def synchronize(self):
+        self.log.append(f"synchronize {self.name}")
+
+    def is_capturing(self):
+        return self.capturing
+
+
+class FakeDeviceRows:
+    """Device rows that record the copies made into them."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def set(self, block):
+        self.log.append("copy from host")
+
+    def __setitem__(self, index, block):
+        self.log.append("copy on device")
+
+
+@pytest.mark.parametrize("block, copy", [(np.zeros((2, 3), np.uint8), "copy from host"),
+                                         ("a device block", "copy on device")])
+def test_a_gpu_fill_is_finished_before_it_returns(block, copy):
+    """Bug 2: a fill on CuPy's current stream, never waited for, could be read stale by a lookup
+    on another stream or in a graph. The fill must copy on its stream and then wait for it."""
+    log = []
+    fill(FakeDeviceRows(log), block, FakeStream(log, "s"))
+    assert log == ["enter s", copy, "exit s", "synchronize s"]
+
+
+def test_pinned_release_waits_for_its_streams_only_and_never_inside_a_capture(monkeypatch):
+    """Bug 5: the release must not call cudaDeviceSynchronize (which breaks a global-mode
+    capture): it waits for the streams that read the memory, and not while one captures."""
+    log = []
+    monkeypatch.setattr(pinned, "host_unregister", lambda pointer: log.append(f"unregister "
+                                                                               f"{pointer}"))
+    registration = pinned.Registration(0x1000, memory=object())
+    caller, side = FakeStream(log, "caller", capturing=True, ptr=1), FakeStream(log, "side", ptr=2)
+    registration.used_on(caller)
+    registration.used_on(side)
+    registration.used_on(caller)  # once per stream
+    assert registration.release() is False and log == [] and not registration.released
+    caller.capturing = False
+    assert registration.release() is True and registration.released
+    assert log == ["synchronize caller", "synchronize side", "unregister 4096"]
+    assert registration.release() is True and len(log) == 3  # released once
+
+
+def test_a_collected_pinned_buffer_is_released_later_without_cuda_calls(monkeypatch):
+    """Garbage collection may run inside someone's graph capture: the finaliser only queues the
+    registration; the queue drains at the next safe point."""
+    log = []
+    monkeypatch.setattr(pinned, "host_unregister", lambda pointer: log.append(pointer))
+    monkeypatch.setattr(pinned, "_deferred", [])
+    stream = FakeStream(log, "s", capturing=True)
+    registration = pinned.Registration(0x2000, memory=object())
+    registration.used_on(stream)
+    pinned._collected(registration)  # what the finaliser does
+    assert log == []
+    assert pinned.release_deferred() == 1 and log == []  # still capturing: kept queued
+    stream.capturing = False
+    assert pinned.release_deferred() == 0 and log == ["synchronize s", 0x2000]
