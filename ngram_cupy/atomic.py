@@ -110,6 +110,9 @@ def atomic_file(path: str | os.PathLike) -> Iterator[str]:
         raise FileNotFoundError(errno.ENOENT, "output folder does not exist", str(folder))
     if final.is_dir():
         raise IsADirectoryError(errno.EISDIR, "output is a directory", str(final))
+    if final.exists() and not final.is_file():
+        raise FileExistsError(errno.EEXIST, "output exists and is not a regular file (a device, "
+                              "FIFO or socket would be replaced)", str(final))
     remove_stale_temporaries(folder)
     temporary = new_temporary(final)
     try:

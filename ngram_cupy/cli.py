@@ -87,6 +87,9 @@ def open_tokens(path: str, batch_rows: int) -> TokenSource:
 
     if not os.path.exists(path):
         raise UserError(f"input not found: {path}")
+    if not (os.path.isdir(path) or os.path.isfile(path)):
+        raise UserError(f"input is not a regular file or folder (a FIFO or device cannot be "
+                        f"read twice): {path}")
     if os.path.isdir(path):
         dataset = ds.dataset(path, format="parquet")
         files = [(f.path, f.physical_schema) for f in dataset.get_fragments()]
@@ -141,8 +144,11 @@ def check_files(source: TokenSource, column: str, doc_id_column: str | None) -> 
 def check_output(output: str, inputs: list[str]) -> None:
     """Refuse, before anything is read or written, an OUTPUT that is a folder, lies in no folder,
     or is (through links, relative paths or a folder) one of the files read."""
-    if os.path.isdir(output):
+    if os.path.isdir(output) or output.endswith(os.sep):
         raise UserError(f"output is a directory: {output}")
+    if os.path.exists(output) and not os.path.isfile(output):
+        raise UserError(f"output exists and is not a regular file (a device, FIFO or socket "
+                        f"would be replaced): {output}")
     folder = os.path.dirname(os.path.abspath(output))
     if not os.path.isdir(folder):
         raise UserError(f"output folder does not exist: {folder}")
@@ -346,9 +352,16 @@ def cmd_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage mistake is one line on stderr (exit 2), like every user error."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {' '.join(message.split())}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with the ``ids``, ``layout`` and ``stats`` commands."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog=PROG, description="Exact hashed n-gram (PLE) ids, table layouts and hash statistics.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 

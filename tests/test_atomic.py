@@ -73,3 +73,11 @@ def test_litter_stale_temporaries_of_dead_writers_are_removed_by_the_next_write(
     left = set(os.listdir(tmp_path))
     assert stale.name not in left and other_host_old.name not in left
     assert {live.name, other_host_fresh.name, user_file.name, "out.parquet"} <= left
+
+
+def test_data_loss_a_fifo_target_is_never_replaced(tmp_path):
+    fifo = tmp_path / "pipe.safetensors"
+    os.mkfifo(fifo)
+    with pytest.raises(FileExistsError, match="not a regular file"), atomic.atomic_file(fifo):
+        pytest.fail("the block must not run")
+    assert os.listdir(tmp_path) == ["pipe.safetensors"] and not os.path.isfile(fifo)

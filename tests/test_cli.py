@@ -427,3 +427,32 @@ def test_hang_layout_of_a_huge_config_is_refused_at_once(tmp_path, capsys, field
     config.write_text(json.dumps({**SMALL, field: value}))
     status, stdout, err = run(["layout", "--config", config], capsys)
     assert_user_error(status, stdout, err, field, str(value))
+
+
+def test_data_loss_output_a_fifo_or_device_is_never_replaced(tmp_path, capsys):
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    status, stdout, err = run(["ids", CORPUS, fifo, "--config", CONFIG], capsys)
+    assert_user_error(status, stdout, err, "not a regular file")
+    assert os.path.exists(fifo) and not os.path.isfile(fifo)
+
+
+def test_hang_input_a_fifo_is_refused_without_reading(tmp_path, capsys):
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)  # opening it to read would wait for a writer forever
+    status, stdout, err = run(["ids", fifo, tmp_path / "o.parquet", "--config", CONFIG], capsys)
+    assert_user_error(status, stdout, err, "not a regular file")
+
+
+def test_ugly_output_with_a_trailing_slash_is_a_directory(tmp_path, capsys):
+    status, stdout, err = run(["ids", CORPUS, f"{tmp_path}/new/", "--config", CONFIG], capsys)
+    assert_user_error(status, stdout, err, "directory")
+    assert os.listdir(tmp_path) == []
+
+
+def test_ugly_usage_mistakes_are_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["layout", "--config", str(CONFIG), "--gpu-budget", "nan"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not a size" in err, err
