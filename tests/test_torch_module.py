@@ -227,6 +227,28 @@ def test_load_weights_returns_the_reference_names():
     np.testing.assert_array_equal(bits(module.ngram_embedding.weight), weight.view(np.uint8))
 
 
+def test_streams_a_safetensors_checkpoint_as_the_library_loads_it(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    config = small_config(split_ngram_parts=5)
+    layout = nc.layer_layout(config, 1)
+    weight = random_rows(layout.padded_rows, layout.head_dim, "float8_e4m3fn", 7)
+    prefix = "model.layers.1.ple.ple_embedding."
+    path = tmp_path / "model.safetensors"
+    save_file({prefix + name: value.contiguous()
+               for name, value in checkpoint_weights(config, 1, weight, 0.375)}, path)
+    module = NGramEmbeddingModule(config, 1, placement="cpu", weight_dtype=torch.float8_e4m3fn)
+    with safe_open(path, "pt") as checkpoint:
+        module.load_weights((name.removeprefix(prefix), checkpoint.get_tensor(name))
+                            for name in checkpoint.keys())
+    assert module.missing_shards == []
+    library = nc.load_ngram_embedding(path, config, 1, prefix=prefix[:-1])
+    batch = packed(config, [[1, 2, 3, 4, 3, 9], [], [3, 5]], [[0, 3], [7, 8], [3, 3]])
+    want = library(*(t.numpy() for t in batch))
+    np.testing.assert_array_equal(bits(module(None, *batch)), want.view(np.int16))
+
+
 def test_load_weights_takes_the_whole_table():
     config = small_config()
     layout = nc.layer_layout(config, 0)
