@@ -103,7 +103,6 @@ class NGramEmbeddingModule(torch.nn.Module):
         table = EmbeddingTable.empty(layout.padded_rows, layout.head_dim, weight_dtype,
                                      placement=placement)
         self.layout = layout
-        self.placement = placement
         self.embedding = NGramEmbedding(layout, table)
         storage_dtype = getattr(torch, table.dtype.name)
         self.out_dtype = getattr(torch, default_output(table.format).name)
@@ -170,7 +169,7 @@ class NGramEmbeddingModule(torch.nn.Module):
         """Start gathering the batch's rows while the preceding decoder layer runs (a side CUDA
         stream, or a worker thread on the CPU); nothing for a table in GPU memory, as in the
         reference layer."""
-        if self.placement == "gpu":
+        if self.table.placement == "gpu":
             return
         input_ids, query_start_loc, ngram_context, stream = self._batch(
             input_ids, query_start_loc, ngram_context)
@@ -266,4 +265,4 @@ class NGramEmbeddingModule(torch.nn.Module):
         return (f"layer={self.layout.layer}, heads={self.layout.num_heads}, "
                 f"head_dim={self.layout.head_dim}, rows={self.layout.padded_rows}, "
                 f"weight_dtype={self.ngram_embedding.weight.dtype}, "
-                f"placement={self.placement!r}")
+                f"placement={self.table.placement!r}")
