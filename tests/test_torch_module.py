@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import io
+import json
 import tracemalloc
 
 import ml_dtypes
 import numpy as np
 import pytest
 import torch
+from conftest import GOLDEN_FILES, load_golden
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -161,6 +163,20 @@ def test_ids_are_the_reference_ids(data):
     output = torch.full_like(ids, -1)
     assert module.compute_ngram_ids(input_ids, starts, context, output=output) is output
     np.testing.assert_array_equal(output.numpy(), want)
+
+
+@pytest.mark.parametrize("path", [p for p in GOLDEN_FILES
+                                  if json.loads(p.read_text())["layout"]["padded_rows"] < 1 << 21],
+                         ids=lambda p: p.stem)
+def test_ids_are_the_golden_ids(path):
+    """The reference model's own ids, for the golden layouts small enough for a table here."""
+    layout, _, batches = load_golden(path)
+    config = nc.NGramConfig(**{**vars(layout.config), "embedding_dim": layout.num_heads})
+    module = NGramEmbeddingModule(config, layout.layer, placement="cpu", weight_dtype="fp8")
+    for batch in batches:
+        ids = module.compute_ngram_ids(*(torch.from_numpy(batch[name]) for name in
+                                         ("input_ids", "query_start_loc", "ngram_context")))
+        np.testing.assert_array_equal(ids.numpy(), batch["ngram_ids"])
 
 
 @SETTINGS
