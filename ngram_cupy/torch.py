@@ -179,14 +179,15 @@ class NGramEmbeddingModule(torch.nn.Module):
 
     def _check_buffer(self, name: str, value: torch.Tensor) -> None:
         """A hash buffer from a checkpoint must equal the derived layout in shape and values."""
-        want = getattr(self, name)
+        layout = self.layout
+        want = dict(zip(BUFFERS, (layout.multipliers, layout.head_sizes, layout.head_offsets),
+                        strict=True))[name]
         if tuple(value.shape) != tuple(want.shape):
             raise ValueError(f"{name} has shape {tuple(value.shape)} but layer "
                              f"{self.layout.layer} needs {tuple(want.shape)}")
         if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
             raise ValueError(f"{name} must be an integer tensor (int64), got {value.dtype}")
         got = value.detach().to("cpu", torch.int64).numpy()
-        want = want.to("cpu").numpy()
         differ = np.flatnonzero(got != want)
         if differ.size:
             i = int(differ[0])
