@@ -103,7 +103,6 @@ class NGramEmbeddingModule(torch.nn.Module):
         table = EmbeddingTable.empty(layout.padded_rows, layout.head_dim, weight_dtype,
                                      placement=placement)
         self.layout = layout
-        self.placement = placement
         self.embedding = NGramEmbedding(layout, table)
         storage_dtype = getattr(torch, table.dtype.name)
         self.out_dtype = getattr(torch, default_output(table.format).name)
@@ -170,7 +169,7 @@ class NGramEmbeddingModule(torch.nn.Module):
         """Start gathering the batch's rows while the preceding decoder layer runs (a side CUDA
         stream, or a worker thread on the CPU); nothing for a table in GPU memory, as in the
         reference layer."""
-        if self.placement == "gpu":
+        if self.table.placement == "gpu":
             return
         input_ids, query_start_loc, ngram_context, stream = self._batch(
             input_ids, query_start_loc, ngram_context)
@@ -180,14 +179,15 @@ class NGramEmbeddingModule(torch.nn.Module):
 
     def _check_buffer(self, name: str, value: torch.Tensor) -> None:
         """A hash buffer from a checkpoint must equal the derived layout in shape and values."""
-        want = getattr(self, name)
+        layout = self.layout
+        want = dict(zip(BUFFERS, (layout.multipliers, layout.head_sizes, layout.head_offsets),
+                        strict=True))[name]
         if tuple(value.shape) != tuple(want.shape):
             raise ValueError(f"{name} has shape {tuple(value.shape)} but layer "
                              f"{self.layout.layer} needs {tuple(want.shape)}")
         if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
             raise ValueError(f"{name} must be an integer tensor (int64), got {value.dtype}")
         got = value.detach().to("cpu", torch.int64).numpy()
-        want = want.to("cpu").numpy()
         differ = np.flatnonzero(got != want)
         if differ.size:
             i = int(differ[0])
@@ -266,4 +266,4 @@ class NGramEmbeddingModule(torch.nn.Module):
         return (f"layer={self.layout.layer}, heads={self.layout.num_heads}, "
                 f"head_dim={self.layout.head_dim}, rows={self.layout.padded_rows}, "
                 f"weight_dtype={self.ngram_embedding.weight.dtype}, "
-                f"placement={self.placement!r}")
+                f"placement={self.table.placement!r}")

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import io
+import json
 import tracemalloc
 
 import ml_dtypes
 import numpy as np
 import pytest
 import torch
+from conftest import GOLDEN_FILES, load_golden
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -163,6 +165,20 @@ def test_ids_are_the_reference_ids(data):
     np.testing.assert_array_equal(output.numpy(), want)
 
 
+@pytest.mark.parametrize("path", [p for p in GOLDEN_FILES
+                                  if json.loads(p.read_text())["layout"]["padded_rows"] < 1 << 21],
+                         ids=lambda p: p.stem)
+def test_ids_are_the_golden_ids(path):
+    """The reference model's own ids, for the golden layouts small enough for a table here."""
+    layout, _, batches = load_golden(path)
+    config = nc.NGramConfig(**{**vars(layout.config), "embedding_dim": layout.num_heads})
+    module = NGramEmbeddingModule(config, layout.layer, placement="cpu", weight_dtype="fp8")
+    for batch in batches:
+        ids = module.compute_ngram_ids(*(torch.from_numpy(batch[name]) for name in
+                                         ("input_ids", "query_start_loc", "ngram_context")))
+        np.testing.assert_array_equal(ids.numpy(), batch["ngram_ids"])
+
+
 @SETTINGS
 @given(data=st.data())
 def test_chunked_prefill_then_decode_equals_whole(data):
@@ -225,6 +241,28 @@ def test_load_weights_returns_the_reference_names():
     assert module.table.scale == np.float32(0.375)
     assert module.ngram_embedding.weight_scale.item() == 0.375
     np.testing.assert_array_equal(bits(module.ngram_embedding.weight), weight.view(np.uint8))
+
+
+def test_streams_a_safetensors_checkpoint_as_the_library_loads_it(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    config = small_config(split_ngram_parts=5)
+    layout = nc.layer_layout(config, 1)
+    weight = random_rows(layout.padded_rows, layout.head_dim, "float8_e4m3fn", 7)
+    prefix = "model.layers.1.ple.ple_embedding."
+    path = tmp_path / "model.safetensors"
+    save_file({prefix + name: value.contiguous()
+               for name, value in checkpoint_weights(config, 1, weight, 0.375)}, path)
+    module = NGramEmbeddingModule(config, 1, placement="cpu", weight_dtype=torch.float8_e4m3fn)
+    with safe_open(path, "pt") as checkpoint:
+        module.load_weights((name.removeprefix(prefix), checkpoint.get_tensor(name))
+                            for name in checkpoint.keys())
+    assert module.missing_shards == []
+    library = nc.load_ngram_embedding(path, config, 1, prefix=prefix[:-1])
+    batch = packed(config, [[1, 2, 3, 4, 3, 9], [], [3, 5]], [[0, 3], [7, 8], [3, 3]])
+    want = library(*(t.numpy() for t in batch))
+    np.testing.assert_array_equal(bits(module(None, *batch)), want.view(np.int16))
 
 
 def test_load_weights_takes_the_whole_table():
