@@ -45,7 +45,13 @@ def run(argv: list, capsys) -> tuple[int, str, str]:
 def run_subprocess(argv: list, **kwargs) -> subprocess.Popen:
     """Start ``python -m ngram_cupy ARGV`` from the repository root."""
     return subprocess.Popen([sys.executable, "-m", "ngram_cupy", *map(str, argv)], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=default_interrupt, **kwargs)
+
+
+def default_interrupt() -> None:
+    """SIGINT as a terminal sends it, even under a runner started in the background (ignored)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def small_config(tmp_path: Path) -> Path:
