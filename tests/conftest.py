@@ -76,3 +76,12 @@ def released_config():
         eos_token_id=248044, embedding_dim=2560, make_ngram_vocab_size_divisible_by=512,
         split_ngram_parts=128,
     )
+
+
+@pytest.fixture
+def simulate(monkeypatch):
+    """Every ``NumbaKernel`` launch runs in the CUDA simulator with bounds- and alignment-checked
+    arrays, in this process (tests/simulator.py)."""
+    import simulator
+
+    simulator.install(monkeypatch)

@@ -2,52 +2,220 @@
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
 import sys
-from pathlib import Path
+import types as pytypes
 
+import kernel_builds
 import numpy as np
 import pytest
+import simulator
 from numba import cuda, types
 
 import ngram_cupy as nc
 from ngram_cupy import ids_cuda, reference
+from ngram_cupy.cuda_launch import NumbaKernel
 
-SIM_CHECK = Path(__file__).with_name("cuda_sim_check.py")
 DIVISION_64 = re.compile(r"\b(?:div|rem)\.[us]64\b")
 
 
-@pytest.fixture(scope="module")
-def simulator_results():
-    """Every check of cuda_sim_check.py, run once in a subprocess under the CUDA simulator."""
-    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1"}
-    run = subprocess.run([sys.executable, str(SIM_CHECK)], env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-4000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+# ---------------------------------------------------------------- the kernels in the simulator
 
 
-def test_kernels_in_the_simulator_match_the_cpu_path(simulator_results):
-    assert len(simulator_results) >= 9
-    failed = {name: error for name, error in simulator_results.items() if error != "ok"}
-    assert not failed, "\n".join(f"{name}:\n{error}" for name, error in failed.items())
+def gpu_ids(layout, tokens, starts, context, block):
+    """Ids from the simulated kernel."""
+    out = np.full((len(tokens), layout.num_heads), -1, dtype=np.int64)
+    return ids_cuda.launch_ngram_ids(layout, tokens, starts, context,
+                                     ids_cuda.layout_params(layout), out, block=block)
 
 
-class _Device:
-    compute_capability = (9, 0)
+def assert_ids(layout, tokens, starts, context, block):
+    expected = reference.compute_ngram_ids(layout, tokens, starts, context)
+    np.testing.assert_array_equal(nc.compute_ngram_ids(layout, tokens, starts, context), expected)
+    np.testing.assert_array_equal(gpu_ids(layout, tokens, starts, context, block), expected)
+
+
+def test_simulated_ids_equal_the_golden_vectors(simulate, golden):
+    layout, _, batches = golden
+    for batch in batches:
+        ids = gpu_ids(layout, batch["input_ids"], batch["query_start_loc"],
+                      batch["ngram_context"], block=32)
+        np.testing.assert_array_equal(ids, batch["ngram_ids"])
+
+
+@pytest.mark.parametrize("layout", simulator.layouts(), ids=lambda lay: f"n{lay.ngram_size}")
+def test_simulated_ids_on_random_batches(simulate, layout):
+    """EOS-heavy, out-of-range and negative tokens; several blocks, a partial last block."""
+    rng = np.random.default_rng(3 + layout.ngram_size)
+    for num_tokens, num_requests, block in [(11, 3, 4), (9, 1, 8), (16, 5, 4)]:
+        assert_ids(layout, *simulator.random_batch(rng, layout, num_tokens, num_requests), block)
+
+
+def test_simulated_ids_with_empty_requests_and_batches(simulate):
+    layout = simulator.layouts()[1]
+    tokens = np.arange(7, dtype=np.int64)
+    context = np.full((6, 2), 5, dtype=np.int64)
+    for starts in ([0, 0, 3, 3, 7, 7], [0, 7], [0, 0, 0, 0, 0, 7]):
+        assert_ids(layout, tokens, np.array(starts), context, block=4)
+    empty = gpu_ids(layout, tokens[:0], np.zeros(3, np.int64), context, block=4)
+    assert empty.shape == (0, layout.num_heads)
+
+
+@pytest.mark.parametrize("dtypes", [(np.int32,) * 3, (np.int32, np.int64, np.int32),
+                                    (np.int64, np.int32, np.int64)], ids=str)
+def test_simulated_ids_on_int32_inputs(simulate, dtypes):
+    rng = np.random.default_rng(5)
+    layout = simulator.layouts()[2]
+    assert_ids(layout, *simulator.random_batch(rng, layout, 10, 3, dtypes, spare_rows=0), block=4)
+
+
+def test_simulated_ids_of_the_released_config_at_decode(simulate, released_config):
+    layout = nc.layer_layout(released_config, 0)
+    rng = np.random.default_rng(7)
+    tokens = rng.integers(0, released_config.vocab_size, 6)
+    tokens[2] = released_config.eos_token_id
+    context = rng.integers(0, released_config.vocab_size, (8, 2))  # persistent: spare rows
+    assert_ids(layout, tokens, np.arange(7), context, block=4)
+
+
+def test_simulated_kernels_stay_in_bounds_on_garbage_query_start_loc(simulate):
+    """Any values: no access outside the arrays, every id inside its head's rows."""
+    rng = np.random.default_rng(11)
+    layout = simulator.layouts()[1]
+    low = layout.head_offsets
+    high = layout.head_offsets + layout.head_sizes
+    big = np.iinfo(np.int64)
+    garbage = [[5], [-3, 2], [big.max, big.min, 0], [9, 4, 30, 2, -1], [0, 2, 1, 100]]
+    garbage += [rng.integers(-20, 20, 6) for _ in range(3)]
+    for starts in garbage:
+        starts = np.array(starts, dtype=np.int64)
+        num_requests = len(starts) - 1
+        tokens, _, context = simulator.random_batch(rng, layout, 7, max(num_requests, 1),
+                                                    spare_rows=0)
+        context = context[:num_requests]
+        if num_requests:  # R = 0 with tokens is refused from shapes alone, before any launch
+            ids = gpu_ids(layout, tokens, starts, context, block=4)
+            assert np.all((ids >= low) & (ids < high)), starts
+        out = np.zeros((num_requests, 2), dtype=np.int64)
+        ids_cuda.launch_advance_context(tokens, starts, context, out)
+        ids_cuda.launch_advance_context(tokens[:0], starts, context, out)
+
+
+def test_the_simulator_checks_bounds(simulate):
+    """The checked arrays are live: a kernel reading one past the end fails."""
+    def read_past_the_end(values, out):
+        out[0] = values[values.shape[0]]
+
+    with pytest.raises(IndexError, match="outside axis 0"):
+        NumbaKernel(read_past_the_end)(1, 1, (np.zeros(3, np.int64), np.zeros(1, np.int64)))
+
+
+@pytest.mark.parametrize("layout", simulator.layouts()[::3], ids=lambda lay: f"n{lay.ngram_size}")
+def test_simulated_advance_context_equals_the_reference(simulate, layout):
+    rng = np.random.default_rng(13)
+    for num_tokens, num_requests in [(0, 2), (1, 1), (9, 4)]:
+        tokens, starts, context = simulator.random_batch(rng, layout, num_tokens, num_requests)
+        expected = reference.advance_context(layout, tokens, starts, context)
+        out = np.zeros_like(context[:num_requests])
+        ids_cuda.launch_advance_context(tokens, starts, context, out)
+        np.testing.assert_array_equal(out, expected)
+        ids_cuda.launch_advance_context(tokens, starts, context, context[:num_requests])
+        np.testing.assert_array_equal(context[:num_requests], expected)  # in place
+
+
+def test_simulated_chunked_decode_equals_whole(simulate):
+    """Decode one token per step with contexts rolled on the device equals one prefill."""
+    layout = simulator.layouts()[2]
+    rng = np.random.default_rng(17)
+    tokens, _, context = simulator.random_batch(rng, layout, 8, 1, spare_rows=0)
+    whole = reference.compute_ngram_ids(layout, tokens, [0, 8], context)
+    state = context.copy()
+    for t in range(8):
+        one = tokens[t : t + 1]
+        np.testing.assert_array_equal(gpu_ids(layout, one, np.array([0, 1]), state, block=4),
+                                      whole[t : t + 1])
+        ids_cuda.launch_advance_context(one, np.array([0, 1]), state, state)
+
+
+class StandInArray:
+    """A CuPy array stand-in over NumPy memory: what the device dispatch path touches."""
+
+    def __init__(self, array: np.ndarray):
+        self.host = array
+        self.shape, self.strides, self.dtype = array.shape, array.strides, array.dtype
+        self.ndim, self.flags = array.ndim, array.flags
+        self.device = StandInContext()
+
+    def __dlpack_device__(self):
+        return 2, 0  # kDLCUDA
+
+    def __getitem__(self, index):
+        return StandInArray(self.host[index])
+
+
+class StandInContext:
+    """A CuPy device or stream stand-in."""
+
+    id = ptr = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def stand_in_cupy():
+    """A CuPy module stand-in, enough for ngram_ids' device path to run in the simulator."""
+    cupy = pytypes.ModuleType("cupy")
+    cupy.ndarray = StandInArray
+    cupy.cuda = pytypes.SimpleNamespace(Stream=StandInContext, ExternalStream=StandInContext,
+                                        get_current_stream=StandInContext)
+    cupy.ascontiguousarray = lambda a: StandInArray(np.ascontiguousarray(a.host))
+    cupy.empty = lambda shape, dtype: StandInArray(np.full(shape, -1, dtype=dtype))
+    return cupy
+
+
+def test_public_functions_take_the_device_path(simulate, monkeypatch):
+    """compute_ngram_ids/advance_context on (stand-in) device arrays: dispatch, out=, errors."""
+    monkeypatch.setitem(sys.modules, "cupy", stand_in_cupy())
+    launch = NumbaKernel.__call__  # the simulator, on the stand-ins' memory
+
+    def on_host_memory(self, grid, block, args, stream=None):
+        args = tuple(a.host if isinstance(a, StandInArray) else a for a in args)
+        return launch(self, grid, block, args, stream)
+
+    monkeypatch.setattr(NumbaKernel, "__call__", on_host_memory)
+    monkeypatch.setattr(ids_cuda, "device_params",
+                        lambda layout, device: ids_cuda.layout_params(layout))
+    rng = np.random.default_rng(19)
+    layout = simulator.layouts()[1]
+    tokens, starts, context = simulator.random_batch(rng, layout, 9, 3)
+    device = [StandInArray(a) for a in (tokens, starts, context)]
+    ids = nc.compute_ngram_ids(layout, *device)
+    assert isinstance(ids, StandInArray)
+    expected = reference.compute_ngram_ids(layout, tokens, starts, context)
+    np.testing.assert_array_equal(ids.host, expected)
+    out = StandInArray(np.zeros_like(expected))
+    assert nc.compute_ngram_ids(layout, *device, out=out) is out
+    np.testing.assert_array_equal(out.host, expected)
+    rolled = reference.advance_context(layout, tokens, starts, context)
+    np.testing.assert_array_equal(nc.advance_context(layout, *device).host, rolled)
+    nc.advance_context(layout, *device, out=device[2][:3])
+    np.testing.assert_array_equal(context[:3], rolled)
+    with pytest.raises(ValueError, match="query_start_loc holds no request"):
+        nc.compute_ngram_ids(layout, device[0], StandInArray(np.zeros(1, np.int64)), device[2])
+
+
+# ---------------------------------------------------------------- PTX, no GPU needed
 
 
 @pytest.fixture
-def ptx(monkeypatch):
-    """``compile_ptx`` without a GPU: Numba asks the driver for a device when a kernel calls a
-    helper function, so answer for it."""
-    monkeypatch.setattr(cuda.dispatcher, "get_current_device", lambda: _Device)
+def ptx():
+    """PTX of a kernel for a signature, compiled once per session (tests/kernel_builds.py)."""
 
     def compile_ptx(kernel, signature, cc):
-        return cuda.compile_ptx(kernel.py_func, signature, cc=cc)[0]
+        return kernel_builds.build(kernel.py_func, signature.args, cc).ptx
 
     return compile_ptx
 

@@ -1,0 +1,177 @@
+"""Short GPU workloads for scripts/device_check.sh, each checked against the CPU path.
+
+    python scripts/gpu_workload.py CASE [CASE ...]
+
+Cases: ``kernels`` (ids, context rolling, gathers of every placement, the deduplicating gather,
+the fused kernel, a prefetch; small enough for compute-sanitizer memcheck and racecheck),
+``graph`` (a ``torch.cuda.graph`` capture of ``forward`` replayed on new tokens, results taken
+with ``torch.from_dlpack``), ``misaligned`` (a table adopted from a device view 1 byte past an
+8-byte boundary, plain and fused) and ``fresh-fill`` (rows written, then read at once on another
+stream). Prints one line per case, ``ok`` or the error; exits 1 if any failed.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout, not installed
+
+import ngram_cupy as nc  # noqa: E402
+
+CONFIG = nc.NGramConfig(vocab_size=248320, ngram_size=3, heads_per_ngram=8,
+                        ngram_vocab_size_base=20_000, eos_token_id=248044, embedding_dim=2560)
+HEAD_DIM = 160
+
+
+def layer_inputs(rng, num_tokens: int, num_requests: int):
+    """``(layout, tokens, query_start_loc, context, fp8 weight)`` on the host."""
+    layout = nc.layer_layout(CONFIG, 0)
+    tokens = rng.integers(0, CONFIG.vocab_size, num_tokens)
+    tokens[rng.random(num_tokens) < 0.05] = CONFIG.eos_token_id
+    starts = np.linspace(0, num_tokens, num_requests + 1).astype(np.int64)
+    context = rng.integers(0, CONFIG.vocab_size, (num_requests, 2))
+    weight = (rng.standard_normal((layout.padded_rows, HEAD_DIM)) * 4).astype(
+        ml_dtypes.float8_e4m3fn)
+    return layout, tokens, starts, context, weight
+
+
+def bits(array) -> np.ndarray:
+    """Raw bits on the host of a CuPy, torch or NumPy result."""
+    if hasattr(array, "get"):
+        array = array.get()
+    elif hasattr(array, "cpu"):
+        import torch
+
+        same_size = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+        array = array.detach().cpu().view(same_size[array.element_size()]).numpy()
+    array = np.asarray(array)
+    return array.view(f"u{array.dtype.itemsize}")
+
+
+def case_kernels() -> None:
+    import cupy
+
+    rng = np.random.default_rng(0)
+    layout, tokens, starts, context, weight = layer_inputs(rng, 300, 4)
+    cpu_table = nc.EmbeddingTable(weight, scale=0.5)
+    cpu_ids = nc.compute_ngram_ids(layout, tokens, starts, context)
+    cpu_rows = bits(cpu_table.lookup(cpu_ids))
+    device = [cupy.asarray(a) for a in (tokens, starts, context)]
+    ids = nc.compute_ngram_ids(layout, *device)
+    np.testing.assert_array_equal(ids.get(), cpu_ids)
+    np.testing.assert_array_equal(nc.advance_context(layout, *device).get(),
+                                  nc.advance_context(layout, tokens, starts, context))
+    for placement in ("gpu", "host"):
+        for dedup in (False, True):
+            try:
+                table = nc.EmbeddingTable(weight, scale=0.5, placement=placement, dedup=dedup)
+            except TypeError:  # no dedup option in this version
+                table = nc.EmbeddingTable(weight, scale=0.5, placement=placement)
+            np.testing.assert_array_equal(bits(table.lookup(ids)), cpu_rows, err_msg=placement)
+        for fused in (False, True):
+            layer = nc.NGramEmbedding(layout, table, fused=fused)
+            np.testing.assert_array_equal(bits(layer(*device)), cpu_rows)
+        layer = nc.NGramEmbedding(layout, table)
+        layer.start_prefetch(*device)
+        np.testing.assert_array_equal(bits(layer(*device)), cpu_rows, err_msg="prefetch")
+    cupy.cuda.Device().synchronize()
+
+
+def case_graph() -> None:
+    import torch
+
+    rng = np.random.default_rng(1)
+    layout, tokens, starts, context, weight = layer_inputs(rng, 64, 8)
+    table = nc.EmbeddingTable(weight, scale=0.5, placement="gpu")
+    cpu = nc.NGramEmbedding(layout, nc.EmbeddingTable(weight, scale=0.5))
+    layer = nc.NGramEmbedding(layout, table)
+    inputs = [torch.as_tensor(a, device="cuda") for a in (tokens, starts, context)]
+    out = torch.empty((64, layout.num_heads * HEAD_DIM), dtype=torch.bfloat16, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: compile, upload constants, allocate
+        layer(*inputs, out=out, stream=side)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = layer(*inputs, out=out, stream=torch.cuda.current_stream())
+    fresh = rng.integers(0, CONFIG.vocab_size, 64)
+    inputs[0].copy_(torch.as_tensor(fresh))
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    want = bits(cpu(fresh, starts, context))
+    got = result if isinstance(result, torch.Tensor) else torch.from_dlpack(result)
+    np.testing.assert_array_equal(bits(got), want)
+    ids = torch.from_dlpack(layer.compute_ids(*inputs))  # a CuPy result handed to torch
+    torch.cuda.synchronize()
+    np.testing.assert_array_equal(ids.cpu().numpy(), nc.compute_ngram_ids(layout, fresh, starts,
+                                                                          context))
+
+
+def case_misaligned() -> None:
+    import torch
+
+    rng = np.random.default_rng(2)
+    layout, tokens, starts, context, weight = layer_inputs(rng, 100, 2)
+    raw = torch.zeros(weight.size + 8, dtype=torch.uint8, device="cuda")
+    view = raw[1 : 1 + weight.size].view(torch.float8_e4m3fn).reshape(weight.shape)
+    view.view(torch.uint8).copy_(torch.as_tensor(weight.view(np.uint8)))
+    assert view.data_ptr() % 8 == 1
+    table = nc.EmbeddingTable(view, scale=0.5, placement="gpu")
+    cpu = nc.NGramEmbedding(layout, nc.EmbeddingTable(weight, scale=0.5))
+    want = bits(cpu(tokens, starts, context))
+    inputs = [torch.as_tensor(a, device="cuda") for a in (tokens, starts, context)]
+    for fused in (False, True):
+        got = nc.NGramEmbedding(layout, table, fused=fused)(*inputs)
+        torch.cuda.synchronize()
+        np.testing.assert_array_equal(bits(got), want, err_msg=f"fused={fused}")
+
+
+def case_fresh_fill() -> None:
+    import cupy
+
+    rng = np.random.default_rng(3)
+    rows = 1 << 18  # 40 MiB of fp8 rows: the copy is still running when the lookup is queued
+    weight = (rng.standard_normal((rows, HEAD_DIM)) * 4).astype(ml_dtypes.float8_e4m3fn)
+    ids = np.stack([np.arange(rows - 256, rows), np.arange(256)], axis=1)
+    want = bits(nc.EmbeddingTable(weight, scale=0.5).lookup(ids))
+    for attempt in range(3):
+        table = nc.EmbeddingTable.empty(rows, HEAD_DIM, ml_dtypes.float8_e4m3fn,
+                                        placement="gpu", scale=0.5)
+        table.write_rows(0, weight)
+        other = cupy.cuda.Stream(non_blocking=True)
+        got = table.lookup(cupy.asarray(ids), stream=other)
+        other.synchronize()
+        np.testing.assert_array_equal(bits(got), want, err_msg=f"attempt {attempt}")
+
+
+CASES = {"kernels": case_kernels, "graph": case_graph, "misaligned": case_misaligned,
+         "fresh-fill": case_fresh_fill}
+
+
+def main(names: list[str]) -> int:
+    unknown = [name for name in names if name not in CASES]
+    if unknown or not names:
+        print(f"cases: {', '.join(CASES)}; unknown: {unknown}", file=sys.stderr)
+        return 2
+    failed = 0
+    for name in names:
+        start = time.perf_counter()
+        try:
+            CASES[name]()
+            print(f"{name}: ok ({time.perf_counter() - start:.1f} s)", flush=True)
+        except Exception:
+            failed += 1
+            print(f"{name}: FAILED\n{traceback.format_exc()}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
