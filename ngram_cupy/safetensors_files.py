@@ -34,6 +34,8 @@ from .formats import BY_SAFETENSORS
 INDEX_FILE = "model.safetensors.index.json"
 # The __metadata__ key (in each file) and index metadata key naming a checkpoint's generation.
 GENERATION_KEY = "ngram_cupy_generation"
+# Reads of an index that a writer keeps replacing meanwhile, before giving up.
+READ_ATTEMPTS = 3
 _GENERATION_FILE = re.compile(r"^model-\d{5}-of-\d{5}-[0-9a-f]{8}\.safetensors$")
 
 # Safetensors dtype codes and the NumPy (or ml_dtypes) types that hold them: the integer buffers
@@ -172,8 +174,24 @@ def read_index(index: str | os.PathLike) -> tuple[dict[str, str], str | None]:
 
 def _indexed_paths(index: Path) -> list[str]:
     """The files named by an index json's ``weight_map``, each once, in the order first named;
-    for an index of :func:`write_checkpoint`, each must belong to the generation it names."""
+    for an index of :func:`write_checkpoint`, each must belong to the generation it names. An
+    index replaced while it is read (a writer committing a new generation) is read again."""
     weight_map, generation = read_index(index)
+    for attempt in range(READ_ATTEMPTS):
+        try:
+            return _generation_files(index, weight_map, generation)
+        except (ValueError, FileNotFoundError):
+            if generation is None or attempt == READ_ATTEMPTS - 1:
+                raise
+            weight_map, newer = read_index(index)
+            if newer == generation:
+                raise
+            generation = newer
+
+
+def _generation_files(index: Path, weight_map: dict[str, str],
+                      generation: str | None) -> list[str]:
+    """The files of ``weight_map``, each present and of ``generation`` (when it is not None)."""
     names = list(dict.fromkeys(weight_map.values()))
     missing = [n for n in names if not (index.parent / n).is_file()]
     if missing:

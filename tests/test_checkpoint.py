@@ -771,3 +771,23 @@ def test_ugly_layer_past_a_one_layer_checkpoint_names_the_layer_asked_for(tmp_pa
     path = write(tmp_path, tiny_tensors())
     with pytest.raises(ValueError, match=r"PLE layer 1: none matches; found .* \(1 PLE layer"):
         nc.load_ngram_embedding(path, TINY, 1)
+
+
+def test_data_loss_reader_of_an_index_replaced_meanwhile_reads_the_new_generation(tmp_path,
+                                                                                   monkeypatch):
+    """A reader that read the old index just before a writer committed and removed the old
+    files reads the index again and loads the new generation whole."""
+    from ngram_cupy import safetensors_files
+
+    write_checkpoint(tmp_path, generation_tensors(1.0), num_files=3)
+    stale = safetensors_files.read_index(tmp_path / "model.safetensors.index.json")
+    write_checkpoint(tmp_path, generation_tensors(2.0), num_files=3)
+    real, calls = safetensors_files.read_index, []
+
+    def first_read_is_stale(index):
+        calls.append(index)
+        return stale if len(calls) == 1 else real(index)
+
+    monkeypatch.setattr(safetensors_files, "read_index", first_read_is_stale)
+    assert loaded_values(tmp_path) == {2.0}
+    assert len(calls) == 2
