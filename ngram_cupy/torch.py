@@ -17,8 +17,8 @@ import torch
 
 from .checkpoint import BUFFERS
 from .config import NGramConfig
-from .dequant import default_output
 from .embedding import NGramEmbedding
+from .formats import default_output
 from .layout import layer_layout, split_rows
 from .table import EmbeddingTable
 
@@ -104,12 +104,11 @@ class NGramEmbeddingModule(torch.nn.Module):
                                      placement=placement)
         self.layout = layout
         self.embedding = NGramEmbedding(layout, table)
-        storage_dtype = getattr(torch, table.dtype.name)
-        self.out_dtype = getattr(torch, default_output(table.format).name)
+        self.out_dtype = default_output(table.format).torch_dtype
         self.register_buffer("layer_multipliers", torch.tensor(layout.multipliers))
         self.register_buffer("ngram_heads_vocab_sizes", torch.tensor(layout.head_sizes))
         self.register_buffer("ngram_heads_offsets", torch.tensor(layout.head_offsets))
-        self.ngram_embedding = TableWeights(table, storage_dtype)
+        self.ngram_embedding = TableWeights(table, table.format.torch_dtype)
         self.register_load_state_dict_pre_hook(NGramEmbeddingModule._check_state_dict)
         self._loaded_shards: set[int] = set()
 
