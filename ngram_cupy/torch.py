@@ -81,7 +81,7 @@ class TableWeights(torch.nn.Module):
 class NGramEmbeddingModule(torch.nn.Module):
     """Dense PLE layer ``layer`` of ``config``: ids of a packed batch, then their table rows.
 
-    ``placement``: ``"gpu"`` (device memory), ``"host"`` (pinned host memory read by the GPU) or
+    ``placement``: ``"gpu"`` (device memory), ``"pinned"`` (host memory the GPU reads) or
     ``"cpu"``. ``weight_dtype``: the table's storage type (float32, float16, bfloat16 or
     float8_e4m3fn, as a torch dtype or a name); by default ``config.ple_embedding_dtype``, else
     torch's default dtype, as the reference layer does. The table is allocated here and filled by

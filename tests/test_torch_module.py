@@ -214,7 +214,7 @@ def test_chunked_prefill_then_decode_equals_whole(data):
     np.testing.assert_array_equal(bits(chunked), bits(whole))
 
 
-@pytest.mark.parametrize("placement", ["cpu", "host"])
+@pytest.mark.parametrize("placement", ["cpu", "pinned"])
 @SETTINGS
 @given(data=st.data())
 def test_prefetch_then_forward_equals_forward(placement, data):
@@ -439,7 +439,7 @@ def test_constructor_refuses_bad_arguments():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("placement", ["gpu", "host"])
+@pytest.mark.parametrize("placement", ["gpu", "pinned"])
 @pytest.mark.parametrize("dtype_name", DTYPES)
 def test_cuda_tensors_match_the_cpu(placement, dtype_name):
     config = small_config(split_ngram_parts=5)
