@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ngram_cupy.atomic import atomic_file
+
 MARK = "<!-- section: {} -->"
 CONTENDED_LIMIT = 1.2  # the most a contended default call may take, in one-thread times
 
@@ -89,13 +91,11 @@ def merge_into(path: str, fresh: dict[str, str], order: list[str]) -> None:
                 blocks[name] = text[start : end if end >= 0 else len(text)].rstrip() + "\n"
     blocks.update(fresh)
     body = "\n".join(blocks[name] for name in order if name in blocks)
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
+    with atomic_file(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
         f.write("# Benchmarks\n\nWritten by `python bench.py`; each section says where and when it "
                 "ran. Ratios compare with baselines measured in the same run; CPU sections run "
                 "every case idle, beside busy programs and beside torch, against the same call "
                 "on one thread.\n\n" + body)
-    os.replace(tmp, path)
 
 
 def plot(sections: list[Section], path: str) -> bool:
@@ -140,8 +140,7 @@ def plot(sections: list[Section], path: str) -> bool:
     right.set(yscale="log", ylabel="default / one-thread time",
               title="parallel calls under load (below 1: faster than one thread)")
     right.legend(fontsize="small")
-    tmp = f"{path}.tmp"
-    fig.savefig(tmp, format="png", dpi=100, bbox_inches="tight")
+    with atomic_file(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=100, bbox_inches="tight")
     plt.close(fig)
-    os.replace(tmp, path)
     return True
