@@ -13,13 +13,13 @@ import json
 import math
 import os
 import re
-import secrets
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
 from tqdm.auto import tqdm
 
+from .atomic import atomic_file
 from .backends import HOST, unwrap_torch
 from .config import MAX_SPLIT_PARTS, NGramConfig
 from .embedding import NGramEmbedding
@@ -385,10 +385,6 @@ def write_config_json(folder: str | os.PathLike, config: NGramConfig) -> str:
     except (OSError, json.JSONDecodeError):
         existing = {}
     merged = {**(existing if isinstance(existing, dict) else {}), **config.to_hf()}
-    temporary = path.with_name(f".config.json.{secrets.token_hex(8)}.tmp")
-    try:
-        temporary.write_text(json.dumps(merged, indent=2, sort_keys=True) + "\n")
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)
+    with atomic_file(path) as temporary:
+        Path(temporary).write_text(json.dumps(merged, indent=2, sort_keys=True) + "\n")
     return str(path)
