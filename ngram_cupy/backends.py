@@ -88,11 +88,6 @@ class HostBackend(Backend):
 
     name = "host"
 
-    @property
-    def xp(self):
-        """The array module: NumPy."""
-        return np
-
     def asarray(self, value: Any) -> np.ndarray:
         """A NumPy view of a host array (zero-copy through DLPack), or an array built from a
         sequence."""
@@ -138,11 +133,6 @@ class DeviceBackend(Backend):
     """CuPy arrays in GPU memory; kernels run on a CUDA stream, never synchronising the host."""
 
     name = "device"
-
-    @property
-    def xp(self):
-        """The array module: CuPy."""
-        return cupy_module()
 
     def asarray(self, value: Any):
         """A CuPy view of a device array (zero-copy), or a device copy of a host sequence.

@@ -19,6 +19,7 @@ from .backends import cupy_module
 from .cuda_launch import NumbaKernel
 from .dequant import convert
 from .formats import FORMATS, Format
+from .gather_cupy import data_address
 from .hashing import clamp, stage_token_ids
 from .ids_cuda import device_params, staging_shape
 
@@ -30,12 +31,6 @@ def word_bytes(row_bytes: int, itemsize: int, address: int = 0) -> int:
     ``address`` is aligned to, so that every load is aligned: one load per word."""
     return next(w for w in WORD_BYTES
                 if w >= itemsize and row_bytes % w == 0 and address % w == 0)
-
-
-def address_of(array) -> int:
-    """The data address of a NumPy, CuPy or simulator array."""
-    interface = getattr(array, "__cuda_array_interface__", None) or array.__array_interface__
-    return interface["data"][0]
 
 
 @cache
@@ -115,7 +110,7 @@ def launch_fused(layout, tokens, query_start_loc, context, params, table_words, 
 def table_words(rows, itemsize: int):
     """A raw ``[rows, head_dim]`` table viewed as ``[rows, words]`` unsigned words, as wide as
     the row size and the table's address both allow."""
-    width = word_bytes(rows.shape[1] * itemsize, itemsize, address_of(rows))
+    width = word_bytes(rows.shape[1] * itemsize, itemsize, data_address(rows))
     return rows.view(np.dtype(f"u{width}"))
 
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import ngram_cupy as nc
+from ngram_cupy.backends import gpu_available
 
 GOLDEN_DIR = Path(__file__).resolve().parent / "data" / "golden"
 GOLDEN_FILES = sorted(GOLDEN_DIR.glob("*.json"))
@@ -21,17 +22,7 @@ if not GOLDEN_FILES:  # a broken checkout must fail, not skip
 warnings.simplefilter("ignore", RuntimeWarning)
 
 
-def _gpu_count() -> int:
-    """CUDA devices CuPy can see; 0 without CuPy, a driver or a device."""
-    try:
-        import cupy
-
-        return cupy.cuda.runtime.getDeviceCount()
-    except Exception:
-        return 0
-
-
-HAS_GPU = _gpu_count() > 0
+HAS_GPU = gpu_available()  # the library's own probe: CuPy, a driver and a device
 
 
 def pytest_collection_modifyitems(config, items):

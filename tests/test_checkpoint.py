@@ -791,3 +791,25 @@ def test_data_loss_reader_of_an_index_replaced_meanwhile_reads_the_new_generatio
     monkeypatch.setattr(safetensors_files, "read_index", first_read_is_stale)
     assert loaded_values(tmp_path) == {2.0}
     assert len(calls) == 2
+
+
+def test_save_mirrors_load_with_the_config_and_writes_config_json(tmp_path):
+    """save_ngram_embedding(path, config, layer, weight, scale) is load's mirror: the folder gets
+    the config's config.json (merged into a model's own), and loads back with from_hf."""
+    import json
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps({"hidden_size": 7, "seed": 1}))
+    weight = tiny_weight(ml_dtypes.float8_e4m3fn)
+    nc.save_ngram_embedding(tmp_path / "m", TINY, 0, weight, SCALE, num_files=2)
+    written = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert written["hidden_size"] == 7 and written["seed"] == TINY.seed
+    config = nc.NGramConfig.from_hf(tmp_path / "m")
+    assert config == TINY
+    layer = nc.load_ngram_embedding(tmp_path / "m", config, 0)
+    ids = np.arange(12).reshape(4, 3)
+    np.testing.assert_array_equal(
+        layer.table.lookup(ids).view(np.uint16),
+        reference_lookup(weight, ids, float(SCALE), ml_dtypes.bfloat16).view(np.uint16))
+    nc.save_ngram_embedding(tmp_path / "n", TINY, 0, tiny_weight(np.float32), write_config=False)
+    assert not (tmp_path / "n" / "config.json").exists()

@@ -21,13 +21,17 @@ The interface (``Storage``; each placement is one module: ``cpu``, ``gpu``, ``pi
   ``[job.row_start, job.row_start + num_rows)`` give zero rows and are never read.
 - ``host_view``: a NumPy view of the rows (of ``format.dtype``) when they are in host memory,
   else None; ``device_view``: the raw ``[num_rows, head_dim]`` CuPy view GPU kernels read (device
-  memory, or host memory mapped for the GPU), else None.
+  memory, or host memory mapped for the GPU), else None. Kernels outside the storage (the fused
+  ids + gather) read ``device_view`` directly, so a storage whose rows are not all at one device
+  address (a tiered one) leaves it None, and ``reads`` says which sides its own ``gather``
+  serves.
 - ``used_on(stream)``: note that a kernel reading ``device_view`` runs on ``stream`` (the fused
   kernel calls it); storages whose memory must outlive such kernels remember it.
 - ``close()``: release what the storage holds (registrations); it may be unusable afterwards.
 
 A new placement is one more class: a tiered storage (hot rows in GPU memory over a cold storage)
-implements the same methods, gathering hot rows itself and the rest through the cold storage.
+implements the same methods, gathering hot rows itself and the rest through the cold storage,
+and ``EmbeddingTable(storage, scale, row_start=..., total_rows=...)`` takes it as it is.
 ``allocate`` makes the storage of a placement name; ``adopt`` wraps a caller's array when it can
 serve as the storage without a copy.
 """
