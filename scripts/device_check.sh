@@ -85,9 +85,8 @@ step graph 35 python3 scripts/gpu_workload.py graph
 step misaligned 25 python3 scripts/gpu_workload.py misaligned
 step fresh-fill 25 python3 scripts/gpu_workload.py fresh-fill
 
-# 6. The quick GPU benchmark (merged into a copy of the committed tables).
-cp BENCHMARKS.md "$out/BENCHMARKS.md" 2>/dev/null || true
-step bench 85 python3 bench.py --device gpu --quick --output "$out/BENCHMARKS.md"
+# 6. The quick GPU benchmark (tables in $out/bench-results.md).
+step bench 85 python3 bench.py --device gpu --quick --output "$out/bench-results.md"
 
 echo "--- summary ($SECONDS s)"
 cat "$summary"

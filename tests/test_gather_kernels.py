@@ -379,8 +379,6 @@ def test_the_simulator_refuses_a_misaligned_word_load(simulate):
               words=shifted.view(np.uint64))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 14 bug 1 (helper arch): fused_cuda.table_words picks "
-                   "the word from the row size only, not the table's address")
 @pytest.mark.parametrize("offset", [1, 2, 4])
 def test_fused_words_of_a_misaligned_table_load_aligned(simulate, offset):
     """A table view starting ``offset`` bytes past an 8-byte boundary (CuPy's ``.view`` of a
