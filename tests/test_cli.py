@@ -28,7 +28,7 @@ from ngram_cupy.cli import main, parse_bytes  # noqa: E402
 from ngram_cupy.stats import ngram_stats  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-CORPUS = ROOT / "data" / "stdlib_docstrings.parquet"
+CORPUS = ROOT / "data" / "python_stdlib.parquet"
 CONFIG = ROOT / "data" / "config.json"
 # A one-head config: streaming tests then cost little beyond reading and writing.
 SMALL = dict(vocab_size=248320, eos_token_id=248044, ngram_size=2, heads_per_ngram=1,
@@ -98,7 +98,7 @@ def test_data_run_matches_library(tmp_path, capsys):
     status, stdout, err = run(["ids", CORPUS, out, "--config", CONFIG,
                                "--doc-id-column", "doc_id"], capsys)
     assert status == 0, err
-    assert stdout.startswith(f"wrote {out}: 526 rows, 892,297 tokens")
+    assert stdout.startswith(f"wrote {out}: 582 rows, 1,186,603 tokens")
     result = pq.read_table(out)
     source = pq.read_table(CORPUS)
     assert result.select(source.schema.names).equals(source)
@@ -174,11 +174,11 @@ def test_user_errors_print_one_line_and_exit_2(case, tmp_path, capsys):
 
 def test_user_error_in_a_subprocess_has_no_traceback(tmp_path):
     process = run_subprocess(["ids", CORPUS, tmp_path / "o.parquet", "--config", CONFIG,
-                              "--column", "text"])
+                              "--column", "words"])
     stdout, stderr = process.communicate(timeout=120)
     assert process.returncode == 2
-    assert stderr == "ngram-cupy: error: token column 'text' not found; columns are " \
-                     "['doc_id', 'source', 'chunk', 'tokens']\n"
+    assert stderr == "ngram-cupy: error: token column 'words' not found; columns are " \
+                     "['doc_id', 'source', 'chunk', 'text', 'tokens']\n"
 
 
 def start_slow_run(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
