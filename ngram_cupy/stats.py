@@ -354,7 +354,7 @@ def plot_stats(stats: list[HeadStats], reuse: ReuseStats | None, path: str) -> N
     ax.set_ylabel("table rows, summed over heads")
     ax.set_title("Row load of the n-gram tables")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    ax.legend(loc="upper right")
     if reuse is not None:
         ax = axes[0, 1]
         top = max(reuse.profile.rows.size, 1)
@@ -369,13 +369,14 @@ def plot_stats(stats: list[HeadStats], reuse: ReuseStats | None, path: str) -> N
         ax = axes[0, 2]
         for order, slope in reuse.slopes.items():
             counts = np.sort(reuse.order_counts(order))[::-1]
-            ax.loglog(np.arange(1, counts.size + 1), counts,
-                      label=f"{order}-gram rows, slope {slope:.2f}")
+            ranks = np.unique(np.geomspace(1, max(counts.size, 1), 400).astype(np.int64))
+            ranks = ranks[ranks <= counts.size]
+            ax.loglog(ranks, counts[ranks - 1], label=f"{order}-gram rows, slope {slope:.2f}")
         ax.set_xlabel("rank")
         ax.set_ylabel("held-out lookups of the row")
         ax.set_title("Rank-frequency of rows")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
+        ax.legend(loc="upper right")
     fig.tight_layout()
     fig.savefig(path, format="png", dpi=100)
     plt.close(fig)
