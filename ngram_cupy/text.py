@@ -49,14 +49,27 @@ class QwenTokenizer(TextTokenizer):
         self.name = spec
         self.vocab_size = max(self._tokenizer.decoder) + 1
         self.eos_token_id = int(self._tokenizer.eod_id)
-        self._pool = ThreadPoolExecutor(threads or os.cpu_count() or 1,
-                                        thread_name_prefix="ngram-tokenize")
+        self.threads = threads or os.cpu_count() or 1
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_pid = -1
+
+    def _executor(self) -> ThreadPoolExecutor:
+        """This process's thread pool (a forked child gets its own: the parent's threads are
+        not copied into it)."""
+        if self._pool is None or self._pool_pid != os.getpid():
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="ngram-tokenize")
+            self._pool_pid = os.getpid()
+        return self._pool
+
+    def __getstate__(self) -> dict:
+        """Pickled without the thread pool (Ray and multiprocessing send tokenizers around)."""
+        return {**self.__dict__, "_pool": None, "_pool_pid": -1}
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """``encode(text)`` of each text, across the pool's threads."""
-        if len(texts) < 2:
+        if len(texts) < 2 or self.threads == 1:
             return [self._tokenizer.encode(text) for text in texts]
-        return list(self._pool.map(self._tokenizer.encode, texts))
+        return list(self._executor().map(self._tokenizer.encode, texts))
 
 
 class HFTokenizer(TextTokenizer):

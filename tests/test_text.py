@@ -177,3 +177,20 @@ def test_sample_corpus_tokens_are_qwen_encodings_of_its_text(qwen):
     for row in rng.choice(table.num_rows, 8, replace=False).tolist():
         assert table["tokens"][row].as_py() == qwen.encode(table["text"][row].as_py())
     assert len(table["tokens"].combine_chunks().values) >= 1_000_000
+
+
+def encode_in_this_process(texts: list[str]) -> list[list[int]]:
+    """The cached Qwen tokenizer's encoding (in a forked child: the parent's cached object)."""
+    return load_tokenizer("qwen3.5").encode_batch(texts)
+
+
+def test_a_forked_child_and_a_pickled_copy_encode(qwen):
+    import multiprocessing
+    import pickle
+
+    expected = [qwen.encode(t) for t in TEXTS]
+    assert encode_in_this_process(TEXTS) == expected  # the parent's pool has started
+    with multiprocessing.get_context("fork").Pool(1) as pool:  # threads are not forked
+        assert pool.apply_async(encode_in_this_process, (TEXTS,)).get(timeout=120) == expected
+    copy = pickle.loads(pickle.dumps(load_tokenizer("qwen3.5")))
+    assert copy.encode_batch(TEXTS) == expected
