@@ -1,4 +1,4 @@
-"""The ``ngram-cupy`` command line: n-gram ids for token files, table layouts, hash statistics.
+"""The ``ngram-cupy`` command line: n-gram ids of token or text files, table layouts, statistics.
 
 User mistakes (missing files, a wrong column, a bad config) print one line on stderr and exit
 with status 2; an interrupted run exits with 130 (SIGINT) or 143 (SIGTERM) and leaves no output.

@@ -194,3 +194,16 @@ def test_a_forked_child_and_a_pickled_copy_encode(qwen):
         assert pool.apply_async(encode_in_this_process, (TEXTS,)).get(timeout=120) == expected
     copy = pickle.loads(pickle.dumps(load_tokenizer("qwen3.5")))
     assert copy.encode_batch(TEXTS) == expected
+
+
+def test_cli_stats_from_text_equal_stats_from_tokens(tmp_path, capsys):
+    tokens, text = tmp_path / "tokens.parquet", tmp_path / "text.parquet"
+    pq.write_table(corpus_slice(12).drop_columns(["text"]), tokens)
+    pq.write_table(corpus_slice(12).drop_columns(["tokens"]), text)
+    common = ["--config", str(CONFIG), "--doc-id-column", "doc_id", "--quiet", "--hot-rows", "50"]
+    assert main(["stats", str(tokens), *common]) == 0
+    from_tokens = capsys.readouterr().out
+    assert main(["stats", str(text), *common, "--text-column", "text", "--tokenizer",
+                 "qwen3.6"]) == 0
+    assert capsys.readouterr().out == from_tokens
+    assert "row reuse, layer 0" in from_tokens
