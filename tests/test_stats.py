@@ -132,11 +132,9 @@ def test_uniform_share():
 
 # --- held-out row reuse ---------------------------------------------------------------------
 
-from ngram_cupy.reference import token_histories  # noqa: E402
 from ngram_cupy.stats import (  # noqa: E402
     DistinctInBatches,
     RowCounts,
-    eos_cut_histories,
     hit_rate_curve,
     hottest_rows,
     merge_counts,
@@ -196,18 +194,6 @@ def test_rank_frequency_slope_of_a_power_law():
     counts = np.round(1e6 / np.arange(1, 2000) ** 1.5).astype(np.int64)
     assert rank_frequency_slope(counts) == pytest.approx(-1.5, abs=0.02)
     assert np.isnan(rank_frequency_slope(np.array([5, 1, 1])))
-
-
-@settings(max_examples=40, deadline=None)
-@given(documents=st.lists(st.lists(token, max_size=9), min_size=1, max_size=5))
-def test_eos_cut_histories_match_the_reference(documents):
-    from ngram_cupy.arrow import DocumentPacker
-
-    batch = pa.RecordBatch.from_pydict({"tokens": pa.array(documents, pa.list_(pa.int64()))})
-    packed = DocumentPacker(LAYOUT).pack(batch)
-    args = (packed.tokens, packed.query_start_loc, packed.ngram_context)
-    np.testing.assert_array_equal(eos_cut_histories(LAYOUT, packed),
-                                  token_histories(LAYOUT, *args))
 
 
 def whole_ids(documents: list[list[int]]) -> np.ndarray:
