@@ -16,7 +16,7 @@ RELEASED = nc.NGramConfig(
     split_ngram_parts=128,
 )
 RELEASED_HEADS, RELEASED_HEAD_DIM = 16, 160  # 16 rows of 160 fp8 bytes per token
-CORPUS = Path(__file__).resolve().parent.parent / "data" / "stdlib_docstrings.parquet"
+CORPUS = Path(__file__).resolve().parent.parent / "data" / "python_stdlib.parquet"
 
 
 def released_batch(num_requests: int, tokens_per_request: int, seed: int = 0):

@@ -6,12 +6,17 @@ one. The ids come back as a column of ``list<fixed_size_list<int64, H>>`` (``lar
 straight into the one buffer the new column wraps. Rows are fresh sequences unless a document-id
 column is named; then consecutive rows of one document, also across batches, continue it, so a
 document split into rows gets exactly the ids of the whole document.
+
+Text comes in through a ``text_column`` and a tokenizer (``ngram_cupy.text``): each row's text is
+encoded to a ``tokens`` column (``list<int32>``, named by ``column``) that the ids are computed from
+and that is kept beside them. ``open_tokens`` streams Parquet files and folders and Arrow IPC files.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+import os
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -20,10 +25,12 @@ import pyarrow.compute as pc
 
 from .layout import LayerLayout
 from .ngram_ids import advance_context, compute_ngram_ids
+from .text import TextTokenizer, as_tokenizer, check_tokenizer
 
 DEFAULT_OUT_COLUMN = "ngram_ids"
 DEVICES = ("cpu", "gpu")
 TOKEN_TYPES = (pa.int32(), pa.int64())
+TEXT_TYPES = (pa.string(), pa.large_string())
 
 
 def as_layouts(layout: LayerLayout | Sequence[LayerLayout]) -> list[LayerLayout]:
@@ -183,6 +190,57 @@ def wrap_ids(ids: np.ndarray, row_offsets: pa.Array) -> pa.Array:
     return list_class.from_arrays(row_offsets, per_token)
 
 
+def check_text_type(column: str, arrow_type: pa.DataType) -> None:
+    """``column`` must be a string or large string column."""
+    if arrow_type not in TEXT_TYPES:
+        raise TypeError(f"text column {column!r} must be string or large_string, got {arrow_type}")
+
+
+def token_list_array(encoded: Sequence[Sequence[int]]) -> pa.Array:
+    """A ``list<int32>`` array over lists of token ids."""
+    return pa.array(encoded, type=pa.list_(pa.int32()))
+
+
+class TextTokens:
+    """A ``map_batches``-style callable: each batch gains a ``list<int32>`` token column encoded
+    from its text column by ``tokenizer`` (a ``TextTokenizer`` or a spec such as ``qwen3.5``)."""
+
+    def __init__(self, tokenizer: str | TextTokenizer, text_column: str = "text",
+                 column: str = "tokens") -> None:
+        self.tokenizer = as_tokenizer(tokenizer)
+        self.text_column = text_column
+        self.column = column
+
+    def output_schema(self, schema: pa.Schema) -> pa.Schema:
+        """Check the text column and return ``schema`` with the token column appended."""
+        check_text_type(self.text_column, field_of(schema, self.text_column, "text").type)
+        if self.column in schema.names:
+            raise ValueError(f"token column {self.column!r} already exists in the input")
+        return schema.append(pa.field(self.column, pa.list_(pa.int32()), nullable=False))
+
+    def __call__(self, batch: pa.RecordBatch) -> pa.RecordBatch:
+        """``batch`` with its texts' tokens appended."""
+        schema = self.output_schema(batch.schema)
+        texts = batch.column(self.text_column)
+        if texts.null_count:
+            raise ValueError(f"text column {self.text_column!r} has {texts.null_count} null rows")
+        tokens = token_list_array(self.tokenizer.encode_batch(texts.to_pylist()))
+        return pa.RecordBatch.from_arrays([*batch.columns, tokens], schema=schema)
+
+
+def text_tokens(layout: LayerLayout, column: str, text_column: str | None,
+                tokenizer: str | TextTokenizer | None) -> TextTokens | None:
+    """The text-to-token step for ``text_column``, checked against the layout's config."""
+    if text_column is None and tokenizer is None:
+        return None
+    if text_column is None or tokenizer is None:
+        raise ValueError(f"text needs both text_column and tokenizer, got "
+                         f"text_column={text_column!r}, tokenizer={tokenizer!r}")
+    step = TextTokens(tokenizer, text_column, column)
+    check_tokenizer(layout.config, step.tokenizer)
+    return step
+
+
 class NGramIds:
     """A ``map_batches``-style callable: each record batch or table gains its n-gram id columns.
 
@@ -190,15 +248,19 @@ class NGramIds:
     feed the batches of a scan in order (``dataset.to_batches()`` keeps the files' order).
     ``reuse_buffers=True`` writes every call's ids into the same memory (no page faults on fresh
     allocations): a returned batch is then valid only until the next call, which suits a writer
-    that consumes each batch at once.
+    that consumes each batch at once. With ``text_column`` and ``tokenizer``, each row's text is
+    first encoded into the token column ``column``, which the output keeps.
     """
 
     def __init__(self, layout: LayerLayout | Sequence[LayerLayout], column: str = "tokens",
                  out_column: str | None = None, doc_id_column: str | None = None,
-                 device: str = "cpu", reuse_buffers: bool = False) -> None:
+                 device: str = "cpu", reuse_buffers: bool = False, *,
+                 text_column: str | None = None,
+                 tokenizer: str | TextTokenizer | None = None) -> None:
         if device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
         self.layouts = as_layouts(layout)
+        self.text = text_tokens(self.layouts[0], column, text_column, tokenizer)
         # one layout, or the list (an iterator of layouts is consumed once, by as_layouts)
         self.layout = layout if isinstance(layout, LayerLayout) else self.layouts
         self.column = column
@@ -212,6 +274,8 @@ class NGramIds:
 
     def output_schema(self, schema: pa.Schema) -> pa.Schema:
         """The schema of the batches this callable returns for input ``schema``."""
+        if self.text is not None:
+            schema = self.text.output_schema(schema)
         return output_schema(schema, self.layout, self.column, self.out_column,
                              self.doc_id_column)
 
@@ -241,6 +305,8 @@ class NGramIds:
     def map_batch(self, batch: pa.RecordBatch) -> pa.RecordBatch:
         """``batch`` with one id column per layout appended."""
         schema = self.output_schema(batch.schema)
+        if self.text is not None:
+            batch = self.text(batch)
         packed = self.packer.pack(batch)
         columns = [wrap_ids(ids, packed.row_offsets) for ids in self._ids(packed)]
         return pa.RecordBatch.from_arrays([*batch.columns, *columns], schema=schema)
@@ -258,21 +324,96 @@ class NGramIds:
 def ngram_ids_batch(batch: pa.RecordBatch | pa.Table,
                     layout: LayerLayout | Sequence[LayerLayout], column: str = "tokens",
                     out_column: str | None = None, *, doc_id_column: str | None = None,
-                    device: str = "cpu") -> pa.RecordBatch | pa.Table:
+                    device: str = "cpu", text_column: str | None = None,
+                    tokenizer: str | TextTokenizer | None = None) -> pa.RecordBatch | pa.Table:
     """``batch`` with n-gram id columns: ``out_column`` (default ``ngram_ids``) for one layout,
     ``{out_column}_layer{L}`` for each of several.
 
     Rows are fresh sequences; with ``doc_id_column``, consecutive rows of one document continue
-    it (within this batch or table; use ``NGramIds`` to continue across calls).
+    it (within this batch or table; use ``NGramIds`` to continue across calls). With
+    ``text_column`` and ``tokenizer`` the tokens are encoded from text first, into ``column``.
     """
-    return NGramIds(layout, column, out_column, doc_id_column, device)(batch)
+    return NGramIds(layout, column, out_column, doc_id_column, device, text_column=text_column,
+                    tokenizer=tokenizer)(batch)
 
 
 def ngram_ids_batches(batches: Iterable[pa.RecordBatch],
                       layout: LayerLayout | Sequence[LayerLayout], column: str = "tokens",
                       out_column: str | None = None, *, doc_id_column: str | None = None,
-                      device: str = "cpu") -> Iterator[pa.RecordBatch]:
+                      device: str = "cpu", text_column: str | None = None,
+                      tokenizer: str | TextTokenizer | None = None) -> Iterator[pa.RecordBatch]:
     """Stream ``batches`` (a dataset scan, a file reader) through ``NGramIds``, in order."""
-    mapper = NGramIds(layout, column, out_column, doc_id_column, device)
+    mapper = NGramIds(layout, column, out_column, doc_id_column, device, text_column=text_column,
+                      tokenizer=tokenizer)
     for batch in batches:
         yield mapper(batch)
+
+
+@dataclass
+class TokenSource:
+    """A Parquet file or dataset folder, or an Arrow IPC file or stream, read in record batches."""
+
+    path: str
+    schema: pa.Schema
+    num_rows: int | None  # None for an IPC stream
+    batches: Callable[[], Iterator[pa.RecordBatch]]  # fresh iterator of batches of bounded size
+    # Every file read and its own schema (a folder's files may differ from one another).
+    files: list[tuple[str, pa.Schema]] = field(default_factory=list)
+
+
+def slices(batches: Iterable[pa.RecordBatch], rows: int) -> Iterator[pa.RecordBatch]:
+    """Zero-copy slices of at most ``rows`` rows of each batch."""
+    for batch in batches:
+        for start in range(0, batch.num_rows, rows):
+            yield batch.slice(start, rows)
+
+
+def open_tokens(path: str | os.PathLike, batch_rows: int = 256) -> TokenSource:
+    """Open a Parquet file or folder, or an Arrow IPC file or stream, for streaming in batches of
+    at most ``batch_rows`` rows; the kind is read from the file's magic bytes."""
+    import pyarrow.dataset as ds
+    import pyarrow.parquet as pq
+
+    path = os.fspath(path)
+    if isinstance(batch_rows, bool) or not isinstance(batch_rows, int) or batch_rows < 1:
+        raise ValueError(f"batch_rows must be a positive integer, got {batch_rows!r}")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"input not found: {path}")
+    if not (os.path.isdir(path) or os.path.isfile(path)):
+        raise ValueError(f"input is not a regular file or folder (a FIFO or device cannot be "
+                         f"read twice): {path}")
+    if os.path.isdir(path):
+        dataset = ds.dataset(path, format="parquet")
+        files = [(f.path, f.physical_schema) for f in dataset.get_fragments()]
+        if not files:
+            raise ValueError(f"no Parquet files in the input folder {path}")
+        try:  # every file's columns, int32 tokens widened where another file has int64
+            schema = pa.unify_schemas([s for _, s in files], promote_options="permissive")
+        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+            schema = dataset.schema  # checking each file's schema names the one that does not fit
+        dataset = ds.dataset([f for f, _ in files], schema=schema, format="parquet")
+        return TokenSource(path, schema, dataset.count_rows(),
+                           lambda: dataset.to_batches(batch_size=batch_rows), files)
+    with open(path, "rb") as f:
+        magic = f.read(6)
+    if magic.startswith(b"PAR1"):
+        parquet = pq.ParquetFile(path)
+        return TokenSource(path, parquet.schema_arrow, parquet.metadata.num_rows,
+                           lambda: parquet.iter_batches(batch_size=batch_rows),
+                           [(path, parquet.schema_arrow)])
+    if magic == b"ARROW1":
+        reader = pa.ipc.open_file(pa.memory_map(path))
+        num_rows = sum(reader.get_batch(i).num_rows for i in range(reader.num_record_batches))
+        return TokenSource(
+            path, reader.schema, num_rows,
+            lambda: slices((reader.get_batch(i) for i in range(reader.num_record_batches)),
+                           batch_rows),
+            [(path, reader.schema)],
+        )
+    try:
+        schema = pa.ipc.open_stream(pa.memory_map(path)).schema
+    except pa.ArrowInvalid:
+        raise ValueError(f"{path} is neither a Parquet nor an Arrow IPC file") from None
+    return TokenSource(path, schema, None,
+                       lambda: slices(pa.ipc.open_stream(pa.memory_map(path)), batch_rows),
+                       [(path, schema)])

@@ -1,4 +1,4 @@
-"""The ``ngram-cupy`` command line: n-gram ids for token files, table layouts, hash statistics.
+"""The ``ngram-cupy`` command line: n-gram ids of token or text files, table layouts, statistics.
 
 User mistakes (missing files, a wrong column, a bad config) print one line on stderr and exit
 with status 2; an interrupted run exits with 130 (SIGINT) or 143 (SIGTERM) and leaves no output.
@@ -13,8 +13,7 @@ import re
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from typing import Any
 
 from .atomic import atomic_file
@@ -23,6 +22,8 @@ from .formats import FORMATS
 from .layout import LayerLayout, layer_layout
 
 PROG = "ngram-cupy"
+DEFAULT_HOT_ROWS = (1_000, 10_000, 100_000, 1_000_000)  # as ngram_cupy.stats (not imported early)
+DEFAULT_BATCH_TOKENS = (256, 4_096, 65_536)
 EXIT_USAGE = 2
 EXIT_SIGINT = 130
 EXIT_SIGTERM = 143
@@ -53,90 +54,26 @@ def load_config(path: str) -> NGramConfig:
 
 
 def layouts_for(config: NGramConfig, layers: list[int]) -> list[LayerLayout]:
-    """The layouts of the chosen PLE layers."""
+    """The layouts of the chosen PLE layers (no more than the config's ``ple_layer_ids`` name)."""
+    count = len(config.ple_layer_ids) if config.ple_layer_ids is not None else None
+    beyond = [layer for layer in layers if count is not None and layer >= count]
+    if beyond:
+        raise UserError(f"layer {beyond[0]} is beyond the config's {count} PLE layers "
+                        f"(ple_layer_ids; layers are 0-based)")
     try:
         return [layer_layout(config, layer) for layer in layers]
     except (ValueError, TypeError) as e:
         raise UserError(f"bad layer: {e}") from None
 
 
-@dataclass
-class TokenSource:
-    """A Parquet file or dataset folder, or an Arrow IPC file or stream, read in record batches."""
-
-    path: str
-    schema: Any  # pyarrow.Schema
-    num_rows: int | None  # None for an IPC stream
-    batches: Callable[[], Iterator[Any]]  # fresh iterator of RecordBatches of bounded size
-    # Every file read and its own schema (a folder's files may differ from one another).
-    files: list[tuple[str, Any]] = field(default_factory=list)
-
-
-def _slices(batches: Iterator[Any], rows: int) -> Iterator[Any]:
-    """Zero-copy slices of at most ``rows`` rows of each batch."""
-    for batch in batches:
-        for start in range(0, batch.num_rows, rows):
-            yield batch.slice(start, rows)
-
-
-def open_tokens(path: str, batch_rows: int) -> TokenSource:
-    """Open ``path`` for streaming; the kind is read from the file's magic bytes."""
-    import pyarrow as pa
-    import pyarrow.dataset as ds
-    import pyarrow.parquet as pq
-
-    if not os.path.exists(path):
-        raise UserError(f"input not found: {path}")
-    if not (os.path.isdir(path) or os.path.isfile(path)):
-        raise UserError(f"input is not a regular file or folder (a FIFO or device cannot be "
-                        f"read twice): {path}")
-    if os.path.isdir(path):
-        dataset = ds.dataset(path, format="parquet")
-        files = [(f.path, f.physical_schema) for f in dataset.get_fragments()]
-        if not files:
-            raise UserError(f"no Parquet files in the input folder {path}")
-        try:  # every file's columns, int32 tokens widened where another file has int64
-            schema = pa.unify_schemas([s for _, s in files], promote_options="permissive")
-        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
-            schema = dataset.schema  # check_files names the file that does not fit
-        dataset = ds.dataset([f for f, _ in files], schema=schema, format="parquet")
-        return TokenSource(path, schema, dataset.count_rows(),
-                           lambda: dataset.to_batches(batch_size=batch_rows), files)
-    with open(path, "rb") as f:
-        magic = f.read(6)
-    if magic.startswith(b"PAR1"):
-        parquet = pq.ParquetFile(path)
-        return TokenSource(path, parquet.schema_arrow, parquet.metadata.num_rows,
-                           lambda: parquet.iter_batches(batch_size=batch_rows),
-                           [(path, parquet.schema_arrow)])
-    if magic == b"ARROW1":
-        reader = pa.ipc.open_file(pa.memory_map(path))
-        num_rows = sum(reader.get_batch(i).num_rows for i in range(reader.num_record_batches))
-        return TokenSource(
-            path, reader.schema, num_rows,
-            lambda: _slices((reader.get_batch(i) for i in range(reader.num_record_batches)),
-                            batch_rows),
-            [(path, reader.schema)],
-        )
-    try:
-        schema = pa.ipc.open_stream(pa.memory_map(path)).schema
-    except pa.ArrowInvalid:
-        raise UserError(f"{path} is neither a Parquet nor an Arrow IPC file") from None
-    return TokenSource(path, schema, None,
-                       lambda: _slices(pa.ipc.open_stream(pa.memory_map(path)), batch_rows),
-                       [(path, schema)])
-
-
-def check_files(source: TokenSource, column: str, doc_id_column: str | None) -> None:
-    """Every file of a folder must have the token (and document-id) column in a token type: a
-    ``UserError`` naming the file, never a silent cast or a column of nulls."""
-    from .arrow import check_input_schema
-
+def check_files(source: Any, mapper: Any) -> None:
+    """Every file of a folder must have the token or text (and document-id) columns in a type
+    ``mapper`` takes: a ``UserError`` naming the file, never a silent cast or a column of nulls."""
     if len(source.files) < 2:
         return
     for path, schema in source.files:
         try:
-            check_input_schema(schema, column, doc_id_column)
+            mapper.output_schema(schema)
         except (ValueError, TypeError) as e:
             raise UserError(f"{path}: {e}") from None
 
@@ -163,7 +100,7 @@ def check_output(output: str, inputs: list[str]) -> None:
             raise UserError(f"OUTPUT {output} is the INPUT file {path}")
 
 
-def check_output_is_not_read(output: str, source: TokenSource) -> None:
+def check_output_is_not_read(output: str, source: Any) -> None:
     """OUTPUT must not be a hard link to a file of INPUT."""
     check_output(output, [path for path, _ in source.files])
 
@@ -196,28 +133,50 @@ def check_device(device: str) -> None:
         raise UserError("--device gpu: no CUDA device found")
 
 
+def terminal_columns() -> int:
+    """The width stderr's terminal reports (0 for a terminal that reports none, or no terminal)."""
+    try:
+        return os.get_terminal_size(sys.stderr.fileno()).columns
+    except (OSError, ValueError, AttributeError):
+        return 0
+
+
 def progress_bar(total: int | None, quiet: bool, what: str):
-    """A tqdm bar on stderr counting rows; off with ``--quiet`` and when stderr is not a TTY."""
+    """A tqdm bar on stderr counting rows; off with ``--quiet`` and when stderr is not a TTY.
+
+    A terminal that reports width 0 (some serial consoles and containers) gets 80 columns: tqdm
+    would otherwise draw nothing.
+    """
     from tqdm import tqdm
 
+    width = terminal_columns()
     return tqdm(total=total, desc=what, unit=" rows", unit_scale=True, file=sys.stderr,
-                disable=True if quiet else None, dynamic_ncols=True)
+                disable=True if quiet else None, dynamic_ncols=width > 0,
+                ncols=None if width > 0 else 80)
+
+
+def text_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``text_column`` and ``tokenizer`` keywords from ``--text-column`` and ``--tokenizer``."""
+    if (args.text_column is None) != (args.tokenizer is None):
+        raise UserError("--text-column and --tokenizer go together")
+    return {"text_column": args.text_column, "tokenizer": args.tokenizer}
 
 
 def cmd_ids(args: argparse.Namespace) -> int:
     """Stream INPUT through the id columns into OUTPUT (Parquet), atomically."""
     import pyarrow.parquet as pq
 
-    from .arrow import NGramIds
+    from .arrow import NGramIds, open_tokens
 
     check_output(args.output, [args.input])
     layouts = layouts_for(load_config(args.config), args.layers)
     check_device(args.device)
     source = open_tokens(args.input, args.batch_rows)
     check_output_is_not_read(args.output, source)
-    check_files(source, args.column, args.doc_id_column)
     mapper = NGramIds(layouts[0] if len(layouts) == 1 else layouts, args.column,
-                      args.out_column, args.doc_id_column, args.device, reuse_buffers=True)
+                      args.out_column, args.doc_id_column, args.device, reuse_buffers=True,
+                      **text_options(args))
+    check_files(source, mapper)
     schema = mapper.output_schema(source.schema)
     rows = tokens = 0
     start = time.perf_counter()
@@ -232,7 +191,7 @@ def cmd_ids(args: argparse.Namespace) -> int:
                 out = mapper(batch)
                 writer.write_batch(out)
                 rows += batch.num_rows
-                tokens += token_count(batch, args.column)
+                tokens += token_count(out, args.column)
                 bar.update(batch.num_rows)
                 elapsed = max(time.perf_counter() - start, 1e-9)
                 bar.set_postfix_str(f"{bar.format_sizeof(tokens / elapsed)} tokens/s",
@@ -321,33 +280,82 @@ def describe_stats(stats, num_tokens: int, layout: LayerLayout) -> list[str]:
     return lines
 
 
+def describe_reuse(reuse) -> list[str]:
+    """The held-out hit rates of the hottest rows, distinct rows per batch and slopes."""
+    layout = reuse.layout
+    lines = [
+        f"row reuse, layer {layout.layer}, held out: documents alternate between the profile "
+        f"({reuse.profile_tokens:,} tokens) and the measured part ({reuse.measured_tokens:,} "
+        f"tokens, {reuse.measured.lookups:,} lookups)",
+        f"{'hot rows K':>12} {'of table':>9} {'served':>8}   (share of measured lookups that "
+        f"the profile's K most looked-up rows serve)",
+    ]
+    for k, share in zip(reuse.hot_rows, reuse.hit_rates, strict=True):
+        lines.append(f"{int(k):>12,} {k / layout.padded_rows:>9.4%} {share:>8.2%}")
+    cells = ", ".join(f"{b:,} tokens: {share:.1%}" for b, share in
+                      zip(reuse.batch_tokens, reuse.distinct_shares, strict=True))
+    lines.append(f"distinct rows per lookup within measured batches of {cells}")
+    lines.append("rank-frequency slope of measured row lookups (log-log, rows seen twice or more): "
+                 + ", ".join(f"{g}-grams {slope:.2f}" for g, slope in reuse.slopes.items()))
+    return lines
+
+
 def cmd_stats(args: argparse.Namespace) -> int:
-    """Print per-head hash statistics of INPUT (and plot the row loads)."""
-    from .arrow import check_input_schema
-    from .stats import ngram_stats, plot_load_histograms
+    """Print hash statistics and held-out row reuse of INPUT (and plot them)."""
+    import numpy as np
+
+    from .arrow import NGramIds, check_input_schema, open_tokens
+    from .stats import hottest_rows, ngram_stats, plot_stats, reuse_stats
 
     if args.plot is not None:
         check_output(args.plot, [args.input])
     (layout,) = layouts_for(load_config(args.config), [args.layer])
     source = open_tokens(args.input, args.batch_rows)
-    check_files(source, args.column, args.doc_id_column)
-    check_input_schema(source.schema, args.column, args.doc_id_column)
+    mapper = NGramIds(layout, args.column, doc_id_column=args.doc_id_column,
+                      **text_options(args))
+    check_files(source, mapper)
+    schema = mapper.output_schema(source.schema)
+    check_input_schema(schema, args.column, args.doc_id_column)
+    if any(k < 0 for k in args.hot_rows) or any(b < 1 for b in args.batch_tokens):
+        raise UserError("--hot-rows must be non-negative and --batch-tokens positive")
+    save_k, save_path = None, None
+    if args.save_hot_rows is not None:
+        save_k, save_path = args.save_hot_rows
+        try:
+            save_k = int(save_k)
+        except ValueError:
+            raise UserError(f"--save-hot-rows K PATH: K must be an integer, got {save_k!r}") \
+                from None
+        if save_k < 1:
+            raise UserError(f"--save-hot-rows K PATH: K must be positive, got {save_k}")
+        check_output(save_path, [args.input])
     if args.plot is not None:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
             raise UserError("--plot needs matplotlib: pip install matplotlib") from None
-    with progress_bar(source.num_rows, args.quiet, "stats") as bar:
-        def counted():
-            for batch in source.batches():
-                yield batch
-                bar.update(batch.num_rows)
 
-        stats, num_tokens = ngram_stats(counted(), layout, args.column, args.doc_id_column)
-    print("\n".join(describe_stats(stats, num_tokens, layout)))
+    def tokenized(bar):
+        """INPUT's batches with their token column (tokenized from text if asked)."""
+        for batch in source.batches():
+            yield batch if mapper.text is None else mapper.text(batch)
+            bar.update(batch.num_rows)
+
+    with progress_bar(source.num_rows, args.quiet, "collisions") as bar:
+        stats, num_tokens = ngram_stats(tokenized(bar), layout, args.column, args.doc_id_column)
+    with progress_bar(source.num_rows, args.quiet, "row reuse") as bar:
+        reuse = reuse_stats(tokenized(bar), layout, args.column, args.doc_id_column,
+                            args.hot_rows, args.batch_tokens)
+    print("\n".join(describe_stats(stats, num_tokens, layout) + describe_reuse(reuse)))
+    if save_path is not None:
+        rows = hottest_rows(reuse.all_counts(), save_k)
+        with atomic_output(save_path) as tmp, open(tmp, "wb") as f:
+            np.save(f, rows)
+        print(f"wrote {save_path}: the {rows.size:,} most looked-up rows of layer {layout.layer} "
+              f"(all documents), sorted int64")
     if args.plot is not None:
         with atomic_output(args.plot) as tmp:
-            plot_load_histograms(stats, tmp)
+            plot_stats(stats, reuse, tmp)
         print(f"wrote {args.plot}")
     return 0
 
@@ -368,7 +376,13 @@ def build_parser() -> argparse.ArgumentParser:
     def common(sub: argparse.ArgumentParser) -> None:
         sub.add_argument("--config", required=True,
                          help="model config.json (or a folder holding one)")
-        sub.add_argument("--column", default="tokens", help="token column (default: tokens)")
+        sub.add_argument("--column", default="tokens", help="token column (default: tokens); "
+                         "with --text-column, the name of the token column written")
+        sub.add_argument("--text-column", metavar="NAME",
+                         help="tokenize this text column (string) first, with --tokenizer")
+        sub.add_argument("--tokenizer", metavar="SPEC",
+                         help="qwen3.5 (alias qwen3.6: the released model's tokenizer) or a path "
+                         "to a tokenizer.json (needs the text extra)")
         sub.add_argument("--doc-id-column", help="document-id column: consecutive rows with the "
                          "same id continue one document (default: every row is fresh)")
         sub.add_argument("--batch-rows", type=int, default=256,
@@ -403,18 +417,33 @@ def build_parser() -> argparse.ArgumentParser:
                         "config's ple_embedding_dtype)")
     layout.set_defaults(run=cmd_layout)
 
-    stats = commands.add_parser("stats", help="per-head hash statistics of a token file")
+    stats = commands.add_parser(
+        "stats", help="hash collisions and held-out row reuse of a token or text file",
+        description="Per head: distinct n-grams, rows touched, collisions. Held out (documents "
+        "alternate between a profile and a measured part): the share of lookups the K hottest "
+        "rows serve, distinct rows within batches, and rank-frequency slopes.")
     stats.add_argument("input", metavar="INPUT")
     common(stats)
     stats.add_argument("--layer", type=int, default=0, help="PLE layer (default 0)")
-    stats.add_argument("--plot", metavar="PNG", help="also plot rows by load to this PNG")
+    stats.add_argument("--hot-rows", type=int, nargs="+", metavar="K",
+                       default=list(DEFAULT_HOT_ROWS),
+                       help="ladder of hot-row counts K (default: 1000 10000 100000 1000000)")
+    stats.add_argument("--batch-tokens", type=int, nargs="+", metavar="B",
+                       default=list(DEFAULT_BATCH_TOKENS),
+                       help="batch sizes for the distinct-row share (default: 256 4096 65536)")
+    stats.add_argument("--save-hot-rows", nargs=2, metavar=("K", "PATH"),
+                       help="write the K most looked-up rows of the layer as a sorted int64 .npy "
+                       "(the hot-row tier's input)")
+    stats.add_argument("--plot", metavar="PNG", help="also plot row loads, hot-row hit rates "
+                       "and rank-frequency curves to this PNG")
     stats.set_defaults(run=cmd_stats)
     return parser
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that mean bad input rather than a bug: reported in one line."""
-    errors: tuple[type[BaseException], ...] = (UserError, ValueError, TypeError, OSError)
+    errors: tuple[type[BaseException], ...] = (UserError, ValueError, TypeError, OSError,
+                                               ImportError)
     if "pyarrow" in sys.modules:
         errors += (sys.modules["pyarrow"].ArrowException,)
     return errors

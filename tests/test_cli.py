@@ -6,6 +6,7 @@ import fcntl
 import json
 import os
 import pty
+import re
 import signal
 import struct
 import subprocess
@@ -25,10 +26,10 @@ pytest.importorskip("tqdm")
 
 from ngram_cupy.atomic import TEMP_PREFIX  # noqa: E402
 from ngram_cupy.cli import main, parse_bytes  # noqa: E402
-from ngram_cupy.stats import ngram_stats  # noqa: E402
+from ngram_cupy.stats import hottest_rows, ngram_stats, reuse_stats  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-CORPUS = ROOT / "data" / "stdlib_docstrings.parquet"
+CORPUS = ROOT / "data" / "python_stdlib.parquet"
 CONFIG = ROOT / "data" / "config.json"
 # A one-head config: streaming tests then cost little beyond reading and writing.
 SMALL = dict(vocab_size=248320, eos_token_id=248044, ngram_size=2, heads_per_ngram=1,
@@ -98,7 +99,7 @@ def test_data_run_matches_library(tmp_path, capsys):
     status, stdout, err = run(["ids", CORPUS, out, "--config", CONFIG,
                                "--doc-id-column", "doc_id"], capsys)
     assert status == 0, err
-    assert stdout.startswith(f"wrote {out}: 526 rows, 892,297 tokens")
+    assert stdout.startswith(f"wrote {out}: 582 rows, 1,186,603 tokens")
     result = pq.read_table(out)
     source = pq.read_table(CORPUS)
     assert result.select(source.schema.names).equals(source)
@@ -146,6 +147,15 @@ def bad_cases(tmp_path: Path) -> dict[str, list]:
         "negative layer": ["ids", CORPUS, tmp_path / "o.parquet", *ok, "--layers", -1],
         "stats wrong column": ["stats", CORPUS, *ok, "--column", "text"],
         "gpu without a device": ["ids", CORPUS, tmp_path / "o.parquet", *ok, "--device", "gpu"],
+        "layer beyond the config": ["ids", CORPUS, tmp_path / "o.parquet", "--config",
+                                    tmp_path / "two_layers.json", "--layers", 0, 2],
+        "stats layer beyond the config": ["stats", CORPUS, "--config",
+                                          tmp_path / "two_layers.json", "--layer", 99],
+        "output is a directory": ["ids", CORPUS, tmp_path, *ok],
+        "text column without tokenizer": ["ids", CORPUS, tmp_path / "o.parquet", *ok,
+                                          "--text-column", "text"],
+        "hot rows k not a number": ["stats", CORPUS, *ok, "--save-hot-rows", "many",
+                                    tmp_path / "hot.npy"],
     }
 
 
@@ -154,6 +164,7 @@ def write_bad_files(tmp_path: Path) -> None:
     (tmp_path / "bad.json").write_text("{not json")
     (tmp_path / "partial.json").write_text(json.dumps({"vocab_size": 10}))
     (tmp_path / "text.txt").write_text("hello")
+    (tmp_path / "two_layers.json").write_text(json.dumps({**SMALL, "ple_layer_ids": [3, 7]}))
 
 
 @pytest.mark.parametrize("case", list(bad_cases(Path("unused"))))
@@ -174,11 +185,11 @@ def test_user_errors_print_one_line_and_exit_2(case, tmp_path, capsys):
 
 def test_user_error_in_a_subprocess_has_no_traceback(tmp_path):
     process = run_subprocess(["ids", CORPUS, tmp_path / "o.parquet", "--config", CONFIG,
-                              "--column", "text"])
+                              "--column", "words"])
     stdout, stderr = process.communicate(timeout=120)
     assert process.returncode == 2
-    assert stderr == "ngram-cupy: error: token column 'text' not found; columns are " \
-                     "['doc_id', 'source', 'chunk', 'tokens']\n"
+    assert stderr == "ngram-cupy: error: token column 'words' not found; columns are " \
+                     "['doc_id', 'source', 'chunk', 'text', 'tokens']\n"
 
 
 def start_slow_run(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
@@ -241,11 +252,12 @@ def test_peak_memory_does_not_grow_with_file_length(tmp_path):
     assert large < small + 60 * 2**20, (small, large)
 
 
-def test_progress_bar_on_a_terminal(tmp_path):
+@pytest.mark.parametrize("columns", [120, 0])  # 0: a terminal that reports no width
+def test_progress_bar_on_a_terminal(tmp_path, columns):
     source = tmp_path / "in.parquet"
     write_tokens(source, row_groups=3, rows=50, length=100)
     controller, terminal = pty.openpty()
-    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
     process = subprocess.Popen(
         [sys.executable, "-m", "ngram_cupy", "ids", str(source), str(tmp_path / "o.parquet"),
          "--config", str(small_config(tmp_path)), "--batch-rows", "10"],
@@ -304,10 +316,17 @@ def test_stats_command_and_plot(tmp_path, capsys):
     source = tmp_path / "in.parquet"
     pq.write_table(table, source)
     plot = tmp_path / "stats.png"
+    hot = tmp_path / "hot.npy"
     status, out, err = run(["stats", source, "--config", CONFIG, "--doc-id-column", "doc_id",
-                            "--plot", plot, "--quiet"], capsys)
+                            "--plot", plot, "--quiet", "--hot-rows", 10, 1000,
+                            "--save-hot-rows", 500, hot], capsys)
     assert status == 0, err
     assert plot.read_bytes().startswith(b"\x89PNG")
+    reuse = reuse_stats(table.to_batches(), nc.layer_layout(nc.NGramConfig.from_hf(CONFIG), 0),
+                        doc_id_column="doc_id", hot_rows=[10, 1000])
+    for k, share in zip((10, 1000), reuse.hit_rates, strict=True):
+        assert re.search(rf"^ +{k:,} +[0-9.]+% +{share:.2%}$", out, re.MULTILINE), out
+    np.testing.assert_array_equal(np.load(hot), hottest_rows(reuse.all_counts(), 500))
     layout = nc.layer_layout(nc.NGramConfig.from_hf(CONFIG), 0)
     stats, num_tokens = ngram_stats(table.to_batches(), layout, doc_id_column="doc_id")
     assert f"{num_tokens:,} tokens" in out

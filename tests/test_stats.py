@@ -128,3 +128,103 @@ def test_uniform_share():
     assert head(2, 10).uniform_share == pytest.approx(0.1)
     assert head(11, 10).uniform_share == pytest.approx(1 - 0.9**10)
     assert head(0, 10).collision_share == 0.0
+
+
+# --- held-out row reuse ---------------------------------------------------------------------
+
+from ngram_cupy.stats import (  # noqa: E402
+    DistinctInBatches,
+    RowCounts,
+    hit_rate_curve,
+    hottest_rows,
+    merge_counts,
+    rank_frequency_slope,
+    reuse_stats,
+)
+
+
+def counts_of(ids) -> RowCounts:
+    rows, counts = np.unique(np.asarray(ids, dtype=np.int64), return_counts=True)
+    return RowCounts(rows, counts)
+
+
+def brute_top(profile: dict[int, int], k: int) -> set[int]:
+    """The k rows with the highest counts, ties to the lower row."""
+    return {row for row, _ in sorted(profile.items(), key=lambda rc: (-rc[1], rc[0]))[:k]}
+
+
+rows_lists = st.lists(st.integers(0, 30), max_size=60)
+
+
+@settings(max_examples=60, deadline=None)
+@given(profile=rows_lists, measured=rows_lists, ks=st.lists(st.integers(0, 40), max_size=5))
+def test_hit_rate_curve_matches_brute_force(profile, measured, ks):
+    shares = hit_rate_curve(counts_of(profile), counts_of(measured), ks)
+    p = Counter(profile)
+    for k, share in zip(ks, shares, strict=True):
+        top = brute_top(p, k)
+        expected = sum(row in top for row in measured) / len(measured) if measured else 0.0
+        assert share == pytest.approx(expected)
+        assert hottest_rows(counts_of(profile), k).tolist() == sorted(top)
+
+
+def test_hottest_rows_are_sorted_unique_int64():
+    counts = RowCounts(np.array([3, 5, 9, 12]), np.array([7, 1, 7, 9]))
+    rows = hottest_rows(counts, 3)
+    assert rows.dtype == np.int64 and rows.tolist() == [3, 9, 12]
+    assert hottest_rows(counts, 10).tolist() == [3, 5, 9, 12]
+    merged = merge_counts(counts, RowCounts(np.array([5, 40]), np.array([10, 1])))
+    assert merged.rows.tolist() == [3, 5, 9, 12, 40] and merged.counts.tolist() == [7, 11, 7, 9, 1]
+
+
+@settings(max_examples=40, deadline=None)
+@given(tokens=st.integers(0, 50), size=st.integers(1, 9), cuts=st.lists(st.integers(0, 50)),
+       seed=st.integers(0, 100))
+def test_distinct_in_batches_matches_windows(tokens, size, cuts, seed):
+    ids = np.random.default_rng(seed).integers(0, 12, (tokens, 3))
+    windows = DistinctInBatches(size)
+    for piece in np.split(ids, sorted(c for c in cuts if c <= tokens)):
+        windows.add(piece)
+    chunks = [ids[i : i + size] for i in range(0, tokens, size)]
+    distinct = sum(np.unique(c).size for c in chunks)
+    assert windows.share() == pytest.approx(distinct / ids.size if ids.size else 0.0)
+
+
+def test_rank_frequency_slope_of_a_power_law():
+    counts = np.round(1e6 / np.arange(1, 2000) ** 1.5).astype(np.int64)
+    assert rank_frequency_slope(counts) == pytest.approx(-1.5, abs=0.02)
+    assert np.isnan(rank_frequency_slope(np.array([5, 1, 1])))
+
+
+def whole_ids(documents: list[list[int]]) -> np.ndarray:
+    """``[T, H]`` ids of documents computed whole, each a fresh sequence."""
+    flat = np.array([t for d in documents for t in d], dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum([len(d) for d in documents])])
+    context = np.full((len(documents), CONFIG.ngram_size - 1), CONFIG.eos_token_id)
+    return nc.compute_ngram_ids(LAYOUT, flat, starts, context).reshape(-1, LAYOUT.num_heads)
+
+
+@settings(max_examples=30, deadline=None)
+@given(documents=st.lists(st.lists(token, min_size=1, max_size=7), min_size=1, max_size=7))
+def test_reuse_profiles_even_documents_and_measures_odd_ones(documents):
+    rows, doc_ids = [], []
+    for doc_id, document in enumerate(documents):  # each document split into rows of 3
+        for first in range(0, len(document), 3):
+            rows.append(document[first : first + 3])
+            doc_ids.append(doc_id * 10)
+    reuse = reuse_stats(corpus(rows, doc_ids), LAYOUT, doc_id_column="doc", hot_rows=[0, 2, 50],
+                        batch_tokens=[4])
+    profile = whole_ids(documents[0::2])
+    measured = whole_ids(documents[1::2]) if len(documents) > 1 else np.zeros((0, 4), np.int64)
+    assert reuse.profile_tokens == profile.shape[0]
+    assert reuse.measured_tokens == measured.shape[0]
+    for got, ids in ((reuse.profile, profile), (reuse.measured, measured)):
+        want = counts_of(ids.ravel())
+        assert got.rows.tolist() == want.rows.tolist()
+        assert got.counts.tolist() == want.counts.tolist()
+    np.testing.assert_allclose(reuse.hit_rates,
+                               hit_rate_curve(counts_of(profile.ravel()),
+                                              counts_of(measured.ravel()), [0, 2, 50]))
+    windows = DistinctInBatches(4)
+    windows.add(measured)
+    assert reuse.distinct_shares == (windows.share(),)
