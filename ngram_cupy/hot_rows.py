@@ -19,7 +19,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import numpy as np
-from numba import int64, njit, uint64
+from llvmlite import ir
+from numba import int64, njit, types, uint64
+from numba.core.extending import intrinsic, overload
 
 from .jitable import inline_jitable
 
@@ -44,16 +46,26 @@ def map_nbytes(num_rows: int) -> int:
     return -(-num_rows // WORD_BITS) * (8 + 4)
 
 
-@inline_jitable
 def popcount(x):
-    """Set bits of a uint64 (shifts and adds only: no overflow under the simulator's NumPy)."""
-    x = x - ((x >> uint64(1)) & uint64(0x5555555555555555))
-    x = (x & uint64(0x3333333333333333)) + ((x >> uint64(2)) & uint64(0x3333333333333333))
-    x = (x + (x >> uint64(4))) & uint64(0x0F0F0F0F0F0F0F0F)
-    x = x + (x >> uint64(8))
-    x = x + (x >> uint64(16))
-    x = x + (x >> uint64(32))
-    return int64(x & uint64(0x7F))
+    """Set bits of a uint64 (plain Python: the CUDA simulator)."""
+    return int64(bin(int(x)).count("1"))
+
+
+@intrinsic
+def _popcount_llvm(typingctx, x):
+    """``popcount`` as one instruction: ``popcnt`` on CPUs, ``popc.b64`` in PTX."""
+
+    def codegen(context, builder, signature, args):
+        count = builder.ctpop(args[0])
+        return builder.zext(count, ir.IntType(64)) if count.type.width < 64 else count
+
+    return types.int64(types.uint64), codegen
+
+
+@overload(popcount)
+def _popcount_compiled(x):
+    """Compiled targets count with the instruction."""
+    return lambda x: _popcount_llvm(uint64(x))
 
 
 @inline_jitable
