@@ -23,7 +23,7 @@ RELEASED_ROWS = 320_001_536
 EMPTY = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
-@njit(cache=True)
+@njit
 def binary_search(keys, ids, out):
     """Slot of each id by bisection of the sorted hot ids."""
     for i in range(ids.shape[0]):
@@ -37,7 +37,7 @@ def binary_search(keys, ids, out):
         out[i] = lo if lo < keys.shape[0] and keys[lo] == ids[i] else -1
 
 
-@njit(cache=True)
+@njit
 def hash_build(hot, bits):
     """Open-addressing table of ``(row << 32) | slot`` entries (rows below 2**32)."""
     table = np.full(1 << bits, EMPTY, dtype=np.uint64)
@@ -51,7 +51,7 @@ def hash_build(hot, bits):
     return table
 
 
-@njit(cache=True)
+@njit
 def hash_lookup(table, bits, ids, out):
     """Slot of each id by linear probing."""
     mask = uint64(table.shape[0] - 1)
@@ -66,7 +66,7 @@ def hash_lookup(table, bits, ids, out):
             at = (at + uint64(1)) & mask
 
 
-@njit(cache=True)
+@njit
 def bitmap_lookup(words, ranks, ids, out):
     """Slot of each id from the library's map."""
     for i in range(ids.shape[0]):
