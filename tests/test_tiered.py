@@ -7,7 +7,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from ngram_cupy import dequant
+from ngram_cupy import dequant, gather_cupy
 from ngram_cupy.dequant import reference_lookup
 from ngram_cupy.gather_numba import gather_rows
 from ngram_cupy.hot_rows import build_map, check_hot_rows
@@ -111,3 +111,24 @@ def test_prefetched_heads_are_not_read_again():
     changed = ids[::2]
     assert list(counts) == expected_counts(changed, hot, 0, 100)
     assert not out[1::2].any()  # skipped: left as they were
+
+
+def test_tiered_cuda_instance_compiles():
+    """The released shape's tiered instance: 16-byte loads, one popc for the slot, atomics."""
+    nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+    name = gather_cupy.instance_name(dequant.FLOAT8_E4M3, dequant.BFLOAT16, 16, np.int64, True)
+    assert name == "gather_tiered_rows<3, 2, 16, long long>"
+    program = nvrtc.createProgram(gather_cupy.kernel_source("gather.cu"), "gather.cu", [], [])
+    try:
+        nvrtc.addNameExpression(program, name)
+        try:
+            nvrtc.compileProgram(program, ["-arch=compute_90", *gather_cupy.NVRTC_OPTIONS])
+        except nvrtc.NVRTCError:
+            pytest.fail(nvrtc.getProgramLog(program))
+        ptx = nvrtc.getPTX(program).decode()
+        lowered = nvrtc.getLoweredName(program, name)
+    finally:
+        nvrtc.destroyProgram(program)
+    body = ptx[ptx.index(f".entry {lowered}"):]
+    body = body[: body.index("\n}\n")]
+    assert "ld.global.nc.v4.u32" in body and "popc.b64" in body and "atom.global.add.u64" in body
