@@ -132,3 +132,39 @@ def test_tiered_cuda_instance_compiles():
     body = ptx[ptx.index(f".entry {lowered}"):]
     body = body[: body.index("\n}\n")]
     assert "ld.global.nc.v4.u32" in body and "popc.b64" in body and "atom.global.add.u64" in body
+
+
+@pytest.fixture(scope="module")
+def host_gather():
+    """kernels/gather.cu built by g++ and run thread by thread (see host_kernels)."""
+    host_kernels = pytest.importorskip("host_kernels")
+    if host_kernels.compiler() is None:
+        pytest.skip("no g++ on PATH: gather.cu cannot be built for the host")
+    return host_kernels.HostGather(host_kernels.build())
+
+
+@pytest.mark.parametrize("head_dim", [1, 8, 160])
+@pytest.mark.parametrize("dtype, out_dtype", PAIRS, ids=str)
+def test_cuda_tiered_gather_equals_the_cpu_one(host_gather, dtype, out_dtype, head_dim):
+    """gather_tiered_rows (host build) against the Numba tiered gather: a marked hot tier,
+    shard edges, out-of-range ids, int32 and int64 ids, and the same counts."""
+    rng = np.random.default_rng(head_dim)
+    fmt, out_format = dequant.storage_format(dtype), dequant.output_format(out_dtype)
+    num_rows, row_start = 130, 64
+    weight = random_bits(rng, num_rows, head_dim, dtype)
+    hot = np.unique(rng.integers(row_start, row_start + num_rows, 40))
+    marked = random_bits(rng, hot.size, head_dim, dtype)
+    hot_map = build_map(hot, row_start, num_rows)
+    for id_dtype in (np.int32, np.int64):
+        ids = adversarial_ids(rng, hot, row_start, num_rows, (23, 3))
+        ids = np.clip(ids, np.iinfo(id_dtype).min, np.iinfo(id_dtype).max).astype(id_dtype)
+        want, want_counts = tiered_gather(weight, hot, marked, row_start, ids, out_dtype, False)
+        out = np.full(want.shape, 0xAB, out_format.raw)
+        counts = np.zeros((gather_cupy.COUNTER_LANES, 2), np.uint64)
+        plan = gather_cupy.launch_plan(weight.view(fmt.raw), fmt.code, row_start, 0.5, ids, out,
+                                       out_format.code, None, (hot_map, marked.view(fmt.raw)),
+                                       counts)
+        assert plan.name.startswith("gather_tiered_rows<")
+        host_gather.run(plan)
+        np.testing.assert_array_equal(out, want.view(out_format.raw))
+        np.testing.assert_array_equal(counts.sum(axis=0), want_counts)
