@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 import ngram_cupy as nc
-from ngram_cupy import dequant, gather_numba
+from ngram_cupy import formats, gather_numba
 from ngram_cupy.hot_rows import build_map
 
 from .data import CORPUS, RELEASED, RELEASED_HEAD_DIM, RELEASED_HEADS
@@ -57,7 +57,7 @@ def bench_tiered_cpu(quick: bool) -> Section:
     profile, measured = document_ids(layout, path)
     if quick:
         measured = measured[: 1 << 16]
-    fmt = dequant.storage_format("float8_e4m3fn")
+    fmt = formats.storage_format("float8_e4m3fn")
     rows = layout.padded_rows
     cold = np.zeros((rows, 1), fmt.raw)  # untouched pages: no memory
     row_bytes = RELEASED_HEAD_DIM * fmt.itemsize
@@ -70,14 +70,14 @@ def bench_tiered_cpu(quick: bool) -> Section:
     baseline = None
     warm = (build_map(np.zeros(0, np.int64), 0, 1), cold[:0])
     gather_numba.gather_rows(cold[:1], fmt.code, 0, np.float32(1.0), measured[:1], out[:1],
-                             dequant.BFLOAT16, hot=warm)  # compile before timing
+                             formats.BFLOAT16, hot=warm)  # compile before timing
     for count in HOT_ROWS:
         hot = hottest(profile, count)
         hot_map = build_map(hot, 0, rows)
         counts = np.zeros(2, np.int64)
         start = time.perf_counter()
         gather_numba.gather_rows(cold, fmt.code, 0, np.float32(1.0), measured, out,
-                                 dequant.BFLOAT16, hot=(hot_map, cold[hot]), counts=counts)
+                                 formats.BFLOAT16, hot=(hot_map, cold[hot]), counts=counts)
         seconds = time.perf_counter() - start
         hot_read, cold_read = (int(c) for c in counts)
         per_token = cold_read * row_bytes / tokens

@@ -7,7 +7,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from ngram_cupy import dequant, gather_cupy
+from ngram_cupy import formats, gather_cupy
 from ngram_cupy.dequant import reference_lookup
 from ngram_cupy.gather_numba import gather_rows
 from ngram_cupy.hot_rows import build_map, check_hot_rows
@@ -18,7 +18,7 @@ PAIRS = [(np.float32, np.float32), (np.float16, np.float16), (ml_dtypes.bfloat16
 
 def random_bits(rng, rows: int, head_dim: int, dtype) -> np.ndarray:
     """Random bit patterns of ``dtype`` (NaNs, infinities and subnormals included)."""
-    fmt = dequant.storage_format(dtype)
+    fmt = formats.storage_format(dtype)
     bits = rng.integers(0, 1 << (8 * fmt.itemsize), (rows, head_dim), dtype=np.uint64)
     return bits.astype(fmt.raw).view(fmt.dtype)
 
@@ -33,8 +33,8 @@ def adversarial_ids(rng, hot, row_start, num_rows, shape):
 
 def tiered_gather(weight, hot_ids, hot_weight, row_start, ids, out_dtype, parallel, scale=0.5):
     """``(out, counts)`` of the tiered CPU gather."""
-    fmt = dequant.storage_format(weight.dtype)
-    out_format = dequant.output_format(out_dtype)
+    fmt = formats.storage_format(weight.dtype)
+    out_format = formats.output_format(out_dtype)
     num_rows, head_dim = weight.shape
     hot_map = build_map(check_hot_rows(hot_ids, row_start, num_rows), row_start, num_rows)
     out = np.full((ids.shape[0], ids.shape[1] * head_dim), 0xAB, out_format.raw)
@@ -89,8 +89,8 @@ def test_same_bytes_as_the_untiered_gather(hot_count):
     out, counts = tiered_gather(weight, hot, weight[hot - row_start], row_start, ids,
                                 ml_dtypes.bfloat16, False)
     plain = np.empty((50, 16 * head_dim), np.uint16)
-    gather_rows(weight.view(np.uint8), dequant.FLOAT8_E4M3, row_start, np.float32(0.5), ids,
-                plain, dequant.BFLOAT16)
+    gather_rows(weight.view(np.uint8), formats.FLOAT8_E4M3, row_start, np.float32(0.5), ids,
+                plain, formats.BFLOAT16)
     np.testing.assert_array_equal(out.view(np.uint16), plain)
     assert list(counts) == expected_counts(ids, hot, row_start, num_rows)
 
@@ -105,8 +105,8 @@ def test_prefetched_heads_are_not_read_again():
     hot_map = build_map(check_hot_rows(hot, 0, 100), 0, 100)
     out = np.zeros((20, 16), np.uint16)
     counts = np.zeros(2, np.int64)
-    gather_rows(weight.view(np.uint16), dequant.FLOAT16, 0, np.float32(1.0), ids, out,
-                dequant.FLOAT16, expected, hot=(hot_map, weight[hot].view(np.uint16)),
+    gather_rows(weight.view(np.uint16), formats.FLOAT16, 0, np.float32(1.0), ids, out,
+                formats.FLOAT16, expected, hot=(hot_map, weight[hot].view(np.uint16)),
                 counts=counts)
     changed = ids[::2]
     assert list(counts) == expected_counts(changed, hot, 0, 100)
@@ -116,7 +116,7 @@ def test_prefetched_heads_are_not_read_again():
 def test_tiered_cuda_instance_compiles():
     """The released shape's tiered instance: 16-byte loads, one popc for the slot, atomics."""
     nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
-    name = gather_cupy.instance_name(dequant.FLOAT8_E4M3, dequant.BFLOAT16, 16, np.int64, True)
+    name = gather_cupy.instance_name(formats.FLOAT8_E4M3, formats.BFLOAT16, 16, np.int64, True)
     assert name == "gather_tiered_rows<3, 2, 16, long long>"
     program = nvrtc.createProgram(gather_cupy.kernel_source("gather.cu"), "gather.cu", [], [])
     try:
@@ -149,7 +149,7 @@ def test_cuda_tiered_gather_equals_the_cpu_one(host_gather, dtype, out_dtype, he
     """gather_tiered_rows (host build) against the Numba tiered gather: a marked hot tier,
     shard edges, out-of-range ids, int32 and int64 ids, and the same counts."""
     rng = np.random.default_rng(head_dim)
-    fmt, out_format = dequant.storage_format(dtype), dequant.output_format(out_dtype)
+    fmt, out_format = formats.storage_format(dtype), formats.output_format(out_dtype)
     num_rows, row_start = 130, 64
     weight = random_bits(rng, num_rows, head_dim, dtype)
     hot = np.unique(rng.integers(row_start, row_start + num_rows, 40))
