@@ -76,3 +76,21 @@ def test_hot_rows_types():
         check_hot_rows(np.array([10.0]), 10, 10)
     assert check_hot_rows([], 0, 5).dtype == np.int64
     np.testing.assert_array_equal(check_hot_rows(np.array([1, 4], np.uint32), 0, 5), [1, 4])
+
+
+def test_the_cuda_slot_is_one_popc(monkeypatch):
+    """``hot_slot`` compiled by Numba CUDA (no GPU needed): the count is one ``popc.b64``."""
+    from numba import cuda, types
+
+    monkeypatch.setattr(cuda.dispatcher, "get_current_device",
+                        lambda: type("Device", (), {"compute_capability": (9, 0)}))
+
+    def kernel(words, ranks, ids, out):
+        i = cuda.grid(1)
+        if i < ids.shape[0]:
+            out[i] = hot_slot(words, ranks, ids[i])
+
+    vector = lambda dtype: types.Array(dtype, 1, "C")  # noqa: E731
+    ptx, _ = cuda.compile_ptx(kernel, (vector(types.uint64), vector(types.uint32),
+                                       vector(types.int64), vector(types.int64)), cc=(9, 0))
+    assert "popc.b64" in ptx

@@ -5,7 +5,8 @@ tier in order, so a row's slot is its rank; the slot map says which rows are hot
 one launch of ``gather_tiered_rows`` (hot rows from GPU memory, the rest from the cold storage's
 mapped pinned memory) that adds the rows read per tier to device counters, read only when
 ``counters`` is asked for. A CPU lookup (no GPU: both tiers in ordinary memory) runs the tiered
-Numba gather, counting the same way. Writes go to the cold rows and to any hot copy of them.
+Numba gather, counting the same way. Writes go to the cold rows and to any hot copy of them;
+rows written any other way (through ``host_view``) leave the hot copies stale.
 """
 
 from __future__ import annotations
@@ -72,8 +73,10 @@ class TieredStorage(Storage):
         first, last = np.searchsorted(self.hot_rows, [local_start, stop])
         if first == last:
             return
-        block = rows[self.hot_rows[first:last] - local_start]
-        self.host_hot[first:last] = block if isinstance(block, np.ndarray) else block.get()
+        index = self.hot_rows[first:last] - local_start
+        on_host = isinstance(rows, np.ndarray)
+        block = rows[index] if on_host else rows[DEVICE.asarray(index)]
+        self.host_hot[first:last] = block if on_host else block.get()
         if self.device_hot is not None:
             with self.device_hot.device:
                 fill(self.device_hot[first:last], block, cuda_stream())
