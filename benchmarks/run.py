@@ -30,6 +30,7 @@ def sections() -> list[Bench]:
     """Every section in report order (GPU sections import CuPy only when run)."""
     from . import sections_cpu as cpu
     from . import sections_gpu as gpu
+    from . import sections_tiered as tiered
 
     return [
         Bench("ids-cpu", "cpu", "ids 1x4096, 32x512, 256x1, 1x1,048,576 tokens under four loads",
@@ -43,6 +44,8 @@ def sections() -> list[Bench]:
               gpu.bench_gather_gpu),
         Bench("host-gpu", "gpu", "pinned host table over UVA, de-duplication, prefetch overlap",
               gpu.bench_host_gpu),
+        Bench("tiered-cpu", "cpu", "host bytes per held-out token with 0, 1e5, 1e6, 1e7 hot rows "
+              "(counters)", tiered.bench_tiered_cpu),
     ]
 
 

@@ -8,7 +8,12 @@
 // same loads then cross PCIe. Ids outside [row_start, row_start + local_rows) write zero rows and
 // read nothing. With `expected`, heads whose id equals expected[t, h] are skipped (their rows are
 // already in `out`, written by a prefetch of those ids).
+//
+// gather_tiered_rows is the same gather over a hot-row tier (hot_rows.cuh): a row whose bit is set
+// in the slot map is read from `hot` (GPU memory) at its slot instead of from `table`, and each
+// row read is counted, per tier, in `counts`.
 #include "dequant.cuh"
+#include "hot_rows.cuh"
 
 namespace ngram {
 
@@ -22,13 +27,18 @@ template <> struct alignas(16) Piece<16> { unsigned int x, y, z, w; };
 
 }  // namespace ngram
 
-template <int CODE, int OUT_CODE, int VEC, typename Id>
-__global__ void gather_rows(const unsigned char* __restrict__ table, long long local_rows,
-                            long long row_start, const Id* __restrict__ ids,
-                            const long long* __restrict__ expected, long long num_items,
-                            int chunks, float scale, unsigned char* __restrict__ out) {
-    using In = typename ngram::Raw<CODE>::type;
-    using Out = typename ngram::Raw<OUT_CODE>::type;
+namespace ngram {
+
+// One thread's piece of the gather (see the kernels below); TIERED reads hot rows from `hot`.
+template <int CODE, int OUT_CODE, int VEC, typename Id, bool TIERED>
+__device__ __forceinline__ void gather_piece(
+        const unsigned char* __restrict__ table, long long local_rows, long long row_start,
+        const Id* __restrict__ ids, const long long* __restrict__ expected, long long num_items,
+        int chunks, float scale, unsigned char* __restrict__ out,
+        const unsigned long long* __restrict__ hot_words, const unsigned int* __restrict__ hot_ranks,
+        const unsigned char* __restrict__ hot, unsigned long long* __restrict__ counts) {
+    using In = typename Raw<CODE>::type;
+    using Out = typename Raw<OUT_CODE>::type;
     constexpr int N = VEC / static_cast<int>(sizeof(In));  // values per thread
     constexpr int OUT_BYTES = N * static_cast<int>(sizeof(Out));
     constexpr int STORE = OUT_BYTES < 16 ? OUT_BYTES : 16;
@@ -50,28 +60,63 @@ __global__ void gather_rows(const unsigned char* __restrict__ table, long long l
 
     const long long id = static_cast<long long>(ids[item]);
     if (expected != nullptr && expected[item] == id) return;
-    const long long local = id - row_start;
+    long long local = id - row_start;
 
     union alignas(16) {
-        ngram::Piece<STORE> pieces[OUT_BYTES / STORE];
+        Piece<STORE> pieces[OUT_BYTES / STORE];
         Out values[N];
     } result;
     if (local >= 0 && local < local_rows) {
+        const unsigned char* rows = table;
+        if constexpr (TIERED) {
+            const long long slot = hot_slot(hot_words, hot_ranks, local);
+            if (slot >= 0) {
+                rows = hot;
+                local = slot;
+            }
+            if (chunk == 0) count_read(counts, blockIdx.x, slot >= 0);
+        }
         union {
-            ngram::Piece<VEC> piece;
+            Piece<VEC> piece;
             In values[N];
         } source;
-        source.piece = reinterpret_cast<const ngram::Piece<VEC>*>(table)[local * chunks + chunk];
+        source.piece = reinterpret_cast<const Piece<VEC>*>(rows)[local * chunks + chunk];
 #pragma unroll
         for (int k = 0; k < N; ++k) {
-            result.values[k] = static_cast<Out>(ngram::convert<CODE, OUT_CODE>(source.values[k], scale));
+            result.values[k] = static_cast<Out>(convert<CODE, OUT_CODE>(source.values[k], scale));
         }
     } else {
 #pragma unroll
         for (int k = 0; k < N; ++k) result.values[k] = 0;
     }
 
-    auto* target = reinterpret_cast<ngram::Piece<STORE>*>(out + (item * chunks + chunk) * OUT_BYTES);
+    auto* target = reinterpret_cast<Piece<STORE>*>(out + (item * chunks + chunk) * OUT_BYTES);
 #pragma unroll
     for (int s = 0; s < OUT_BYTES / STORE; ++s) target[s] = result.pieces[s];
+}
+
+}  // namespace ngram
+
+template <int CODE, int OUT_CODE, int VEC, typename Id>
+__global__ void gather_rows(const unsigned char* __restrict__ table, long long local_rows,
+                            long long row_start, const Id* __restrict__ ids,
+                            const long long* __restrict__ expected, long long num_items,
+                            int chunks, float scale, unsigned char* __restrict__ out) {
+    ngram::gather_piece<CODE, OUT_CODE, VEC, Id, false>(table, local_rows, row_start, ids,
+                                                        expected, num_items, chunks, scale, out,
+                                                        nullptr, nullptr, nullptr, nullptr);
+}
+
+template <int CODE, int OUT_CODE, int VEC, typename Id>
+__global__ void gather_tiered_rows(const unsigned char* __restrict__ table, long long local_rows,
+                                   long long row_start, const Id* __restrict__ ids,
+                                   const long long* __restrict__ expected, long long num_items,
+                                   int chunks, float scale, unsigned char* __restrict__ out,
+                                   const unsigned long long* __restrict__ hot_words,
+                                   const unsigned int* __restrict__ hot_ranks,
+                                   const unsigned char* __restrict__ hot,
+                                   unsigned long long* __restrict__ counts) {
+    ngram::gather_piece<CODE, OUT_CODE, VEC, Id, true>(table, local_rows, row_start, ids,
+                                                       expected, num_items, chunks, scale, out,
+                                                       hot_words, hot_ranks, hot, counts);
 }

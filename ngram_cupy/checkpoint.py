@@ -24,6 +24,7 @@ from .backends import HOST, unwrap_torch
 from .config import MAX_SPLIT_PARTS, NGramConfig
 from .embedding import NGramEmbedding
 from .formats import BY_SAFETENSORS, FORMATS, SCALE_FORMATS, find_format
+from .hot_rows import check_hot_rows
 from .layout import LayerLayout, check_layout, layer_layout, split_rows
 from .mapped import MappedTable
 from .safetensors_files import DTYPES, Checkpoint, write_checkpoint
@@ -218,6 +219,7 @@ def load_ngram_embedding(
     rank: int = 0,
     world_size: int = 1,
     progress: bool | None = None,
+    hot_rows=None,
 ):
     """Load one PLE layer from a safetensors checkpoint into a ready ``NGramEmbedding``.
 
@@ -229,6 +231,8 @@ def load_ngram_embedding(
     shard), or with ``placement="mmap"`` served straight from the mapped files. With
     ``world_size > 1`` only this rank's rows (:func:`split_rows`) are read. ``progress``: a
     tqdm bar (None: only on a terminal, and only if loading takes over a second).
+    ``hot_rows``: sorted unique global row ids (``ngram-cupy stats --save-hot-rows``) to serve
+    from a hot tier (see ``EmbeddingTable``); a rank keeps those among its own rows.
     """
     if not isinstance(config, NGramConfig):
         raise TypeError(f"config must be an NGramConfig, got {type(config).__name__}")
@@ -242,6 +246,12 @@ def load_ngram_embedding(
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ValueError(f"rank must be an integer in [0, world_size={world_size}), got {rank!r}")
     row_start, row_stop = split_rows(layout.padded_rows, world_size, rank)
+    if hot_rows is not None:
+        if placement == "mmap":
+            raise ValueError("hot_rows need placement 'pinned' or 'cpu', not 'mmap'")
+        hot_rows = check_hot_rows(hot_rows, 0, layout.padded_rows)
+        hot_rows = hot_rows[np.searchsorted(hot_rows, row_start):
+                            np.searchsorted(hot_rows, row_stop)]
     checkpoint = Checkpoint.open(path, random_access=placement == "mmap")
     if prefix is None:
         prefix = find_prefix(checkpoint.tensors, config, layer)
@@ -263,7 +273,7 @@ def load_ngram_embedding(
         return NGramEmbedding(layout, table)
     table = EmbeddingTable.empty(
         row_stop - row_start, layout.head_dim, DTYPES[dtype], placement=placement, scale=scale,
-        row_start=row_start, total_rows=layout.padded_rows,
+        row_start=row_start, total_rows=layout.padded_rows, hot_rows=hot_rows,
     )
     row_bytes = layout.head_dim * DTYPES[dtype].itemsize
     with tqdm(

@@ -21,6 +21,7 @@ from .dequant import FORMATS, OUTPUT_CODES
 _HERE = Path(__file__).resolve().parent
 KERNEL_DIR = next(p for p in (_HERE / "kernels", _HERE.parent / "kernels") if p.is_dir())
 THREADS_PER_BLOCK = 256
+COUNTER_LANES = 64  # counter pairs a tiered gather spreads its atomics over (hot_rows.cuh)
 VECTOR_BYTES = (16, 8, 4, 2, 1)
 ID_TYPES = {np.dtype(np.int32): "int", np.dtype(np.int64): "long long"}
 NVRTC_OPTIONS = ("-std=c++17",)
@@ -37,17 +38,19 @@ def kernel_source(name: str) -> str:
     return _INCLUDE.sub(lambda match: kernel_source(match.group(1)), text)
 
 
-def instance_name(code: int, out_code: int, vector_bytes: int, id_dtype) -> str:
-    """The C++ name of one instantiation of ``gather_rows``."""
-    return f"gather_rows<{code}, {out_code}, {vector_bytes}, {ID_TYPES[np.dtype(id_dtype)]}>"
+def instance_name(code: int, out_code: int, vector_bytes: int, id_dtype,
+                  tiered: bool = False) -> str:
+    """The C++ name of one instantiation of ``gather_rows`` (``gather_tiered_rows``)."""
+    kernel = "gather_tiered_rows" if tiered else "gather_rows"
+    return f"{kernel}<{code}, {out_code}, {vector_bytes}, {ID_TYPES[np.dtype(id_dtype)]}>"
 
 
 def all_instances() -> list[str]:
     """Every instantiation the library can launch (the compile check builds them all)."""
     return [
-        instance_name(fmt.code, out_code, vector_bytes, id_dtype)
-        for fmt, out_code, vector_bytes, id_dtype in product(FORMATS, OUTPUT_CODES, VECTOR_BYTES,
-                                                             ID_TYPES)
+        instance_name(fmt.code, out_code, vector_bytes, id_dtype, tiered)
+        for tiered, fmt, out_code, vector_bytes, id_dtype in product(
+            (False, True), FORMATS, OUTPUT_CODES, VECTOR_BYTES, ID_TYPES)
         if vector_bytes >= fmt.itemsize
     ]
 
@@ -91,36 +94,45 @@ class Launch:
 
 
 def launch_plan(table, code: int, row_start: int, scale, ids, out, out_code: int,
-                expected=None) -> Launch | None:
+                expected=None, hot=None, counts=None) -> Launch | None:
     """The launch that gathers ``table[ids - row_start]`` into ``out``; None when there is nothing
-    to do. Works on CuPy or NumPy arrays alike (only shapes, dtypes and addresses are read)."""
+    to do. Works on CuPy or NumPy arrays alike (only shapes, dtypes and addresses are read).
+    With ``hot = ((words, ranks), hot rows)``, the tiered gather counting into ``counts``."""
     num_items = ids.size
     rows, head_dim = table.shape
     if num_items == 0 or head_dim == 0:
         return None
     itemsize = table.dtype.itemsize
-    width = vector_bytes(head_dim * itemsize, itemsize, out.dtype.itemsize, data_address(table),
+    address = data_address(table) | (0 if hot is None else data_address(hot[1]))
+    width = vector_bytes(head_dim * itemsize, itemsize, out.dtype.itemsize, address,
                          data_address(out))
     chunks = head_dim * itemsize // width
     blocks = -(-num_items * chunks // THREADS_PER_BLOCK)
     args = (table, np.int64(rows), np.int64(row_start), ids,
             np.uint64(0) if expected is None else expected, np.int64(num_items),
             np.int32(chunks), np.float32(scale), out)
-    return Launch(instance_name(code, out_code, width, ids.dtype), blocks, THREADS_PER_BLOCK, args)
+    if hot is not None:
+        (words, ranks), hot_table = hot
+        args += (words, ranks, hot_table, counts)
+    name = instance_name(code, out_code, width, ids.dtype, hot is not None)
+    return Launch(name, blocks, THREADS_PER_BLOCK, args)
 
 
 def gather_rows(table, code: int, row_start: int, scale, ids, out, out_code: int,
-                expected=None, stream=None):
+                expected=None, stream=None, hot=None, counts=None):
     """Launch the gather: raw rows ``table[ids - row_start]`` dequantised into raw ``out``.
 
     ``table`` is a CuPy ``[rows, head_dim]`` array of raw bits (device memory or mapped host
     memory), ``ids`` a C-contiguous ``[T, H]`` int32/int64 CuPy array, ``out`` a C-contiguous raw
     ``[T, H * head_dim]`` CuPy array; ``expected`` an optional int64 ``[T, H]`` array of ids whose
-    rows ``out`` already holds. Runs on ``stream`` (default: CuPy's current stream); no host sync.
+    rows ``out`` already holds. With ``hot = ((words, ranks), hot rows)`` (CuPy; see
+    ``hot_rows``) hot rows are read from the hot rows and each row read is counted in ``counts``
+    (uint64 ``[COUNTER_LANES, 2]``: hot, cold). Runs on ``stream`` (default: CuPy's current
+    stream); no host sync.
     """
     import cupy
 
-    plan = launch_plan(table, code, row_start, scale, ids, out, out_code, expected)
+    plan = launch_plan(table, code, row_start, scale, ids, out, out_code, expected, hot, counts)
     if plan is None:
         return out
     kernel = _kernel(plan.name, ids.device.id)

@@ -5,7 +5,8 @@ or 65,536 entries, built once per format pair and scale with ``dequant.convert``
 loop is a load, a lookup and a store; float32 values are converted directly. Both give exactly
 ``dequant.convert``'s bits, as the GPU kernels do. The rows of the next token are prefetched
 while the current one converts: random rows of a large table are otherwise read one cache miss
-at a time.
+at a time. A tiered table (``hot_rows``) reads each hot row from its hot tier instead of the
+table, and counts the rows read from each tier.
 """
 
 from __future__ import annotations
@@ -17,14 +18,15 @@ from llvmlite import ir
 from numba import int64, njit, prange, types
 from numba.core.extending import intrinsic
 
-from . import dequant, formats
+from . import dequant, formats, hot_rows
 from .cpu_threads import use_threads
 from .dequant import FLOAT32, FORMATS, convert
+from .hot_rows import HotRowMap, hot_slot
 from .jitable import source_digest
 
 # Numba's on-disk cache only watches this file: the digest of dequant.py in the kernels' closure
-# changes the cache key whenever the shared decoding changes.
-DEQUANT_DIGEST = source_digest(dequant, formats)
+# changes the cache key whenever the shared decoding (or the hot-row slot map) changes.
+DEQUANT_DIGEST = source_digest(dequant, formats, hot_rows)
 
 # Rows below which a thread pool costs more than it saves (decode batches of a few hundred tokens).
 PARALLEL_MIN_ROWS = 8192
@@ -32,6 +34,8 @@ PARALLEL_MIN_ROWS = 8192
 BLOCK = 64
 CACHE_LINE = 64
 NO_EXPECTED = np.zeros((0, 0), dtype=np.int64)
+NO_WORDS = np.zeros(0, dtype=np.uint64)
+NO_RANKS = np.zeros(0, dtype=np.uint32)
 
 
 @intrinsic
@@ -54,28 +58,38 @@ def prefetch_line(typingctx, array, row, column):
 
 
 @cache
-def _gather_kernel(code: int, out_code: int, parallel: bool, digest: int = DEQUANT_DIGEST):
-    """The gather for one (storage, output) format pair, threaded or not, ``nogil``.
+def _gather_kernel(code: int, out_code: int, parallel: bool, tiered: bool = False,
+                   digest: int = DEQUANT_DIGEST):
+    """The gather for one (storage, output) format pair, threaded or not, tiered or not, ``nogil``.
 
     Numba's disk cache keys an entry by the code and the closure's values, not by ``parallel=``,
     so the serial gather is its own closure (one block); ``digest`` ties it to dequant.py.
+    Tiered, hot rows (``hot_slot(hot_words, hot_ranks, local) >= 0``) are read from ``hot`` and
+    ``counts[block]`` gets the block's ``(hot, cold)`` rows read.
     """
     block_size = BLOCK if parallel else 1 << 62
     by_table = code != FLOAT32
     line = CACHE_LINE // FORMATS[code].itemsize  # values per cache line
 
-    def gather(table, row_start, scale, outputs, ids, expected, out):
+    def gather(table, row_start, scale, outputs, ids, expected, out, hot_words, hot_ranks, hot,
+               counts):
         rows, head_dim = table.shape
         num_tokens, num_heads = ids.shape
         check = expected.shape[0] != 0 or (digest & 0) != 0  # digest: cache key only
         for block in prange((num_tokens + block_size - 1) // block_size):
             last = min(block * block_size + block_size, num_tokens)
+            hot_read = 0
+            cold_read = 0
             for t in range(block * block_size, last):
                 for h in range(num_heads):
                     ahead = int64(ids[t + 1, h]) - row_start if t + 1 < last else int64(-1)
                     if 0 <= ahead < rows:
+                        slot = hot_slot(hot_words, hot_ranks, ahead) if tiered else int64(-1)
                         for c in range(0, head_dim, line):
-                            prefetch_line(table, ahead, c)
+                            if slot >= 0:
+                                prefetch_line(hot, slot, c)
+                            else:
+                                prefetch_line(table, ahead, c)
                 for h in range(num_heads):
                     row_id = int64(ids[t, h])
                     if check and expected[t, h] == row_id:
@@ -83,14 +97,23 @@ def _gather_kernel(code: int, out_code: int, parallel: bool, digest: int = DEQUA
                     local = row_id - row_start
                     first = h * head_dim
                     if 0 <= local < rows:
+                        slot = hot_slot(hot_words, hot_ranks, local) if tiered else int64(-1)
+                        source = hot if slot >= 0 else table
+                        row = slot if slot >= 0 else local
+                        hot_read += slot >= 0
+                        cold_read += slot < 0
                         for c in range(head_dim):
                             if by_table:
-                                out[t, first + c] = outputs[table[local, c]]
+                                out[t, first + c] = outputs[source[row, c]]
                             else:
-                                out[t, first + c] = convert(table[local, c], code, scale, out_code)
+                                out[t, first + c] = convert(source[row, c], code, scale,
+                                                            out_code)
                     else:
                         for c in range(head_dim):
                             out[t, first + c] = 0
+            if tiered:
+                counts[block, 0] += hot_read
+                counts[block, 1] += cold_read
 
     return njit(cache=True, nogil=True, parallel=parallel)(gather)
 
@@ -122,20 +145,32 @@ def output_table(code: int, out_code: int, scale_bits: int):
 
 def gather_rows(table: np.ndarray, code: int, row_start: int, scale: np.float32, ids: np.ndarray,
                 out: np.ndarray, out_code: int, expected: np.ndarray | None = None,
-                parallel: bool | None = None) -> np.ndarray:
+                parallel: bool | None = None, hot: tuple[HotRowMap, np.ndarray] | None = None,
+                counts: np.ndarray | None = None) -> np.ndarray:
     """Write dequantised rows ``table[ids - row_start]`` (zeros outside the table) into ``out``.
 
     ``table`` and ``out`` are raw unsigned views; ``ids`` is ``[T, H]`` int32/int64 and ``out``
     ``[T, H * head_dim]``. With ``expected`` (int64, ``ids``' shape), heads whose id equals the
     expected one are skipped: ``out`` already holds them. ``parallel=None`` uses threads for
     large batches only, ``True`` whenever the threading layer allows (``cpu_threads``), ``False``
-    never.
+    never. With ``hot = (slot map, hot rows)`` (raw, like ``table``), hot rows are read from the
+    hot rows, and the rows read from each tier are added to ``counts`` (int64 ``[hot, cold]``)
+    when given.
     """
     scale = np.float32(scale)
     outputs = output_table(code, out_code, int(scale.view(np.uint32)))
+    if hot is None:
+        words, ranks, hot_table, blocks = NO_WORDS, NO_RANKS, table, 0
+    else:
+        (words, ranks), hot_table = hot
+        blocks = max(-(-ids.shape[0] // BLOCK), 1)  # a serial gather counts in the first
+    block_counts = np.zeros((blocks, 2), np.int64)
     min_rows = PARALLEL_MIN_ROWS if parallel is None else 0 if parallel else 1 << 62
     with use_threads(ids.size, min_rows) as threaded:
-        _gather_kernel(code, out_code, threaded)(
+        _gather_kernel(code, out_code, threaded, hot is not None)(
             table, np.int64(row_start), scale, outputs, ids,
-            NO_EXPECTED if expected is None else expected, out)
+            NO_EXPECTED if expected is None else expected, out, words, ranks, hot_table,
+            block_counts)
+    if counts is not None:
+        counts += block_counts.sum(axis=0)
     return out

@@ -19,8 +19,10 @@ import numpy as np
 from .backends import DEVICE, HOST, Backend, Call, bind, cuda_stream
 from .checks import check_destination, check_index_array, check_integer, check_out
 from .formats import BFLOAT16, Format, default_output, holds, output_format, storage_format
+from .hot_rows import check_hot_rows
 from .prefetch import STAGING_SHAPES, Prefetcher
 from .storage import Gather, Storage, adopt, allocate, canonical_placement
+from .storage.tiered import TieredStorage
 
 # The old name of the bound on kept staging shapes.
 HOST_BUFFER_SHAPES = STAGING_SHAPES
@@ -75,13 +77,18 @@ class EmbeddingTable:
     without a GPU, ordinary memory and the CPU gather). ``dtype`` names the storage type of
     raw-bit weights (CuPy has no bfloat16 / float8). ``dedup=True`` makes GPU lookups fetch each
     distinct id once (worth it for large batches over PCIe; it waits for the GPU, so it is not
-    graph-capturable).
+    graph-capturable). ``hot_rows`` (sorted unique int64 global row ids, e.g. from
+    ``ngram-cupy stats --save-hot-rows``) are copied into a hot tier (GPU memory for a pinned
+    table on a GPU, else host memory) that each lookup reads them from, in the same launch;
+    ``counters`` then counts the rows read from each tier.
     """
 
     def __init__(self, weight, scale=None, placement: str = "cpu", row_start: int = 0,
-                 total_rows: int | None = None, *, dtype=None, dedup: bool = False):
+                 total_rows: int | None = None, *, dtype=None, dedup: bool = False,
+                 hot_rows=None):
         if isinstance(weight, Storage):
-            self._setup(weight, weight.placement, scale, row_start, total_rows, dedup)
+            storage = self._tiered(weight, hot_rows, row_start)
+            self._setup(storage, weight.placement, scale, row_start, total_rows, dedup)
             return
         call = bind(weight=weight)
         array, torch_format = call["weight"], call.formats.get("weight")
@@ -98,18 +105,20 @@ class EmbeddingTable:
             storage = allocate(placement, array.shape[0], array.shape[1], fmt)
             with call.on():
                 storage.write_rows(0, array.view(fmt.raw))
-        self._setup(storage, placement, scale, row_start, total_rows, dedup)
+        self._setup(self._tiered(storage, hot_rows, row_start), placement, scale, row_start,
+                    total_rows, dedup)
 
     @classmethod
     def empty(cls, num_rows: int, head_dim: int, dtype, placement: str = "cpu", scale=None,
               row_start: int = 0, total_rows: int | None = None, *,
-              dedup: bool = False) -> EmbeddingTable:
+              dedup: bool = False, hot_rows=None) -> EmbeddingTable:
         """Allocated, unfilled storage, to be filled with ``write_rows`` (checkpoint loading)."""
         fmt = storage_format(dtype)
         placement = canonical_placement(placement)
         cls._check_geometry(num_rows, head_dim, row_start, total_rows)
         return cls(allocate(placement, int(num_rows), int(head_dim), fmt), scale,
-                   row_start=row_start, total_rows=total_rows, dedup=dedup)._named(placement)
+                   row_start=row_start, total_rows=total_rows, dedup=dedup,
+                   hot_rows=hot_rows)._named(placement)
 
     # ---- construction ----
 
@@ -127,6 +136,15 @@ class EmbeddingTable:
             raise ValueError(
                 f"rows [{row_start}, {row_start + num_rows}) must lie within [0, total_rows="
                 f"{total_rows})")
+
+    @staticmethod
+    def _tiered(storage: Storage, hot_rows, row_start) -> Storage:
+        """``storage`` itself, or a tier of checked ``hot_rows`` over it."""
+        if hot_rows is None:
+            return storage
+        check_integer("row_start", row_start)
+        hot = check_hot_rows(hot_rows, int(row_start), storage.num_rows)
+        return TieredStorage(storage, hot - int(row_start))
 
     def _setup(self, storage: Storage, placement: str, scale, row_start, total_rows,
                dedup: bool) -> None:
@@ -154,6 +172,12 @@ class EmbeddingTable:
     def pinned(self) -> bool:
         """Whether the rows are in page-locked host memory the GPU reads."""
         return self.storage.placement == "pinned"
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """Rows read from each tier since creation, ``{"hot_rows": .., "cold_rows": ..}``, for a
+        table with ``hot_rows`` (reading the GPU's counts waits for the GPU); else empty."""
+        return self.storage.counters if isinstance(self.storage, TieredStorage) else {}
 
     @property
     def host_view(self) -> np.ndarray | None:

@@ -79,8 +79,9 @@ def test_every_kernel_compiles_with_nvrtc(path, arch):
 
 def test_every_format_pair_has_instances():
     names = gather_cupy.all_instances()
-    assert len(names) == len(set(names)) == 2 * 3 * (3 + 4 + 4 + 5)
+    assert len(names) == len(set(names)) == 2 * 2 * 3 * (3 + 4 + 4 + 5)  # tiered or not
     assert "gather_rows<3, 2, 16, long long>" in names
+    assert "gather_tiered_rows<3, 2, 16, long long>" in names
     assert "gather_rows<0, 0, 2, int>" not in names  # no load narrower than a value
 
 

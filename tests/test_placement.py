@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
 import ngram_cupy as nc
-from ngram_cupy.placement import format_bytes, table_nbytes
+from ngram_cupy.placement import (
+    choose_options,
+    format_bytes,
+    layer_options,
+    lower_hull,
+    table_nbytes,
+)
 
 GiB = 1 << 30
 RELEASED_TABLE = 320_001_536 * 16 * 160  # padded rows x (16 heads x 160-byte fp8 rows / 16)
@@ -87,3 +95,106 @@ def test_format_bytes():
     assert format_bytes(512) == "512 B"
     assert format_bytes(1536) == "1.50 KiB"
     assert format_bytes(5 * (1 << 40)) == "5.00 TiB"
+
+
+# ---- hot-row tiers ----
+
+# SPEC's measured curve: the K most used rows of layer 0 serve this share of held-out lookups.
+RELEASED_CURVE = [(1_000, 0.057), (10_000, 0.134), (100_000, 0.251), (1_000_000, 0.396)]
+
+
+def test_tiers_take_the_gpu_budget_when_tables_cannot(released_config):
+    layouts = {f"layer {i}": (nc.layer_layout(released_config, 0), "float8_e4m3fn")
+               for i in range(4)}
+    curves = {name: RELEASED_CURVE for name in layouts}
+    plan = nc.plan_placement(layouts, gpu_budget_bytes=GiB, host_budget_bytes=1024 * GiB,
+                             hit_rates=curves)
+    # Each 1e6-row tier costs 160 MB of rows + 60 MB of slot map: four fit in 1 GiB, the table
+    # (47.7 GiB) does not; the 1e3 and 1e4 points save less per byte than 1e5 (under the hull).
+    assert [layer.where for layer in plan.layers] == ["host"] * 4
+    assert [plan.hot_rows(name) for name in layouts] == [1_000_000] * 4
+    hot_bytes = 1_000_000 * 160 + 5_000_024 * 12
+    assert plan.bytes_in("gpu") == 4 * hot_bytes
+    assert plan.host_bytes_per_token == pytest.approx(4 * 16 * 160 * (1 - 0.396))
+    summary = plan.summary()
+    assert "hot rows: 4 host tables, 4,000,000 rows" in summary
+    assert "layer 3: 1,000,000 rows serve 39.6% of lookups" in summary
+    assert "expected host bytes per token: 6,185 (10,240 without hot rows)" in summary
+    small = nc.plan_placement(layouts, gpu_budget_bytes=4 * 77 * 10**6,
+                              host_budget_bytes=1024 * GiB, hit_rates=curves)
+    assert [small.hot_rows(name) for name in layouts] == [100_000] * 4
+    untiered = nc.plan_placement(layouts, 0, 1024 * GiB)
+    assert untiered.host_bytes_per_token == 4 * 2560
+    assert "expected host bytes per token: 10,240" in untiered.summary()
+
+
+def test_the_better_curve_gets_the_tier(released_config):
+    layout = (nc.layer_layout(released_config, 0), "float8_e4m3fn")
+    flat = [(1_000_000, 0.05)]
+    plan = nc.plan_placement({"a": layout, "b": layout}, gpu_budget_bytes=300 * 10**6,
+                             host_budget_bytes=1024 * GiB,
+                             hit_rates={"a": flat, "b": RELEASED_CURVE})
+    assert plan.hot_rows("a") == 0 and plan.hot_rows("b") == 1_000_000
+
+
+def test_resident_when_the_budget_allows(released_config):
+    layout = (nc.layer_layout(released_config, 0), "float8_e4m3fn")
+    plan = nc.plan_placement([layout, layout], gpu_budget_bytes=50 * GiB,
+                             host_budget_bytes=1024 * GiB, hit_rates=[RELEASED_CURVE, None])
+    # One table (47.7 GiB) resident saves all its traffic; the other gets the rest as a tier.
+    assert sorted(layer.where for layer in plan.layers) == ["gpu", "host"]
+    assert plan.bytes_in("gpu") <= 50 * GiB
+
+
+def brute_force(option_lists, budget):
+    """The least total traffic within ``budget``, over every combination of options."""
+    best = float("inf")
+    for combo in itertools.product(*option_lists):
+        if sum(option.gpu_nbytes for option in combo) <= budget:
+            best = min(best, sum(option.traffic for option in combo))
+    return best
+
+
+def test_greedy_against_brute_force():
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        option_lists, hulls = [], []
+        for _ in range(rng.integers(1, 4)):
+            rows = int(rng.integers(1_000, 100_000))
+            ks = np.unique(rng.integers(1, rows, rng.integers(0, 4)))
+            shares = np.sort(rng.uniform(0, 1, ks.size))
+            options = layer_options(rows * 64, (rows, 64, 4), list(zip(ks, shares, strict=True)))
+            option_lists.append(options)
+            hulls.append(lower_hull(options))
+        budget = int(rng.integers(0, sum(o[-1].gpu_nbytes for o in option_lists) + 2))
+        chosen = choose_options(hulls, budget)
+        picked = [hull[at] for hull, at in zip(hulls, chosen, strict=True)]
+        assert sum(option.gpu_nbytes for option in picked) <= budget
+        traffic = sum(option.traffic for option in picked)
+        best = brute_force(option_lists, budget)
+        largest_step = max((a.traffic - b.traffic for hull in hulls
+                            for a, b in zip(hull, hull[1:], strict=False)), default=0.0)
+        assert best - 1e-9 <= traffic <= best + largest_step + 1e-9
+        if budget >= sum(o[-1].gpu_nbytes for o in option_lists):
+            assert traffic == 0.0
+
+
+@pytest.mark.parametrize("curve, match", [
+    ([(0, 0.1)], r"0 < hot rows <= 320001536"),
+    ([(10, 1.5)], "hit share <= 1"),
+    ([(10, 0.5), (20, 0.4)], "must not fall"),
+    (["x"], "list of \\(hot rows, hit share\\) pairs"),
+])
+def test_bad_curves(released_config, curve, match):
+    layout = (nc.layer_layout(released_config, 0), "float8_e4m3fn")
+    with pytest.raises(ValueError, match=match):
+        nc.plan_placement({"a": layout}, GiB, GiB, hit_rates={"a": curve})
+
+
+def test_curves_need_layouts(released_config):
+    with pytest.raises(ValueError, match="hit_rates need the table as a LayerLayout"):
+        nc.plan_placement([100], 0, 100, hit_rates=[[(1, 0.5)]])
+    with pytest.raises(ValueError, match="one entry per table"):
+        nc.plan_placement([100], 0, 100, hit_rates=[])
+    with pytest.raises(ValueError, match="not planned"):
+        nc.plan_placement({"a": 100}, 0, 100, hit_rates={"b": None})

@@ -1,0 +1,90 @@
+"""The hot-row tier on the CPU: host bytes read per token with K hot rows, by the counters.
+
+Documents of a real corpus are split in two: the first half chooses the K most used rows of layer
+0 (released config), the second half is looked up through a tiered gather whose counters say how
+many rows came from each tier. Only the counts matter, so the table has one fp8 value per row
+(the released row count, pages never written); bytes are the released 160-byte rows.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pyarrow.parquet as pq
+
+import ngram_cupy as nc
+from ngram_cupy import formats, gather_numba
+from ngram_cupy.hot_rows import build_map
+
+from .data import CORPUS, RELEASED, RELEASED_HEAD_DIM, RELEASED_HEADS
+from .report import Row, Section
+
+HOT_ROWS = (0, 100_000, 1_000_000, 10_000_000)
+QWEN_CORPUS = CORPUS.with_name("python_stdlib.parquet")  # Qwen3.5 tokens, when present
+
+
+def document_ids(layout, path) -> tuple[np.ndarray, np.ndarray]:
+    """``(ids of the first half of the documents, ids of the second half)``: each half packed as
+    one batch of requests, one per document, from a fresh (all-EOS) context."""
+    table = pq.read_table(path, columns=["doc_id", "tokens"])
+    docs: dict[int, list[np.ndarray]] = {}
+    for doc_id, tokens in zip(table.column("doc_id").to_numpy(),
+                              table.column("tokens").to_pylist(), strict=True):
+        docs.setdefault(int(doc_id), []).append(np.asarray(tokens, np.int64))
+    order = sorted(docs)
+    halves = []
+    for chosen in (order[: len(order) // 2], order[len(order) // 2:]):
+        parts = [np.concatenate(docs[d]) for d in chosen]
+        tokens = np.concatenate(parts)
+        starts = np.concatenate([[0], np.cumsum([p.size for p in parts])])
+        context = np.full((len(parts), layout.ngram_size - 1), layout.eos_token_id, np.int64)
+        halves.append(nc.compute_ngram_ids(layout, tokens, starts, context))
+    return halves[0], halves[1]
+
+
+def hottest(ids: np.ndarray, count: int) -> np.ndarray:
+    """The ``count`` most used rows of ``ids`` (ties: lower row first), sorted."""
+    rows, uses = np.unique(ids, return_counts=True)
+    top = np.argsort(-uses, kind="stable")[:count]
+    return np.sort(rows[top])
+
+
+def bench_tiered_cpu(quick: bool) -> Section:
+    """Host bytes per token of held-out documents with K = 0, 1e5, 1e6, 1e7 hot rows."""
+    path = QWEN_CORPUS if QWEN_CORPUS.exists() else CORPUS
+    layout = nc.layer_layout(RELEASED, 0)
+    profile, measured = document_ids(layout, path)
+    if quick:
+        measured = measured[: 1 << 16]
+    fmt = formats.storage_format("float8_e4m3fn")
+    rows = layout.padded_rows
+    cold = np.zeros((rows, 1), fmt.raw)  # untouched pages: no memory
+    row_bytes = RELEASED_HEAD_DIM * fmt.itemsize
+    tokens = measured.shape[0]
+    out = np.empty(measured.shape, np.uint16)
+    section = Section(f"hot-row tier, CPU counters: {path.name}, released layer 0, "
+                      f"{profile.shape[0]:,} tokens choose the hot rows, {tokens:,} held-out "
+                      f"tokens measured ({RELEASED_HEADS} x {row_bytes}-byte rows per token)",
+                      "cpu")
+    baseline = None
+    warm = (build_map(np.zeros(0, np.int64), 0, 1), cold[:0])
+    gather_numba.gather_rows(cold[:1], fmt.code, 0, np.float32(1.0), measured[:1], out[:1],
+                             formats.BFLOAT16, hot=warm)  # compile before timing
+    for count in HOT_ROWS:
+        hot = hottest(profile, count)
+        hot_map = build_map(hot, 0, rows)
+        counts = np.zeros(2, np.int64)
+        start = time.perf_counter()
+        gather_numba.gather_rows(cold, fmt.code, 0, np.float32(1.0), measured, out,
+                                 formats.BFLOAT16, hot=(hot_map, cold[hot]), counts=counts)
+        seconds = time.perf_counter() - start
+        hot_read, cold_read = (int(c) for c in counts)
+        per_token = cold_read * row_bytes / tokens
+        baseline = per_token if baseline is None else baseline
+        section.rows.append(Row(
+            case=f"K = {count:,} ({hot.size:,} distinct rows chosen)", seconds=seconds,
+            rate=f"{per_token:,.0f} host bytes/token",
+            notes=(f"{hot_read / (hot_read + cold_read):.1%} of lookups hot; "
+                   f"{1 - per_token / baseline:.1%} fewer host bytes than K = 0")))
+    return section

@@ -1,0 +1,121 @@
+"""Hot rows in GPU memory over a cold storage: one gather reads each row from the tier it is in.
+
+The hot rows (sorted local rows, see ``hot_rows``) are copied from the cold storage into a hot
+tier in order, so a row's slot is its rank; the slot map says which rows are hot. A GPU lookup is
+one launch of ``gather_tiered_rows`` (hot rows from GPU memory, the rest from the cold storage's
+mapped pinned memory) that adds the rows read per tier to device counters, read only when
+``counters`` is asked for. A CPU lookup (no GPU: both tiers in ordinary memory) runs the tiered
+Numba gather, counting the same way. Writes go to the cold rows and to any hot copy of them;
+rows written any other way (through ``host_view``) leave the hot copies stale.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import gather_numba
+from ..backends import DEVICE, HOST, Backend, cuda_stream
+from ..hot_rows import build_map
+from . import Gather, Storage
+from .gpu import fill
+
+
+class TieredStorage(Storage):
+    """``hot_rows`` (sorted unique local rows) of ``cold`` copied into a hot tier.
+
+    The cold storage must hold its rows in host memory (``cpu`` or ``pinned``); when the GPU
+    reads it (pinned memory), the hot tier and its map are in GPU memory too.
+    """
+
+    placement = "tiered"
+
+    def __init__(self, cold: Storage, hot_rows: np.ndarray):
+        super().__init__(cold.num_rows, cold.head_dim, cold.format)
+        if cold.host_view is None:
+            raise ValueError(f"hot_rows need a table in host memory (placement 'pinned' or "
+                             f"'cpu'), not {cold.placement!r}")
+        self.cold = cold
+        self.hot_rows = hot_rows
+        self.host_view = cold.host_view
+        self.map = build_map(hot_rows, 0, cold.num_rows)
+        self.host_hot = self.host_view.view(cold.format.raw)[hot_rows]
+        self.host_counts = np.zeros(2, np.int64)
+        self.device_map = self.device_hot = self.device_counts = None
+        if cold.device_view is not None:
+            import cupy
+
+            from .. import gather_cupy
+
+            with cold.device_view.device:
+                self.device_map = tuple(cupy.asarray(part) for part in self.map)
+                self.device_hot = cupy.asarray(self.host_hot)
+                self.device_counts = cupy.zeros((gather_cupy.COUNTER_LANES, 2), np.uint64)
+
+    @property
+    def hot_nbytes(self) -> int:
+        """Bytes of the hot tier and its slot map (GPU memory when the GPU reads the table)."""
+        return self.host_hot.nbytes + self.map.nbytes
+
+    @property
+    def writable(self) -> bool:
+        """As the cold storage."""
+        return self.cold.writable
+
+    def reads(self, side: Backend) -> bool:
+        """As the cold storage (the fused kernel, reading ``device_view``, is not tiered: it
+        sees none, and lookups gather ids first, then rows)."""
+        return self.cold.reads(side)
+
+    def write_rows(self, local_start: int, rows) -> None:
+        """Write the cold rows, then the hot copies of those among them."""
+        self.cold.write_rows(local_start, rows)
+        stop = local_start + rows.shape[0]
+        first, last = np.searchsorted(self.hot_rows, [local_start, stop])
+        if first == last:
+            return
+        index = self.hot_rows[first:last] - local_start
+        on_host = isinstance(rows, np.ndarray)
+        block = rows[index] if on_host else rows[DEVICE.asarray(index)]
+        self.host_hot[first:last] = block if on_host else block.get()
+        if self.device_hot is not None:
+            with self.device_hot.device:
+                fill(self.device_hot[first:last], block, cuda_stream())
+
+    def gather(self, job: Gather) -> None:
+        """The tiered gather of the ids' side (``job.dedup`` is not used: one launch)."""
+        raw = self.cold.format.raw
+        if job.side is HOST:
+            gather_numba.gather_rows(self.host_view.view(raw), self.format.code, job.row_start,
+                                     job.scale, job.ids, job.out, job.out_code, job.expected,
+                                     parallel=False if job.worker else None,
+                                     hot=(self.map, self.host_hot), counts=self.host_counts)
+            return
+        from .. import gather_cupy
+
+        assert job.side is DEVICE
+        self.cold.used_on(job.stream)
+        gather_cupy.gather_rows(self.cold.device_view, self.format.code, job.row_start,
+                                job.scale, job.ids, job.out, job.out_code, job.expected,
+                                stream=job.stream, hot=(self.device_map, self.device_hot),
+                                counts=self.device_counts)
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """Rows read from each tier since creation (reading the GPU's counters waits for it)."""
+        hot, cold = (int(count) for count in self.host_counts)
+        if self.device_counts is not None:
+            import cupy
+
+            with self.device_counts.device:
+                cupy.cuda.runtime.deviceSynchronize()  # lookups may run on any stream
+                device = self.device_counts.sum(axis=0).get()
+            hot, cold = hot + int(device[0]), cold + int(device[1])
+        return {"hot_rows": hot, "cold_rows": cold}
+
+    def used_on(self, stream) -> None:
+        """The cold storage's memory must outlive the kernels that read it."""
+        self.cold.used_on(stream)
+
+    def close(self) -> None:
+        """Release the cold storage; the GPU tier goes with the last reference."""
+        self.cold.close()

@@ -1,0 +1,313 @@
+"""The hot-row tier: each id read from the hot rows when hot, from the table otherwise, with the
+untiered table's bytes for every id (hot, cold, out of range, row-sharded), and exact counts."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import ngram_cupy as nc
+from ngram_cupy import formats, gather_cupy
+from ngram_cupy.dequant import reference_lookup
+from ngram_cupy.gather_numba import gather_rows
+from ngram_cupy.hot_rows import build_map, check_hot_rows
+
+# 4 heads of prime sizes 11, 13, 17, 19: 60 rows padded to 64, cut in 6 shards of 11.
+TINY = nc.NGramConfig(
+    vocab_size=50, ngram_size=3, heads_per_ngram=2, ngram_vocab_size_base=11, eos_token_id=0,
+    embedding_dim=16, make_ngram_vocab_size_divisible_by=8, split_ngram_parts=6,
+)
+PAIRS = [(np.float32, np.float32), (np.float16, np.float16), (ml_dtypes.bfloat16, np.float32),
+         (ml_dtypes.float8_e4m3fn, ml_dtypes.bfloat16), (ml_dtypes.float8_e4m3fn, np.float16)]
+
+
+def random_bits(rng, rows: int, head_dim: int, dtype) -> np.ndarray:
+    """Random bit patterns of ``dtype`` (NaNs, infinities and subnormals included)."""
+    fmt = formats.storage_format(dtype)
+    bits = rng.integers(0, 1 << (8 * fmt.itemsize), (rows, head_dim), dtype=np.uint64)
+    return bits.astype(fmt.raw).view(fmt.dtype)
+
+
+def adversarial_ids(rng, hot, row_start, num_rows, shape):
+    """Hot rows, cold rows, the first and last rows, ids just outside, negative ids."""
+    stop = row_start + num_rows
+    pool = np.concatenate([hot, rng.integers(row_start, stop, hot.size + 8),
+                           [row_start, stop - 1, row_start - 1, stop, -1, -(1 << 40), 1 << 40]])
+    return rng.choice(pool, shape).astype(np.int64)
+
+
+def tiered_gather(weight, hot_ids, hot_weight, row_start, ids, out_dtype, parallel, scale=0.5):
+    """``(out, counts)`` of the tiered CPU gather."""
+    fmt = formats.storage_format(weight.dtype)
+    out_format = formats.output_format(out_dtype)
+    num_rows, head_dim = weight.shape
+    hot_map = build_map(check_hot_rows(hot_ids, row_start, num_rows), row_start, num_rows)
+    out = np.full((ids.shape[0], ids.shape[1] * head_dim), 0xAB, out_format.raw)
+    counts = np.zeros(2, np.int64)
+    gather_rows(weight.view(fmt.raw), fmt.code, row_start, np.float32(scale), ids, out,
+                out_format.code, parallel=parallel,
+                hot=(hot_map, hot_weight.view(fmt.raw)), counts=counts)
+    return out.view(out_format.dtype), counts
+
+
+def expected_counts(ids, hot, row_start, num_rows):
+    """Rows read from each tier: ids inside the table, hot or not."""
+    inside = (ids >= row_start) & (ids < row_start + num_rows)
+    is_hot = np.isin(ids, hot)
+    return [int((inside & is_hot).sum()), int((inside & ~is_hot).sum())]
+
+
+# Every format pair serially; threads (a slow compile) for the released pair only.
+CASES = [(*pair, False) for pair in PAIRS] + [(ml_dtypes.float8_e4m3fn, ml_dtypes.bfloat16, True)]
+
+
+@pytest.mark.parametrize("dtype, out_dtype, parallel", CASES, ids=str)
+def test_hot_rows_come_from_the_hot_tier(dtype, out_dtype, parallel):
+    rng = np.random.default_rng(1)
+    num_rows, head_dim, row_start = 333, 8, 1000  # a shard: global rows [1000, 1333)
+    weight = random_bits(rng, num_rows, head_dim, dtype)
+    hot = np.unique(np.concatenate([rng.integers(row_start, row_start + num_rows, 60),
+                                    [row_start + num_rows - 1]]))
+    marked = random_bits(rng, hot.size, head_dim, dtype)  # unlike the table's: proves the source
+    ids = adversarial_ids(rng, hot, row_start, num_rows, (300 if parallel else 40, 5))
+    out, counts = tiered_gather(weight, hot, marked, row_start, ids, out_dtype, parallel)
+    effective = weight.copy()
+    effective[hot - row_start] = marked
+    expected = reference_lookup(effective, ids - row_start, 0.5, out_dtype)
+    # reference_lookup reads ids outside the shard as zero rows too
+    np.testing.assert_array_equal(np.isnan(out.astype(np.float32)),
+                                  np.isnan(expected.astype(np.float32)))
+    finite = ~np.isnan(expected.astype(np.float32))
+    bits = f"u{out.dtype.itemsize}"
+    np.testing.assert_array_equal(out.view(bits)[finite], expected.view(bits)[finite])
+    assert list(counts) == expected_counts(ids, hot, row_start, num_rows)
+
+
+@pytest.mark.parametrize("hot_count", [0, 1, 64, 333])
+def test_same_bytes_as_the_untiered_gather(hot_count):
+    rng = np.random.default_rng(hot_count)
+    num_rows, head_dim, row_start = 333, 16, 7
+    weight = random_bits(rng, num_rows, head_dim, ml_dtypes.float8_e4m3fn)
+    hot = np.sort(rng.choice(np.arange(row_start, row_start + num_rows), hot_count,
+                             replace=False)).astype(np.int64)
+    ids = adversarial_ids(rng, hot, row_start, num_rows, (50, 16)).astype(np.int32)
+    out, counts = tiered_gather(weight, hot, weight[hot - row_start], row_start, ids,
+                                ml_dtypes.bfloat16, False)
+    plain = np.empty((50, 16 * head_dim), np.uint16)
+    gather_rows(weight.view(np.uint8), formats.FLOAT8_E4M3, row_start, np.float32(0.5), ids,
+                plain, formats.BFLOAT16)
+    np.testing.assert_array_equal(out.view(np.uint16), plain)
+    assert list(counts) == expected_counts(ids, hot, row_start, num_rows)
+
+
+def test_prefetched_heads_are_not_read_again():
+    rng = np.random.default_rng(5)
+    weight = random_bits(rng, 100, 4, np.float16)
+    hot = np.arange(0, 100, 3, dtype=np.int64)
+    ids = rng.integers(0, 100, (20, 4))
+    expected = ids.copy()
+    expected[::2] = -5  # half the tokens changed since the prefetch
+    hot_map = build_map(check_hot_rows(hot, 0, 100), 0, 100)
+    out = np.zeros((20, 16), np.uint16)
+    counts = np.zeros(2, np.int64)
+    gather_rows(weight.view(np.uint16), formats.FLOAT16, 0, np.float32(1.0), ids, out,
+                formats.FLOAT16, expected, hot=(hot_map, weight[hot].view(np.uint16)),
+                counts=counts)
+    changed = ids[::2]
+    assert list(counts) == expected_counts(changed, hot, 0, 100)
+    assert not out[1::2].any()  # skipped: left as they were
+
+
+def test_tiered_cuda_instance_compiles():
+    """The released shape's tiered instance: 16-byte loads, one popc for the slot, atomics."""
+    nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+    name = gather_cupy.instance_name(formats.FLOAT8_E4M3, formats.BFLOAT16, 16, np.int64, True)
+    assert name == "gather_tiered_rows<3, 2, 16, long long>"
+    program = nvrtc.createProgram(gather_cupy.kernel_source("gather.cu"), "gather.cu", [], [])
+    try:
+        nvrtc.addNameExpression(program, name)
+        try:
+            nvrtc.compileProgram(program, ["-arch=compute_90", *gather_cupy.NVRTC_OPTIONS])
+        except nvrtc.NVRTCError:
+            pytest.fail(nvrtc.getProgramLog(program))
+        ptx = nvrtc.getPTX(program).decode()
+        lowered = nvrtc.getLoweredName(program, name)
+    finally:
+        nvrtc.destroyProgram(program)
+    body = ptx[ptx.index(f".entry {lowered}"):]
+    body = body[: body.index("\n}\n")]
+    assert "ld.global.nc.v4.u32" in body and "popc.b64" in body and "atom.global.add.u64" in body
+
+
+@pytest.fixture(scope="module")
+def host_gather():
+    """kernels/gather.cu built by g++ and run thread by thread (see host_kernels)."""
+    host_kernels = pytest.importorskip("host_kernels")
+    if host_kernels.compiler() is None:
+        pytest.skip("no g++ on PATH: gather.cu cannot be built for the host")
+    return host_kernels.HostGather(host_kernels.build())
+
+
+@pytest.mark.parametrize("head_dim", [1, 8, 160])
+@pytest.mark.parametrize("dtype, out_dtype", PAIRS, ids=str)
+def test_cuda_tiered_gather_equals_the_cpu_one(host_gather, dtype, out_dtype, head_dim):
+    """gather_tiered_rows (host build) against the Numba tiered gather: a marked hot tier,
+    shard edges, out-of-range ids, int32 and int64 ids, and the same counts."""
+    rng = np.random.default_rng(head_dim)
+    fmt, out_format = formats.storage_format(dtype), formats.output_format(out_dtype)
+    num_rows, row_start = 130, 64
+    weight = random_bits(rng, num_rows, head_dim, dtype)
+    hot = np.unique(rng.integers(row_start, row_start + num_rows, 40))
+    marked = random_bits(rng, hot.size, head_dim, dtype)
+    hot_map = build_map(hot, row_start, num_rows)
+    for id_dtype in (np.int32, np.int64):
+        ids = adversarial_ids(rng, hot, row_start, num_rows, (23, 3))
+        ids = np.clip(ids, np.iinfo(id_dtype).min, np.iinfo(id_dtype).max).astype(id_dtype)
+        want, want_counts = tiered_gather(weight, hot, marked, row_start, ids, out_dtype, False)
+        out = np.full(want.shape, 0xAB, out_format.raw)
+        counts = np.zeros((gather_cupy.COUNTER_LANES, 2), np.uint64)
+        plan = gather_cupy.launch_plan(weight.view(fmt.raw), fmt.code, row_start, 0.5, ids, out,
+                                       out_format.code, None, (hot_map, marked.view(fmt.raw)),
+                                       counts)
+        assert plan.name.startswith("gather_tiered_rows<")
+        host_gather.run(plan)
+        np.testing.assert_array_equal(out, want.view(out_format.raw))
+        np.testing.assert_array_equal(counts.sum(axis=0), want_counts)
+
+
+# ---- EmbeddingTable(..., hot_rows=...) ----
+
+def tiered_and_plain(weight, hot, **kwargs):
+    """The same rows as a tiered pinned table and as a plain CPU table."""
+    return (nc.EmbeddingTable(weight, placement="pinned", hot_rows=hot, **kwargs),
+            nc.EmbeddingTable(weight.copy(), **kwargs))
+
+
+@pytest.mark.parametrize("dtype, out_dtype", PAIRS, ids=str)
+def test_tiered_table_equals_the_plain_one(dtype, out_dtype):
+    rng = np.random.default_rng(11)
+    weight = random_bits(rng, 200, 8, dtype)
+    hot = np.unique(rng.integers(0, 200, 50))
+    tiered, plain = tiered_and_plain(weight, hot, scale=0.75)
+    assert tiered.counters == {"hot_rows": 0, "cold_rows": 0} and plain.counters == {}
+    ids = adversarial_ids(rng, hot, 0, 200, (64, 4))
+    got = tiered.lookup(ids, out_dtype=out_dtype)
+    np.testing.assert_array_equal(got.view(f"u{got.itemsize}"),
+                                  plain.lookup(ids, out_dtype=out_dtype).view(f"u{got.itemsize}"))
+    hot_read, cold_read = expected_counts(ids, hot, 0, 200)
+    assert tiered.counters == {"hot_rows": hot_read, "cold_rows": cold_read}
+    torch = pytest.importorskip("torch")
+    out = torch.empty((64, 32), dtype=torch.bfloat16)
+    assert tiered.lookup(torch.from_numpy(ids), out=out) is out  # torch in, torch out
+    np.testing.assert_array_equal(out.view(torch.int16).numpy().view(np.uint16),
+                                  plain.lookup(ids, out_dtype=ml_dtypes.bfloat16).view(np.uint16))
+    assert tiered.counters["hot_rows"] == 2 * hot_read
+
+
+def test_row_sharded_tiered_tables_sum_to_the_table():
+    rng = np.random.default_rng(12)
+    rows, head_dim = 300, 4
+    weight = random_bits(rng, rows, head_dim, np.float16)
+    weight.view(np.uint16)[(weight.view(np.uint16) & 0x7C00) == 0x7C00] = 0  # no inf/NaN sums
+    hot = np.unique(rng.integers(0, rows, 120))
+    ids = adversarial_ids(rng, hot, 0, rows, (40, 8))
+    total = np.zeros((40, 8 * head_dim), np.float32)
+    counted = 0
+    for start, stop in [(0, 64), (64, 200), (200, 300)]:
+        shard_hot = hot[(hot >= start) & (hot < stop)]
+        shard = nc.EmbeddingTable(weight[start:stop], placement="pinned", row_start=start,
+                                  total_rows=rows, hot_rows=shard_hot)
+        total += shard.lookup(ids, out_dtype=np.float32)
+        counted += sum(shard.counters.values())
+        assert shard.counters["hot_rows"] == expected_counts(ids, shard_hot, start,
+                                                             stop - start)[0]
+    np.testing.assert_array_equal(total, reference_lookup(weight, ids, 1.0, np.float32))
+    assert counted == int(((ids >= 0) & (ids < rows)).sum())
+
+
+def test_written_rows_reach_the_hot_tier():
+    rng = np.random.default_rng(13)
+    weight = random_bits(rng, 100, 16, ml_dtypes.float8_e4m3fn)
+    hot = np.array([0, 5, 31, 32, 63, 64, 99], np.int64) + 1000
+    table = nc.EmbeddingTable.empty(100, 16, "float8_e4m3fn", placement="pinned", scale=2.0,
+                                    row_start=1000, total_rows=1100, hot_rows=hot)
+    for start in range(0, 100, 30):  # blocks cutting through the hot rows
+        table.write_rows(1000 + start, weight[start:start + 30])
+    ids = np.concatenate([hot, rng.integers(1000, 1100, 9)]).reshape(4, 4)
+    np.testing.assert_array_equal(
+        table.lookup(ids, out_dtype=np.float32),
+        reference_lookup(weight, ids - 1000, 2.0, np.float32))
+    assert table.counters == {"hot_rows": 7 + int(np.isin(ids.ravel()[7:], hot).sum()),
+                              "cold_rows": 9 - int(np.isin(ids.ravel()[7:], hot).sum())}
+
+
+def test_prefetch_through_the_tier():
+    rng = np.random.default_rng(14)
+    weight = random_bits(rng, 500, 8, ml_dtypes.bfloat16)
+    hot = np.unique(rng.integers(0, 500, 100))
+    tiered, plain = tiered_and_plain(weight, hot)
+    first = adversarial_ids(rng, hot, 0, 500, (300, 3))
+    changed = first.copy()
+    changed[::3] = adversarial_ids(rng, hot, 0, 500, changed[::3].shape)
+    tiered.prefetch(first)
+    got = tiered.lookup(changed)
+    np.testing.assert_array_equal(got.view(np.uint16), plain.lookup(changed).view(np.uint16))
+    differs = changed[changed != first]
+    assert sum(tiered.counters.values()) == (expected_counts(first, hot, 0, 500)[0]
+                                             + expected_counts(first, hot, 0, 500)[1]
+                                             + sum(expected_counts(differs, hot, 0, 500)))
+
+
+@pytest.mark.parametrize("hot_rows, error, match", [
+    ([5, 3], ValueError, "hot_rows must be sorted and unique"),
+    ([10], ValueError, r"hot_rows must lie within the table's rows \[0, 10\), got 10"),
+    ([-1, 2], ValueError, "got -1"),
+    (np.array([0.5]), TypeError, "hot_rows must hold integer"),
+])
+def test_bad_hot_rows_are_refused(hot_rows, error, match):
+    with pytest.raises(error, match=match):
+        nc.EmbeddingTable(np.zeros((10, 4), np.float32), placement="pinned", hot_rows=hot_rows)
+
+
+def test_hot_rows_need_host_rows(tmp_path):
+    layout = nc.layer_layout(TINY, 0)
+    weight = np.random.default_rng(0).standard_normal((layout.padded_rows, layout.head_dim))
+    weight = weight.astype(np.float16)
+    nc.save_ngram_embedding(tmp_path / "model", layout, weight)
+    with pytest.raises(ValueError, match="hot_rows need placement 'pinned' or 'cpu'"):
+        nc.load_ngram_embedding(tmp_path / "model", TINY, 0, placement="mmap", hot_rows=[1])
+    hot = np.array([0, 3, 21, 22, 40, 63])
+    ids = np.arange(64).reshape(16, 4)
+    parts = []
+    for rank, kept in enumerate([3, 2, 1]):  # rows [0, 22), [22, 44), [44, 64)
+        table = nc.load_ngram_embedding(tmp_path / "model", TINY, 0, placement="pinned",
+                                        rank=rank, world_size=3, hot_rows=hot).table
+        parts.append(table.lookup(ids, out_dtype=np.float32))
+        assert table.counters["hot_rows"] == kept  # each of the 64 ids once
+    np.testing.assert_array_equal(np.sum(parts, axis=0),
+                                  reference_lookup(weight, ids, 1.0, np.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, out_dtype", PAIRS, ids=str)
+def test_gpu_tiered_lookup_equals_the_cpu_one(dtype, out_dtype):
+    """On a device: the GPU tier (one launch) gives the CPU table's bytes and the same counts."""
+    import cupy
+
+    rng = np.random.default_rng(15)
+    weight = random_bits(rng, 4096, 160 // formats.storage_format(dtype).itemsize, dtype)
+    hot = np.unique(rng.integers(0, 4096, 1000))
+    tiered, plain = tiered_and_plain(weight, hot, scale=0.5)
+    assert tiered.pinned is False and tiered.storage.device_hot is not None
+    ids = adversarial_ids(rng, hot, 0, 4096, (512, 16))
+    got = tiered.lookup(cupy.asarray(ids), out_dtype=out_dtype)
+    want = plain.lookup(ids, out_dtype=out_dtype)
+    np.testing.assert_array_equal(cupy.asnumpy(got).view(f"u{want.itemsize}"),
+                                  want.view(f"u{want.itemsize}"))
+    hot_read, cold_read = expected_counts(ids, hot, 0, 4096)
+    assert tiered.counters == {"hot_rows": hot_read, "cold_rows": cold_read}
+    tiered.prefetch(cupy.asarray(ids))
+    again = tiered.lookup(cupy.asarray(ids), out_dtype=out_dtype)
+    np.testing.assert_array_equal(cupy.asnumpy(again), cupy.asnumpy(got))
+    assert tiered.counters == {"hot_rows": 2 * hot_read, "cold_rows": 2 * cold_read}
