@@ -4,11 +4,12 @@ Hot rows are a sorted set of a table's rows copied into a faster tier (GPU memor
 the slot of a hot row is its rank among them. The map is one bit per local row (``words``,
 uint64) and the count of hot rows before each word (``ranks``, uint32): a row's slot is its
 word's rank plus the set bits below it in the word, and a row whose bit is clear is cold. That is
-one load for a cold row and two independent ones for a hot row, with no data-dependent loop, at a
-fixed 1.5 bits per table row (60 MB for the released model's 320 M rows, 0.12% of its fp8
-table). Measured against a binary search in the sorted ids (log2(K) dependent loads: 10 to 20
-times slower on the CPU) and an open-addressing hash table (as fast on hits, 2 to 6 times slower
-on the misses that dominate, 134 MB at 10 M hot rows): see ``scripts/hot_slot_maps.py``.
+one load for a cold row and two independent ones for a hot row, with no data-dependent loop (no
+warp divergence on the GPU), at a fixed 1.5 bits per table row (60 MB for the released model's
+320 M rows, 0.12% of its fp8 table). Measured on the CPU (``scripts/hot_slot_maps.py``) against a
+binary search in the sorted ids (log2(K) dependent loads: 5 to 25 times slower) and an
+open-addressing hash table (faster on hot ids, and overall at 1e5 hot rows, but 2.5 to 3.5 times
+slower on the cold ids that most lookups are at 1e6 and 1e7 hot rows, and 134 MB at 1e7).
 
 ``hot_slot`` is written once, for the Numba CPU gather, Numba CUDA kernels and the simulator;
 ``kernels/hot_rows.cuh`` is its CUDA C twin.

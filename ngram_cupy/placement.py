@@ -156,20 +156,21 @@ def _layer_geometry(table, dtype) -> tuple[int, int, int]:
 
 
 def check_curve(curve, num_rows: int, name: str = "hit_rates") -> list[tuple[int, float]]:
-    """A hit-rate curve as sorted ``(K, share)`` points with 0 < K <= num_rows and shares in
-    [0, 1] that never fall as K grows; ValueError naming ``name`` otherwise."""
+    """A hit-rate curve (``zip(ks, stats.hit_rate_curve(...))``) as sorted ``(K, share)`` points
+    with 0 < K <= num_rows (K = 0 points are dropped: no tier) and shares in [0, 1] that never
+    fall as K grows; ValueError naming ``name`` otherwise."""
     try:
         points = sorted((int(k), float(share)) for k, share in curve)
     except (TypeError, ValueError):
         raise ValueError(f"{name} must be a list of (hot rows, hit share) pairs, got "
                          f"{curve!r}") from None
     for k, share in points:
-        if not 0 < k <= num_rows or not 0.0 <= share <= 1.0:
-            raise ValueError(f"{name}: ({k}, {share}) needs 0 < hot rows <= {num_rows} and "
+        if not 0 <= k <= num_rows or not 0.0 <= share <= 1.0:
+            raise ValueError(f"{name}: ({k}, {share}) needs 0 <= hot rows <= {num_rows} and "
                              "0 <= hit share <= 1")
     if any(b[1] < a[1] for a, b in zip(points, points[1:], strict=False)):
         raise ValueError(f"{name}: hit shares must not fall as the hot rows grow")
-    return points
+    return [(k, share) for k, share in points if k > 0]
 
 
 @dataclass(frozen=True)

@@ -170,8 +170,10 @@ class EmbeddingTable:
 
     @property
     def pinned(self) -> bool:
-        """Whether the rows are in page-locked host memory the GPU reads."""
-        return self.storage.placement == "pinned"
+        """Whether the rows (the cold ones, under a hot tier) are in page-locked host memory the
+        GPU reads."""
+        storage = self.storage.cold if isinstance(self.storage, TieredStorage) else self.storage
+        return storage.placement == "pinned"
 
     @property
     def counters(self) -> dict[str, int]:

@@ -180,7 +180,8 @@ def test_greedy_against_brute_force():
 
 
 @pytest.mark.parametrize("curve, match", [
-    ([(0, 0.1)], r"0 < hot rows <= 320001536"),
+    ([(-1, 0.1)], r"0 <= hot rows <= 320001536"),
+    ([(320_001_537, 0.1)], r"0 <= hot rows <= 320001536"),
     ([(10, 1.5)], "hit share <= 1"),
     ([(10, 0.5), (20, 0.4)], "must not fall"),
     (["x"], "list of \\(hot rows, hit share\\) pairs"),
@@ -189,6 +190,14 @@ def test_bad_curves(released_config, curve, match):
     layout = (nc.layer_layout(released_config, 0), "float8_e4m3fn")
     with pytest.raises(ValueError, match=match):
         nc.plan_placement({"a": layout}, GiB, GiB, hit_rates={"a": curve})
+
+
+def test_stats_curves_with_a_zero_point(released_config):
+    layout = (nc.layer_layout(released_config, 0), "float8_e4m3fn")
+    ks, shares = [0, 100_000], np.array([0.0, 0.251])  # as stats.hit_rate_curve gives them
+    plan = nc.plan_placement({"a": layout}, GiB, 1024 * GiB,
+                             hit_rates={"a": zip(ks, shares, strict=True)})
+    assert plan.hot_rows("a") == 100_000
 
 
 def test_curves_need_layouts(released_config):

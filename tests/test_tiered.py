@@ -178,18 +178,23 @@ def test_cuda_tiered_gather_equals_the_cpu_one(host_gather, dtype, out_dtype, he
 
 # ---- EmbeddingTable(..., hot_rows=...) ----
 
-def tiered_and_plain(weight, hot, **kwargs):
-    """The same rows as a tiered pinned table and as a plain CPU table."""
-    return (nc.EmbeddingTable(weight, placement="pinned", hot_rows=hot, **kwargs),
+def tiered_and_plain(weight, hot, placement="pinned", **kwargs):
+    """The same rows as a tiered table and as a plain CPU table."""
+    return (nc.EmbeddingTable(weight, placement=placement, hot_rows=hot, **kwargs),
             nc.EmbeddingTable(weight.copy(), **kwargs))
 
 
-@pytest.mark.parametrize("dtype, out_dtype", PAIRS, ids=str)
-def test_tiered_table_equals_the_plain_one(dtype, out_dtype):
+# Pinned (ordinary memory without a GPU) for every format pair; the caller's array adopted by
+# placement="cpu" as the cold rows for one.
+TABLE_CASES = [(*pair, "pinned") for pair in PAIRS] + [(np.float32, np.float32, "cpu")]
+
+
+@pytest.mark.parametrize("dtype, out_dtype, placement", TABLE_CASES, ids=str)
+def test_tiered_table_equals_the_plain_one(dtype, out_dtype, placement):
     rng = np.random.default_rng(11)
     weight = random_bits(rng, 200, 8, dtype)
     hot = np.unique(rng.integers(0, 200, 50))
-    tiered, plain = tiered_and_plain(weight, hot, scale=0.75)
+    tiered, plain = tiered_and_plain(weight, hot, placement, scale=0.75)
     assert tiered.counters == {"hot_rows": 0, "cold_rows": 0} and plain.counters == {}
     ids = adversarial_ids(rng, hot, 0, 200, (64, 4))
     got = tiered.lookup(ids, out_dtype=out_dtype)
@@ -299,7 +304,7 @@ def test_gpu_tiered_lookup_equals_the_cpu_one(dtype, out_dtype):
     weight = random_bits(rng, 4096, 160 // formats.storage_format(dtype).itemsize, dtype)
     hot = np.unique(rng.integers(0, 4096, 1000))
     tiered, plain = tiered_and_plain(weight, hot, scale=0.5)
-    assert tiered.pinned is False and tiered.storage.device_hot is not None
+    assert tiered.pinned and tiered.storage.device_hot is not None
     ids = adversarial_ids(rng, hot, 0, 4096, (512, 16))
     got = tiered.lookup(cupy.asarray(ids), out_dtype=out_dtype)
     want = plain.lookup(ids, out_dtype=out_dtype)
