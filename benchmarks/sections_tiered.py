@@ -14,14 +14,13 @@ import numpy as np
 import pyarrow.parquet as pq
 
 import ngram_cupy as nc
-from ngram_cupy import formats, gather_numba
+from ngram_cupy import formats, gather_numba, stats
 from ngram_cupy.hot_rows import build_map
 
 from .data import CORPUS, RELEASED, RELEASED_HEAD_DIM, RELEASED_HEADS
 from .report import Row, Section
 
 HOT_ROWS = (0, 100_000, 1_000_000, 10_000_000)
-QWEN_CORPUS = CORPUS.with_name("python_stdlib.parquet")  # Qwen3.5 tokens, when present
 
 
 def document_ids(layout, path) -> tuple[np.ndarray, np.ndarray]:
@@ -43,16 +42,9 @@ def document_ids(layout, path) -> tuple[np.ndarray, np.ndarray]:
     return halves[0], halves[1]
 
 
-def hottest(ids: np.ndarray, count: int) -> np.ndarray:
-    """The ``count`` most used rows of ``ids`` (ties: lower row first), sorted."""
-    rows, uses = np.unique(ids, return_counts=True)
-    top = np.argsort(-uses, kind="stable")[:count]
-    return np.sort(rows[top])
-
-
 def bench_tiered_cpu(quick: bool) -> Section:
     """Host bytes per token of held-out documents with K = 0, 1e5, 1e6, 1e7 hot rows."""
-    path = QWEN_CORPUS if QWEN_CORPUS.exists() else CORPUS
+    path = CORPUS  # Qwen3.5 tokens of the Python standard library
     layout = nc.layer_layout(RELEASED, 0)
     profile, measured = document_ids(layout, path)
     if quick:
@@ -67,12 +59,18 @@ def bench_tiered_cpu(quick: bool) -> Section:
                       f"{profile.shape[0]:,} tokens choose the hot rows, {tokens:,} held-out "
                       f"tokens measured ({RELEASED_HEADS} x {row_bytes}-byte rows per token)",
                       "cpu")
+    counter = stats.RowCounter()
+    counter.add(profile)
+    profile_counts = counter.result()
+    counter = stats.RowCounter()
+    counter.add(measured)
+    predicted = stats.hit_rate_curve(profile_counts, counter.result(), HOT_ROWS)
     baseline = None
     warm = (build_map(np.zeros(0, np.int64), 0, 1), cold[:0])
     gather_numba.gather_rows(cold[:1], fmt.code, 0, np.float32(1.0), measured[:1], out[:1],
                              formats.BFLOAT16, hot=warm)  # compile before timing
-    for count in HOT_ROWS:
-        hot = hottest(profile, count)
+    for count, share in zip(HOT_ROWS, predicted, strict=True):
+        hot = stats.hottest_rows(profile_counts, count)
         hot_map = build_map(hot, 0, rows)
         counts = np.zeros(2, np.int64)
         start = time.perf_counter()
@@ -85,6 +83,6 @@ def bench_tiered_cpu(quick: bool) -> Section:
         section.rows.append(Row(
             case=f"K = {count:,} ({hot.size:,} distinct rows chosen)", seconds=seconds,
             rate=f"{per_token:,.0f} host bytes/token",
-            notes=(f"{hot_read / (hot_read + cold_read):.1%} of lookups hot; "
-                   f"{1 - per_token / baseline:.1%} fewer host bytes than K = 0")))
+            notes=(f"{hot_read / (hot_read + cold_read):.1%} of lookups hot (stats.hit_rate_curve: "
+                   f"{share:.1%}); {1 - per_token / baseline:.1%} fewer host bytes than K = 0")))
     return section
