@@ -44,6 +44,8 @@ def sections() -> list[Bench]:
               gpu.bench_gather_gpu),
         Bench("host-gpu", "gpu", "pinned host table over UVA, de-duplication, prefetch overlap",
               gpu.bench_host_gpu),
+        Bench("tiered-gpu", "gpu", "tiered lookups against pinned and all-GPU tables (0% hits, "
+              "Zipf ids)", tiered.bench_tiered_gpu),
         Bench("tiered-cpu", "cpu", "host bytes per held-out token with 0, 1e5, 1e6, 1e7 hot rows "
               "(counters)", tiered.bench_tiered_cpu),
     ]

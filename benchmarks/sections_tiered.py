@@ -86,3 +86,63 @@ def bench_tiered_cpu(quick: bool) -> Section:
             notes=(f"{hot_read / (hot_read + cold_read):.1%} of lookups hot (stats.hit_rate_curve: "
                    f"{share:.1%}); {1 - per_token / baseline:.1%} fewer host bytes than K = 0")))
     return section
+
+
+def bench_tiered_gpu(quick: bool) -> Section:
+    """Lookups through a hot tier against the untiered pinned table and an all-GPU table: at 0%
+    hits (the tier's overhead) and on Zipf-like ids whose hot rows another batch chose."""
+    import cupy
+
+    from .data import zipf_ids
+    from .timers import graph_seconds
+
+    rng = np.random.default_rng(3)
+    rows = 1 << (22 if quick else 25)
+    hot_count = 1 << (17 if quick else 20)
+    width = RELEASED_HEADS * RELEASED_HEAD_DIM
+    section = Section(f"hot-row tier on the GPU: {rows:,}-row fp8 table in pinned memory, "
+                      f"{hot_count:,} hot rows in GPU memory (16 x 160-byte rows per token "
+                      "-> bf16)", "gpu")
+
+    def table(placement, hot_rows=None):
+        """A zero table (contents do not change the timings)."""
+        return nc.EmbeddingTable.empty(rows, RELEASED_HEAD_DIM, "float8_e4m3fn",
+                                       placement=placement, scale=0.5, hot_rows=hot_rows)
+
+    pinned, resident = table("pinned"), table("gpu")
+    cold_only = table("pinned", np.arange(rows - hot_count, rows))  # ids below never hit
+    for num_tokens in (4096, 65536):
+        out = cupy.empty((num_tokens, width), cupy.uint16)
+        uniform = cupy.asarray(rng.integers(0, rows - hot_count, (num_tokens, RELEASED_HEADS)))
+        profile = zipf_ids(rng, num_tokens, rows)
+        measured = cupy.asarray(zipf_ids(rng, num_tokens, rows))
+        counter = stats.RowCounter()
+        counter.add(profile)
+        zipf = table("pinned", stats.hottest_rows(counter.result(), hot_count))
+        base = graph_seconds(partial_lookup(pinned, uniform, out))
+        zero_hits = graph_seconds(partial_lookup(cold_only, uniform, out))
+        section.rows.append(Row(
+            case=f"{num_tokens:,} tokens, uniform cold ids: pinned / tiered (0% hits)",
+            seconds=zero_hits, rate=f"{num_tokens / zero_hits / 1e6:.2f} Mtoken/s",
+            notes=f"{base / zero_hits:.2f}x the untiered pinned table ({base * 1e6:,.1f} us)",
+            tokens=num_tokens))
+        base = graph_seconds(partial_lookup(pinned, measured, out))
+        tiered = graph_seconds(partial_lookup(zipf, measured, out))
+        gpu = graph_seconds(partial_lookup(resident, measured, out))
+        counts = zipf.counters
+        section.rows.append(Row(
+            case=f"{num_tokens:,} tokens, Zipf ids, hot rows from another batch",
+            seconds=tiered, rate=f"{num_tokens / tiered / 1e6:.2f} Mtoken/s",
+            notes=(f"{counts['hot_rows'] / max(sum(counts.values()), 1):.0%} hot; "
+                   f"{base / tiered:.2f}x the pinned table ({base * 1e6:,.1f} us); "
+                   f"{gpu / tiered:.2f}x the all-GPU table ({gpu * 1e6:,.1f} us)"),
+            tokens=num_tokens))
+        zipf.close()
+    for done in (pinned, resident, cold_only):
+        done.close()
+    return section
+
+
+def partial_lookup(table, ids, out):
+    """``table.lookup(ids, out=out)`` as a call without arguments."""
+    return lambda: table.lookup(ids, out=out)
