@@ -114,7 +114,7 @@ def bench_parquet_e2e(quick: bool) -> Section:
     import pyarrow.parquet as pq
 
     from ngram_cupy.cli import main as cli_main
-    from ngram_cupy.cli import writer_options
+    from ngram_cupy.pipeline import writer_options
 
     corpus = str(CORPUS)
     config = str(CORPUS.parent / "config.json")

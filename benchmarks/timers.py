@@ -37,7 +37,7 @@ def timeit(fn: Callable[[], object], min_time: float = 0.3, max_calls: int = 100
 
 
 def paired(first: Callable[[], object], second: Callable[[], object],
-           min_time: float = 0.4, rounds: int = 5) -> tuple[float, float]:
+           min_time: float = 0.6, rounds: int = 9) -> tuple[float, float]:
     """Median seconds per call of two functions timed in alternating batches.
 
     Alternating makes both see the same load: a noisy neighbour slows both, not one.

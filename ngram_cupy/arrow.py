@@ -31,6 +31,7 @@ DEFAULT_OUT_COLUMN = "ngram_ids"
 DEVICES = ("cpu", "gpu")
 TOKEN_TYPES = (pa.int32(), pa.int64())
 TEXT_TYPES = (pa.string(), pa.large_string())
+ID_TYPES = {"int64": np.int64, "int32": np.int32}
 
 
 def as_layouts(layout: LayerLayout | Sequence[LayerLayout]) -> list[LayerLayout]:
@@ -84,9 +85,23 @@ def check_input_schema(schema: pa.Schema, column: str = "tokens",
     return token_type
 
 
+def id_dtype(layout: LayerLayout | Sequence[LayerLayout], id_type: str = "int64") -> np.dtype:
+    """The NumPy type of the ids: ``int64``, ``int32``, or ``auto`` (int32 when every row id of
+    the layouts fits in it: half the bytes to write)."""
+    if id_type == "auto":
+        fits = all(item.padded_rows <= np.iinfo(np.int32).max for item in as_layouts(layout))
+        return np.dtype(np.int32 if fits else np.int64)
+    if id_type not in ID_TYPES:
+        raise ValueError(f"id_type must be auto, int32 or int64, got {id_type!r}")
+    dtype = np.dtype(ID_TYPES[id_type])
+    if any(item.padded_rows > np.iinfo(dtype).max for item in as_layouts(layout)):
+        raise ValueError(f"id_type {id_type}: row ids of this layout do not fit")
+    return dtype
+
+
 def output_schema(schema: pa.Schema, layout: LayerLayout | Sequence[LayerLayout],
                   column: str = "tokens", out_column: str | None = None,
-                  doc_id_column: str | None = None) -> pa.Schema:
+                  doc_id_column: str | None = None, id_type: str = "int64") -> pa.Schema:
     """Check an input schema and return it with the id columns appended."""
     layouts = as_layouts(layout)
     token_type = check_input_schema(schema, column, doc_id_column)
@@ -95,9 +110,10 @@ def output_schema(schema: pa.Schema, layout: LayerLayout | Sequence[LayerLayout]
     if clash:
         raise ValueError(f"output column {clash[0]!r} already exists in the input")
     list_type = pa.large_list if pa.types.is_large_list(token_type) else pa.list_
-    id_type = list_type(pa.list_(pa.int64(), layouts[0].num_heads))
+    ids = pa.from_numpy_dtype(id_dtype(layouts, id_type))
+    column_type = list_type(pa.list_(ids, layouts[0].num_heads))
     for name in names:
-        schema = schema.append(pa.field(name, id_type, nullable=False))
+        schema = schema.append(pa.field(name, column_type, nullable=False))
     return schema
 
 
@@ -184,7 +200,7 @@ class DocumentPacker:
 
 
 def wrap_ids(ids: np.ndarray, row_offsets: pa.Array) -> pa.Array:
-    """A ``list<fixed_size_list<int64, H>>`` over ``ids[T, H]`` and the row offsets, no copies."""
+    """A ``list<fixed_size_list<int, H>>`` over ``ids[T, H]`` and the row offsets, no copies."""
     per_token = pa.FixedSizeListArray.from_arrays(pa.array(ids.reshape(-1)), ids.shape[1])
     list_class = pa.LargeListArray if row_offsets.type == pa.int64() else pa.ListArray
     return list_class.from_arrays(row_offsets, per_token)
@@ -249,14 +265,16 @@ class NGramIds:
     ``reuse_buffers=True`` writes every call's ids into the same memory (no page faults on fresh
     allocations): a returned batch is then valid only until the next call, which suits a writer
     that consumes each batch at once. With ``text_column`` and ``tokenizer``, each row's text is
-    first encoded into the token column ``column``, which the output keeps.
+    first encoded into the token column ``column``, which the output keeps. ``id_type``
+    ``int32`` (or ``auto``: int32 when every row id fits) halves the ids' bytes.
     """
 
     def __init__(self, layout: LayerLayout | Sequence[LayerLayout], column: str = "tokens",
                  out_column: str | None = None, doc_id_column: str | None = None,
                  device: str = "cpu", reuse_buffers: bool = False, *,
                  text_column: str | None = None,
-                 tokenizer: str | TextTokenizer | None = None) -> None:
+                 tokenizer: str | TextTokenizer | None = None,
+                 id_type: str = "int64") -> None:
         if device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
         self.layouts = as_layouts(layout)
@@ -268,7 +286,10 @@ class NGramIds:
         self.doc_id_column = doc_id_column
         self.device = device
         self.reuse_buffers = reuse_buffers
-        self._buffers = [np.empty(0, dtype=np.int64) for _ in self.layouts]
+        self.id_dtype = id_dtype(self.layouts, id_type)
+        self.id_type = self.id_dtype.name
+        self._buffers = [np.empty(0, dtype=self.id_dtype) for _ in self.layouts]
+        self._scratch = np.empty(0, dtype=np.int64)  # int64 ids before narrowing to int32
         self.names = id_column_names(self.layout, out_column)
         self.packer = DocumentPacker(self.layouts[0], column, doc_id_column)
 
@@ -277,10 +298,10 @@ class NGramIds:
         if self.text is not None:
             schema = self.text.output_schema(schema)
         return output_schema(schema, self.layout, self.column, self.out_column,
-                             self.doc_id_column)
+                             self.doc_id_column, self.id_type)
 
     def _ids(self, packed: PackedRows) -> list[np.ndarray]:
-        """Host ``[T, H]`` int64 ids of a packed batch, one array per layout."""
+        """Host ``[T, H]`` ids of a packed batch, one array per layout."""
         shape = (packed.tokens.size, self.layouts[0].num_heads)
         arrays = (packed.tokens, packed.query_start_loc, packed.ngram_context)
         if self.device == "gpu":
@@ -291,16 +312,25 @@ class NGramIds:
         for i, layout in enumerate(self.layouts):
             if self.reuse_buffers:
                 if self._buffers[i].size < shape[0] * shape[1]:
-                    self._buffers[i] = np.empty(shape[0] * shape[1], dtype=np.int64)
+                    self._buffers[i] = np.empty(shape[0] * shape[1], dtype=self.id_dtype)
                 host = self._buffers[i][: shape[0] * shape[1]].reshape(shape)
             else:
-                host = np.empty(shape, dtype=np.int64)
+                host = np.empty(shape, dtype=self.id_dtype)
+            wide = host if host.dtype == np.int64 else self._wide(shape)
             if self.device == "gpu":
-                compute_ngram_ids(layout, *arrays).get(out=host)
+                compute_ngram_ids(layout, *arrays).get(out=wide)
             else:
-                compute_ngram_ids(layout, *arrays, out=host)
+                compute_ngram_ids(layout, *arrays, out=wide)
+            if wide is not host:
+                np.copyto(host, wide, casting="unsafe")  # every id fits: checked by id_dtype
             results.append(host)
         return results
+
+    def _wide(self, shape: tuple[int, int]) -> np.ndarray:
+        """A reused int64 ``[T, H]`` buffer the kernels write before the ids are narrowed."""
+        if self._scratch.size < shape[0] * shape[1]:
+            self._scratch = np.empty(shape[0] * shape[1], dtype=np.int64)
+        return self._scratch[: shape[0] * shape[1]].reshape(shape)
 
     def map_batch(self, batch: pa.RecordBatch) -> pa.RecordBatch:
         """``batch`` with one id column per layout appended."""

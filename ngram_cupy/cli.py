@@ -12,6 +12,7 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -162,11 +163,33 @@ def text_options(args: argparse.Namespace) -> dict[str, Any]:
     return {"text_column": args.text_column, "tokenizer": args.tokenizer}
 
 
+def compile_kernels(layouts: list[LayerLayout], schema: Any, column: str, quiet: bool) -> float:
+    """Compile (or load from cache) the CPU id kernels for the input's types before the clock
+    starts; on a terminal, say so when it takes long (a first run). Returns the seconds."""
+    from .arrow import check_token_type
+    from .ids_numba import compile_kernels as compile_ids
+
+    token_type = schema.field(column).type
+    check_token_type(column, token_type)
+    offsets = "int64" if str(token_type).startswith("large_list") else "int32"
+    notice = threading.Timer(1.0, lambda: print(
+        f"{PROG}: compiling kernels (once: later runs load them from Numba's cache)...",
+        file=sys.stderr, flush=True))
+    if not quiet and sys.stderr.isatty():  # as the progress bar: nothing in logs
+        notice.start()
+    start = time.perf_counter()
+    try:
+        for layout in layouts:
+            compile_ids(layout, token_type.value_type.to_pandas_dtype(), offsets)
+    finally:
+        notice.cancel()
+    return time.perf_counter() - start
+
+
 def cmd_ids(args: argparse.Namespace) -> int:
     """Stream INPUT through the id columns into OUTPUT (Parquet), atomically."""
-    import pyarrow.parquet as pq
-
     from .arrow import NGramIds, open_tokens
+    from .pipeline import write_ids, writer_options
 
     check_output(args.output, [args.input])
     layouts = layouts_for(load_config(args.config), args.layers)
@@ -174,32 +197,32 @@ def cmd_ids(args: argparse.Namespace) -> int:
     source = open_tokens(args.input, args.batch_rows)
     check_output_is_not_read(args.output, source)
     mapper = NGramIds(layouts[0] if len(layouts) == 1 else layouts, args.column,
-                      args.out_column, args.doc_id_column, args.device, reuse_buffers=True,
-                      **text_options(args))
+                      args.out_column, args.doc_id_column, args.device,
+                      id_type=args.id_type, **text_options(args))
     check_files(source, mapper)
     schema = mapper.output_schema(source.schema)
+    compiled = 0.0
+    if args.device == "cpu":
+        compiled = compile_kernels(layouts, schema, args.column, args.quiet)
     rows = tokens = 0
-    start = time.perf_counter()
+    start = time.perf_counter()  # after compiling: the rate counts the work, not the compiler
     with atomic_output(args.output) as tmp, progress_bar(source.num_rows, args.quiet,
                                                          "ids") as bar:
-        # Hashed ids rarely repeat in a page and their min/max say nothing: no dictionary and no
-        # statistics for the id columns, which saves time for nothing lost.
-        with pq.ParquetWriter(tmp, schema, compression=args.compression,
-                              use_dictionary=source.schema.names,
-                              write_statistics=source.schema.names) as writer:
-            for batch in source.batches():
-                out = mapper(batch)
-                writer.write_batch(out)
-                rows += batch.num_rows
-                tokens += token_count(out, args.column)
-                bar.update(batch.num_rows)
-                elapsed = max(time.perf_counter() - start, 1e-9)
-                bar.set_postfix_str(f"{bar.format_sizeof(tokens / elapsed)} tokens/s",
-                                    refresh=False)
+        def progress(batch: Any) -> None:
+            nonlocal rows, tokens
+            rows += batch.num_rows
+            tokens += token_count(batch, args.column)
+            bar.update(batch.num_rows)
+            elapsed = max(time.perf_counter() - start, 1e-9)
+            bar.set_postfix_str(f"{bar.format_sizeof(tokens / elapsed)} tokens/s", refresh=False)
+
+        write_ids(source.batches(), mapper, tmp, schema,
+                  writer_options(schema, source.schema, args.compression), progress)
     elapsed = time.perf_counter() - start
     if not args.quiet:
+        ready = f"; kernels compiled in {compiled:.1f} s before" if compiled >= 0.5 else ""
         print(f"wrote {args.output}: {rows:,} rows, {tokens:,} tokens, {len(layouts)} layer(s) "
-              f"in {elapsed:.2f} s ({tokens / max(elapsed, 1e-9) / 1e6:.1f} Mtokens/s)")
+              f"in {elapsed:.2f} s ({tokens / max(elapsed, 1e-9) / 1e6:.1f} Mtokens/s{ready})")
     return 0
 
 
@@ -402,6 +425,9 @@ def build_parser() -> argparse.ArgumentParser:
     ids.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
     ids.add_argument("--compression", default="zstd",
                      help="Parquet compression (zstd, snappy, none, ...; default zstd)")
+    ids.add_argument("--id-type", choices=["auto", "int32", "int64"], default="auto",
+                     help="integer type of the ids (default auto: int32 when every row id of "
+                     "the table fits, which halves the bytes; else int64)")
     ids.set_defaults(run=cmd_ids)
 
     layout = commands.add_parser("layout", help="print a layer's hash layout and table sizes")

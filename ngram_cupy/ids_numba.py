@@ -70,3 +70,17 @@ def advance_context_numba(tokens, query_start_loc, context, out):
     for r in range(out.shape[0]):
         roll_context_row(tokens, context, r, query_start_loc[r], query_start_loc[r + 1], out)
     return out
+
+
+def compile_kernels(layout, token_dtype, offset_dtype) -> None:
+    """Compile (or load from Numba's cache) the serial and parallel id kernels and the context
+    roll for these argument types, with empty inputs: callers can do it before timing."""
+    tokens = np.zeros(0, dtype=token_dtype)
+    starts = np.zeros(1, dtype=offset_dtype)
+    context = np.zeros((0, layout.ngram_size - 1), dtype=np.int64)
+    out = np.zeros((0, layout.num_heads), dtype=np.int64)
+    for parallel in (False, True):
+        _ids_kernel(layout.ngram_size, layout.heads_per_ngram, parallel)(
+            tokens, starts, context, layout.multipliers, layout.head_sizes, layout.head_magics,
+            layout.head_offsets, layout.eos_token_id, out)
+    advance_context_numba(tokens, np.zeros(2, dtype=np.int64), context, context)

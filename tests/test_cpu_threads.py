@@ -8,10 +8,16 @@ import sys
 from pathlib import Path
 
 import pytest
+import threads_worker
 
 from ngram_cupy import cpu_threads
 
 WORKER = Path(__file__).with_name("threads_worker.py")
+
+
+def test_four_threads_in_this_process_are_exact():
+    # Also compiles the kernels into Numba's disk cache before the subprocesses below start.
+    assert threads_worker.run() == "exact"
 
 
 @pytest.mark.parametrize("layer", ["tbb", "omp", "workqueue"])

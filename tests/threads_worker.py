@@ -19,7 +19,7 @@ from ngram_cupy.dequant import BFLOAT16, FLOAT8_E4M3, reference_lookup
 from ngram_cupy.gather_numba import gather_rows
 from ngram_cupy.ids_numba import ngram_ids_numba
 
-THREADS, ROUNDS = 4, 6
+THREADS, ROUNDS = 4, 3
 
 
 def main() -> int:
@@ -28,17 +28,23 @@ def main() -> int:
     except ValueError:  # "No threading layer could be loaded"
         print("unavailable")
         return 0
+    print(numba.threading_layer(), run())
+    return 0
+
+
+def run() -> str:
+    """``exact`` when 4 threads calling ids and gathers at once all got the right results."""
     config = nc.NGramConfig(vocab_size=1000, ngram_size=3, heads_per_ngram=2,
                             ngram_vocab_size_base=5000, eos_token_id=0)
     layout = nc.layer_layout(config, 0)
     rng = np.random.default_rng(7)
-    tokens = rng.integers(0, 1000, 20_000)
-    starts = np.array([0, 7_000, 20_000])
+    tokens = rng.integers(0, 1000, 8_000)
+    starts = np.array([0, 3_000, 8_000])
     context = rng.integers(0, 1000, (2, 2))
     ids = reference.compute_ngram_ids(layout, tokens, starts, context)
     table = rng.integers(0, 256, (3000, 16), dtype=np.uint8)
     table[(table & 0x7F) == 0x7F] = 0x42  # no NaN codes: the kernels canonicalise NaN payloads
-    rows = rng.integers(-5, 3005, (8192, 4))
+    rows = rng.integers(-5, 3005, (4096, 4))
     rows_expected = reference_lookup(table.view(ml_dtypes.float8_e4m3fn), rows, np.float32(0.5),
                                      ml_dtypes.bfloat16).view(np.uint16)
     failures: list[str] = []
@@ -60,8 +66,7 @@ def main() -> int:
         thread.start()
     for thread in threads:
         thread.join()
-    print(numba.threading_layer(), "exact" if not failures else f"wrong: {failures}")
-    return 0
+    return "exact" if not failures else f"wrong: {failures}"
 
 
 if __name__ == "__main__":
