@@ -305,9 +305,9 @@ class NGramIds:
         shape = (packed.tokens.size, self.layouts[0].num_heads)
         arrays = (packed.tokens, packed.query_start_loc, packed.ngram_context)
         if self.device == "gpu":
-            import cupy
+            from .backends import DEVICE
 
-            arrays = tuple(cupy.asarray(array) for array in arrays)
+            arrays = tuple(DEVICE.asarray(array) for array in arrays)
         results = []
         for i, layout in enumerate(self.layouts):
             if self.reuse_buffers:

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from .atomic import atomic_file
+from .backends import gpu_available
 from .config import NGramConfig
 from .formats import FORMATS
 from .layout import LayerLayout, layer_layout
@@ -122,16 +123,9 @@ def token_count(batch: Any, column: str) -> int:
 
 def check_device(device: str) -> None:
     """``--device gpu`` needs CuPy and a visible CUDA device."""
-    if device != "gpu":
-        return
-    try:
-        import cupy
-
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as e:  # no CuPy, no driver, no device: all the same answer here
-        raise UserError(f"--device gpu: no usable CUDA device ({type(e).__name__}: {e})") from None
-    if count == 0:
-        raise UserError("--device gpu: no CUDA device found")
+    if device == "gpu" and not gpu_available():
+        raise UserError("--device gpu: no usable CUDA device (it needs CuPy, a CUDA driver and a "
+                        "visible device)")
 
 
 def terminal_columns() -> int:

@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 from numba import config, cuda, from_dtype, types
 
+from .backends import cupy_module
+
 _ENTRY = re.compile(r"\.entry\s+([\w$.]+)\s*\(")
 
 
@@ -151,8 +153,7 @@ class NumbaKernel:
 
     def _load(self, args: tuple, device) -> Any:
         """Compile and load the kernel on ``device``; checked against Numba's ABI once."""
-        import cupy
-
+        cupy = cupy_module()
         capability = device.compute_capability  # e.g. "90"
         cc = (int(capability[:-1]), int(capability[-1]))
         ptx = self.ptx(args, cc)
@@ -180,8 +181,7 @@ class NumbaKernel:
                 self._simulated = cuda.jit(self.py_func)
             self._simulated[grid, block](*args)
             return
-        import cupy
-
+        cupy = cupy_module()
         device = cupy.cuda.Device()
         key = (device.id, _signature_key(args))
         function = self._functions.get(key)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .backends import cupy_module
 from .dequant import FORMATS, OUTPUT_CODES
 
 # kernels/ at the top of a source checkout; installed wheels carry it as ngram_cupy/kernels.
@@ -58,8 +59,7 @@ def all_instances() -> list[str]:
 @cache
 def _kernel(name: str, device_id: int):
     """One compiled instantiation on one device."""
-    import cupy
-
+    cupy = cupy_module()
     with cupy.cuda.Device(device_id):
         module = cupy.RawModule(code=kernel_source("gather.cu"), options=NVRTC_OPTIONS,
                                 name_expressions=[name])
@@ -130,8 +130,7 @@ def gather_rows(table, code: int, row_start: int, scale, ids, out, out_code: int
     (uint64 ``[COUNTER_LANES, 2]``: hot, cold). Runs on ``stream`` (default: CuPy's current
     stream); no host sync.
     """
-    import cupy
-
+    cupy = cupy_module()
     plan = launch_plan(table, code, row_start, scale, ids, out, out_code, expected, hot, counts)
     if plan is None:
         return out
@@ -149,8 +148,7 @@ def gather_unique_rows(table, code: int, row_start: int, scale, ids, out, out_co
     path is for large batches and cannot be captured in a CUDA graph); the distinct rows are
     gathered and dequantised into a scratch block, which the same kernel then expands to ``out``.
     """
-    import cupy
-
+    cupy = cupy_module()
     if ids.size == 0:
         return out
     with stream if stream is not None else cupy.cuda.get_current_stream():

@@ -20,12 +20,9 @@ from .backends import DEVICE, HOST, Backend, Call, bind, cuda_stream
 from .checks import check_destination, check_index_array, check_integer, check_out
 from .formats import BFLOAT16, Format, default_output, holds, output_format, storage_format
 from .hot_rows import check_hot_rows
-from .prefetch import STAGING_SHAPES, Prefetcher
+from .prefetch import Prefetcher
 from .storage import Gather, Storage, adopt, allocate, canonical_placement
 from .storage.tiered import TieredStorage
-
-# The old name of the bound on kept staging shapes.
-HOST_BUFFER_SHAPES = STAGING_SHAPES
 
 
 def scale_value(scale) -> np.float32 | None:
@@ -270,8 +267,6 @@ class EmbeddingTable:
                 out = out.view(public)
             check_out("out", out, (ids_shape[0], ids_shape[1] * self.head_dim), public)
         return fmt, out
-
-    public_dtype = staticmethod(public_dtype)
 
     def keep_staging(self, num_tokens) -> None:
         """Keep the prefetch staging buffers of these batch sizes (``[T, H]`` ids with T in

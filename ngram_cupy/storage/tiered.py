@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import gather_numba
-from ..backends import DEVICE, HOST, Backend, cuda_stream
+from ..backends import DEVICE, HOST, Backend, cuda_stream, cupy_module
 from ..hot_rows import build_map
 from . import Gather, Storage
 from .gpu import fill
@@ -42,9 +42,9 @@ class TieredStorage(Storage):
         self.host_counts = np.zeros(2, np.int64)
         self.device_map = self.device_hot = self.device_counts = None
         if cold.device_view is not None:
-            import cupy
-
             from .. import gather_cupy
+
+            cupy = cupy_module()
 
             with cold.device_view.device:
                 self.device_map = tuple(cupy.asarray(part) for part in self.map)
@@ -104,8 +104,7 @@ class TieredStorage(Storage):
         """Rows read from each tier since creation (reading the GPU's counters waits for it)."""
         hot, cold = (int(count) for count in self.host_counts)
         if self.device_counts is not None:
-            import cupy
-
+            cupy = cupy_module()
             with self.device_counts.device:
                 cupy.cuda.runtime.deviceSynchronize()  # lookups may run on any stream
                 device = self.device_counts.sum(axis=0).get()
