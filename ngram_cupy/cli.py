@@ -10,13 +10,13 @@ import argparse
 import contextlib
 import os
 import re
-import signal
 import sys
 import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
+from . import interrupts
 from .atomic import atomic_file
 from .backends import gpu_available
 from .config import NGramConfig
@@ -28,7 +28,6 @@ DEFAULT_HOT_ROWS = (1_000, 10_000, 100_000, 1_000_000)  # as ngram_cupy.stats (n
 DEFAULT_BATCH_TOKENS = (256, 4_096, 65_536)
 EXIT_USAGE = 2
 EXIT_SIGINT = 130
-EXIT_SIGTERM = 143
 _BYTE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
                "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
                "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
@@ -109,10 +108,12 @@ def check_output_is_not_read(output: str, source: Any) -> None:
 
 @contextlib.contextmanager
 def atomic_output(path: str) -> Iterator[str]:
-    """A temporary path beside ``path``, renamed onto it on success and removed on any failure."""
+    """A temporary path beside ``path``, renamed onto it on success and removed on any failure
+    (an interrupt included, even one swallowed on the way)."""
     check_output(path, [])
     with atomic_file(path) as temporary:
         yield temporary
+        interrupts.check()
 
 
 def token_count(batch: Any, column: str) -> int:
@@ -204,6 +205,7 @@ def cmd_ids(args: argparse.Namespace) -> int:
                                                          "ids") as bar:
         def progress(batch: Any) -> None:
             nonlocal rows, tokens
+            interrupts.check()  # a signal swallowed while compiling still stops the run
             rows += batch.num_rows
             tokens += token_count(batch, args.column)
             bar.update(batch.num_rows)
@@ -469,11 +471,6 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return errors
 
 
-def _terminate(signum: int, frame: Any) -> None:
-    """SIGTERM unwinds like an exception, so temporary files are removed."""
-    raise SystemExit(EXIT_SIGTERM)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run one command; return its exit status."""
     args = build_parser().parse_args(argv)
@@ -481,17 +478,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: error: --batch-rows must be at least 1", file=sys.stderr)
         return EXIT_USAGE
     try:
-        previous = signal.signal(signal.SIGTERM, _terminate)
-    except ValueError:  # not the main thread: leave SIGTERM alone
-        previous = None
-    try:
-        return args.run(args)
+        with interrupts.honoured():
+            return args.run(args)
+    except interrupts.Interrupted as e:
+        print(f"{PROG}: interrupted ({e})", file=sys.stderr)
+        return e.exit_status
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return EXIT_SIGINT
     except _user_errors() as e:
         print(f"{PROG}: error: {' '.join(str(e).split())}", file=sys.stderr)
         return EXIT_USAGE
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)

@@ -201,11 +201,10 @@ def start_slow_run(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
     process = run_subprocess(["ids", source, out_dir / "ids.parquet", "--config",
                               small_config(tmp_path), "--batch-rows", 1, "--quiet"])
     deadline = time.monotonic() + 120
-    while not os.listdir(out_dir):
+    while not os.listdir(out_dir):  # the handshake: a temporary output exists once handlers are set
         assert process.poll() is None, process.communicate()
         assert time.monotonic() < deadline, "the run never started writing"
         time.sleep(0.02)
-    time.sleep(0.2)  # well inside the writing loop
     assert process.poll() is None, "the run finished before it could be interrupted"
     return process, out_dir
 
@@ -221,6 +220,39 @@ def test_interrupted_run_leaves_no_files(tmp_path, signum, status):
     assert process.returncode == status, stderr
     assert "Traceback" not in stderr
     assert os.listdir(out_dir) == []
+
+
+@pytest.mark.parametrize("row_groups", [1, 3])  # one batch, or more to stop early
+@pytest.mark.parametrize("signum, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_swallowed_while_compiling_still_stops_the_run(tmp_path, capsys, monkeypatch,
+                                                               row_groups, signum, status):
+    """Numba's compiler drops exceptions raised in its ctypes callbacks: a Ctrl-C handled there
+    must still end the run (exit 128 + signal, no output) at the next batch or before commit."""
+    from ngram_cupy.arrow import NGramIds
+
+    source = tmp_path / "in.parquet"
+    write_tokens(source, row_groups=row_groups, rows=4, length=50)
+    calls, swallowed = [], []
+    map_batch = NGramIds.__call__
+
+    def interrupted_once(self, batch):
+        calls.append(batch.num_rows)
+        if len(calls) == 1:
+            try:
+                signal.raise_signal(signum)  # the handler runs here, inside the "compiler"
+            except KeyboardInterrupt:
+                swallowed.append(signum)  # as ctypes does: printed, then dropped
+        return map_batch(self, batch)
+
+    monkeypatch.setattr(NGramIds, "__call__", interrupted_once)
+    out = tmp_path / "out" / "ids.parquet"
+    out.parent.mkdir()
+    got, stdout, err = run(["ids", source, out, "--config", small_config(tmp_path),
+                            "--batch-rows", 4], capsys)
+    assert swallowed == [signum] and len(calls) == 1, (swallowed, calls)
+    assert (got, stdout) == (status, "")
+    assert err == f"ngram-cupy: interrupted ({signal.Signals(signum).name})\n"
+    assert os.listdir(out.parent) == []
 
 
 def test_killed_run_leaves_no_output_file(tmp_path):
