@@ -41,8 +41,10 @@ def _layout(n, k):
     return nc.layer_layout(nc.NGramConfig(1000, n, k, 500, 3, embedding_dim=(n - 1) * k * 4), 0)
 
 
-@pytest.mark.parametrize("n, k", [(2, 1), (3, 8), (5, 3)])
-@pytest.mark.parametrize("index", [np.int32, np.int64])
+# Both index types and three shapes, in the specialisations whose PTX test_ids_cuda checks:
+# each kernel build (seconds of lowering) then serves both tests.
+@pytest.mark.parametrize("n, k, index", [(3, 8, np.int64), (3, 8, np.int32), (2, 1, np.int64),
+                                         (5, 3, np.int32)], ids=str)
 def test_ids_kernel_abi(n, k, index):
     layout = _layout(n, k)
     kernel, _ = ids_cuda.ids_kernel(n, k)
@@ -65,18 +67,19 @@ def test_advance_context_kernel_abi():
     check_both(ids_cuda.advance_context_kernel, args, (8, 0))
 
 
-@pytest.mark.parametrize("code, out_code", [(dequant.FLOAT8_E4M3, dequant.BFLOAT16),
-                                            (dequant.FLOAT32, dequant.FLOAT32)])
-def test_fused_kernel_abi(code, out_code):
-    layout = _layout(3, 2)
-    head_dim = 4
-    kernel, _ = fused_cuda.fused_kernel(3, 2, head_dim, code, out_code)
+# Two word widths (8 and 4 bytes) in two of the kernels whose PTX test_gather_kernels checks: the
+# builds serve both tests.
+@pytest.mark.parametrize("code, out_code, head_dim", [(dequant.FLOAT8_E4M3, dequant.BFLOAT16, 160),
+                                                      (dequant.FLOAT32, dequant.FLOAT16, 3)])
+def test_fused_kernel_abi(code, out_code, head_dim):
+    layout = nc.layer_layout(nc.NGramConfig(1000, 3, 8, 500, 3, embedding_dim=16 * head_dim), 0)
+    kernel, _ = fused_cuda.fused_kernel(3, 8, head_dim, code, out_code)
     rows = np.zeros((10, head_dim), dequant.FORMATS[code].raw)
     args = (np.zeros(4, np.int64), np.zeros(2, np.int64), np.zeros((1, 2), np.int64),
             ids_cuda.layout_params(layout), np.int64(3),
             fused_cuda.table_words(rows, dequant.FORMATS[code].itemsize), np.int64(0),
-            np.float32(1), np.bool_(True), np.zeros((4, 4), np.int64),
-            np.zeros((4, 4 * head_dim), dequant.FORMATS[out_code].raw))
+            np.float32(1), np.bool_(True), np.zeros((4, 16), np.int64),
+            np.zeros((4, 16 * head_dim), dequant.FORMATS[out_code].raw))
     check_both(kernel, args)
 
 
