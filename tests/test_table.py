@@ -62,6 +62,32 @@ def test_every_value_of_every_format(dtype, out_dtype):
         assert_same(result, expected)
 
 
+# Scales whose fp8 products round to bf16 subnormals, overflow to infinity, or are NaN.
+FP8_SCALES = (1.0, 0.5, -0.5, 0.0, -0.0, 3.0e-3, 2.0**-130, 2.0**-140, 2.0**-149, 7.123, -300.0,
+              1.0e36, 3.0e38, np.inf, -np.inf, np.nan, 1.0000001, 2.0**120)
+
+
+@pytest.mark.parametrize("head_dim", [160, 20])
+def test_fp8_to_bf16_gather_is_exact_for_every_byte_and_scale(head_dim):
+    """The vectorised fp8 -> bf16 conversion: every byte, edge and random scales, serial and
+    parallel, against the reference; NaNs come out as the canonical 0x7FC0."""
+    weight = every_bit_pattern(ml_dtypes.float8_e4m3fn, head_dim)
+    ids = np.arange(weight.shape[0])[:, None].repeat(3, axis=0).reshape(-1, 1)
+    ids = np.concatenate([ids, ids[::-1]], axis=1)
+    random_bits = np.random.default_rng(4).integers(0, 1 << 32, 40, dtype=np.uint64)
+    scales = [np.float32(s) for s in FP8_SCALES] + list(random_bits.astype(np.uint32).view(
+        np.float32))
+    for scale in scales:
+        expected = reference_lookup(weight, ids, scale, ml_dtypes.bfloat16).view(np.uint16)
+        nan = np.isnan(expected.view(ml_dtypes.bfloat16).astype(np.float32))
+        expected = np.where(nan, np.uint16(0x7FC0), expected)
+        for parallel in (False, True):
+            out = np.empty(expected.shape, np.uint16)
+            gather_rows(weight.view(np.uint8), dequant.FLOAT8_E4M3, 0, scale, ids, out,
+                        dequant.BFLOAT16, parallel=parallel)
+            np.testing.assert_array_equal(out, expected, err_msg=f"scale {scale!r}")
+
+
 def test_every_row_of_every_pattern_is_read():
     """All rows in order: the whole table comes back, bit for bit (NaNs canonical)."""
     for dtype in STORAGE:
