@@ -380,21 +380,42 @@ def save_ngram_embedding(
     else:
         raise TypeError(f"layout must be a LayerLayout, or config an NGramConfig with an integer "
                         f"layer; got {type(config).__name__} and {type(layer).__name__}")
-    files = write_checkpoint(path, ngram_tensors(layout, weight, scale, parts, prefix), num_files)
-    if write_config and not os.fspath(path).endswith(".safetensors"):
+    tensors = ngram_tensors(layout, weight, scale, parts, prefix)  # checks them all first
+    config_too = write_config and not os.fspath(path).endswith(".safetensors")
+    if config_too:  # checked before anything is written: the pair must load back
+        if parts is not None and parts != layout.config.split_ngram_parts:
+            raise ValueError(
+                f"parts={parts!r} differs from the config's split_ngram_parts="
+                f"{layout.config.split_ngram_parts}: the config.json written beside it would not "
+                f"load the checkpoint (pass write_config=False to write the shards alone)")
+        existing_config(path)
+    files = write_checkpoint(path, tensors, num_files)
+    if config_too:
         write_config_json(path, layout.config)
     return files
+
+
+def existing_config(folder: str | os.PathLike) -> dict:
+    """The JSON object of ``folder/config.json`` ({} when there is none); a ValueError naming
+    the file when it is not one, rather than replacing a model's config it cannot read."""
+    path = Path(folder) / "config.json"
+    if not path.exists():
+        return {}
+    try:
+        existing = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} exists but is not readable JSON ({e}); fix or remove it") \
+            from None
+    if not isinstance(existing, dict):
+        raise ValueError(f"{path} exists but holds a {type(existing).__name__}, not a JSON object")
+    return existing
 
 
 def write_config_json(folder: str | os.PathLike, config: NGramConfig) -> str:
     """Write ``config`` into ``folder/config.json`` (keys of a model's config already there are
     kept), atomically; return its path."""
     path = Path(folder) / "config.json"
-    try:
-        existing = json.loads(path.read_text()) if path.is_file() else {}
-    except (OSError, json.JSONDecodeError):
-        existing = {}
-    merged = {**(existing if isinstance(existing, dict) else {}), **config.to_hf()}
+    merged = {**existing_config(folder), **config.to_hf()}
     with atomic_file(path) as temporary:
         Path(temporary).write_text(json.dumps(merged, indent=2, sort_keys=True) + "\n")
     return str(path)

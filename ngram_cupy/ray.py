@@ -39,6 +39,11 @@ class NGramIdsWorker:
     def __call__(self, table: pa.Table) -> pa.Table:
         """The id columns of ``table`` (one document's rows when grouped), as the CLI gives."""
         if self.order_column is not None:
+            nulls = table.column(self.order_column).null_count
+            if nulls:
+                doc = table.column(self.doc_id_column)[0].as_py()
+                raise ValueError(f"document {doc!r} has {nulls} null value(s) in order column "
+                                 f"{self.order_column!r}: its rows have no single order")
             table = table.sort_by(self.order_column)
             order = table.column(self.order_column)
             if table.num_rows > 1 and not pc.all(pc.greater(order.slice(1),

@@ -87,7 +87,10 @@ class HFTokenizer(TextTokenizer):
         file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
         if not os.path.isfile(file):
             raise FileNotFoundError(f"tokenizer: no such file: {file}")
-        self._tokenizer = Tokenizer.from_file(file)
+        try:
+            self._tokenizer = Tokenizer.from_file(file)
+        except Exception as e:  # the Rust library raises a bare Exception for a malformed file
+            raise ValueError(f"tokenizer {file!r} is not a valid tokenizer.json: {e}") from None
         self.name = file
         self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
         self.eos_token_id = self._eos_from_config(os.path.join(os.path.dirname(file),

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
-from .checkpoint import BUFFERS
+from .checkpoint import BUFFERS, check_scale
 from .config import NGramConfig
 from .embedding import NGramEmbedding
 from .formats import default_output
@@ -57,9 +57,12 @@ class TableWeights(torch.nn.Module):
         self.register_load_state_dict_post_hook(TableWeights._after_load)
 
     def set_scale(self, value: torch.Tensor) -> None:
-        """Take a one-element floating tensor as the table's scale."""
-        self.weight_scale = value.detach().to("cpu", torch.float32).reshape(())
-        self.table.scale = np.float32(self.weight_scale.item())
+        """Take a one-element floating tensor as the table's scale (finite and positive, as
+        the checkpoint loader requires: zero, NaN or a negative scale would corrupt every row)."""
+        scale = value.detach().to("cpu", torch.float32).reshape(())
+        check_scale(SCALE, float(scale.item()))
+        self.weight_scale = scale
+        self.table.scale = np.float32(scale.item())
 
     @staticmethod
     def _after_load(module: TableWeights, incompatible_keys) -> None:
@@ -70,7 +73,11 @@ class TableWeights(torch.nn.Module):
             module.table.write_rows(0, module.weight.detach())
             module.weight = view
         if hasattr(module, "weight_scale"):
-            module.set_scale(module.weight_scale)
+            try:
+                module.set_scale(module.weight_scale)
+            except ValueError:  # keep the buffer equal to the scale the table still uses
+                module.weight_scale = torch.tensor(float(module.table.scale))
+                raise
 
     def _apply(self, fn, recurse=True):
         """``.to()``, ``.cuda()``, ``.half()`` leave the rows alone: where the table lives and its

@@ -813,3 +813,24 @@ def test_save_mirrors_load_with_the_config_and_writes_config_json(tmp_path):
         reference_lookup(weight, ids, float(SCALE), ml_dtypes.bfloat16).view(np.uint16))
     nc.save_ngram_embedding(tmp_path / "n", TINY, 0, tiny_weight(np.float32), write_config=False)
     assert not (tmp_path / "n" / "config.json").exists()
+
+
+def test_save_refuses_what_its_config_json_could_not_load_or_would_lose(tmp_path):
+    """Before writing anything: parts other than the config's split_ngram_parts with a
+    config.json beside (the pair would not load), and a config.json there that is not a JSON
+    object (merging would drop the model's own keys)."""
+    weight = tiny_weight(ml_dtypes.float8_e4m3fn)
+    with pytest.raises(ValueError, match="split_ngram_parts"):
+        nc.save_ngram_embedding(tmp_path / "p", TINY, 0, weight, SCALE,
+                                parts=TINY.split_ngram_parts + 1)
+    assert not (tmp_path / "p").exists()
+    nc.save_ngram_embedding(tmp_path / "q", TINY, 0, weight, SCALE,
+                            parts=TINY.split_ngram_parts + 1, write_config=False)
+    for text in ('{"hidden_size": 7,}', "[1, 2]"):
+        folder = tmp_path / f"bad{len(text)}"
+        folder.mkdir()
+        (folder / "config.json").write_text(text)
+        with pytest.raises(ValueError, match="config.json"):
+            nc.save_ngram_embedding(folder, TINY, 0, weight, SCALE)
+        assert (folder / "config.json").read_text() == text
+        assert sorted(p.name for p in folder.iterdir()) == ["config.json"]

@@ -85,3 +85,16 @@ def test_documents_without_an_order_are_refused(cluster, sample):
         ngram_ids_dataset(dataset, RELEASED, doc_id_column="doc_id")
     with pytest.raises(ValueError, match="token column 'words' not found"):
         ngram_ids_dataset(dataset, RELEASED, column="words")
+
+
+def test_a_document_with_null_order_values_is_refused():
+    """A null in order_column has no place in its document (sorting would put it last)."""
+    from ngram_cupy.ray import NGramIdsWorker
+
+    worker = NGramIdsWorker(RELEASED, [0], "tokens", None, None, "doc", "chunk")
+    table = pa.table({"doc": [1, 1, 1], "chunk": pa.array([2, None, 0], pa.int32()),
+                      "tokens": pa.array([[7, 8], [5, 6], [1, 2]], pa.list_(pa.int64()))})
+    with pytest.raises(ValueError, match="1 null value"):
+        worker(table)
+    ordered = worker(table.filter(pa.array([True, False, True])))
+    assert ordered.column("chunk").to_pylist() == [0, 2]

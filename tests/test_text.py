@@ -74,6 +74,19 @@ def test_bad_specs():
         NGramIds(nc.layer_layout(RELEASED, 0), text_column="text")
 
 
+def test_malformed_tokenizer_json_is_a_value_error(tmp_path, capsys):
+    bad = tmp_path / "tokenizer.json"
+    bad.write_text("{")
+    with pytest.raises(ValueError, match="not a valid tokenizer.json"):
+        HFTokenizer(str(bad))
+    table = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"text": ["a b"]}), table)
+    code = main(["ids", str(table), str(tmp_path / "out.parquet"), "--config", str(CONFIG),
+                 "--text-column", "text", "--tokenizer", str(bad), "--quiet"])
+    assert code == 2 and "not a valid tokenizer.json" in capsys.readouterr().err
+    assert not (tmp_path / "out.parquet").exists()
+
+
 def word_level_tokenizer(folder: Path) -> Path:
     """A tiny word-level tokenizer.json whose post-processor adds [CLS] (which plain encoding
     must not) and a tokenizer_config.json naming [SEP] as EOS."""

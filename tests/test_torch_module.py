@@ -320,6 +320,21 @@ def test_fp8_scale_must_be_one_float():
     assert module.table.scale == np.float32(1.0)
 
 
+@pytest.mark.parametrize("value", [0.0, -0.5, float("nan"), float("inf")])
+def test_fp8_scale_must_be_finite_and_positive(value):
+    """As the checkpoint loader: zero gives an all-zero table, NaN / inf NaN rows, a negative
+    scale flips every sign; through load_weights and load_state_dict alike."""
+    module = NGramEmbeddingModule(small_config(), 0, placement="cpu", weight_dtype="fp8")
+    bad = torch.tensor(value, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="weight_scale must be a finite positive"):
+        module.load_weights([("ngram_embedding.weight_scale", bad)])
+    state = {**module.state_dict(), "ngram_embedding.weight_scale": bad}
+    with pytest.raises(ValueError, match="weight_scale must be a finite positive"):
+        module.load_state_dict(state)
+    assert module.table.scale == np.float32(1.0)
+    assert module.state_dict()["ngram_embedding.weight_scale"].item() == 1.0
+
+
 def test_load_weights_streams_shard_by_shard(monkeypatch):
     """Each shard is written as it arrives, and no copy of the table is made meanwhile."""
     config = small_config(ngram_size=2, heads_per_ngram=2, ngram_vocab_size_base=2000,
