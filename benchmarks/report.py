@@ -11,6 +11,7 @@ import numpy as np
 from ngram_cupy.atomic import atomic_file
 
 MARK = "<!-- section: {} -->"
+REPORT_HEAD = "# Benchmarks"  # the first line of every report (bench.py refuses other files)
 CONTENDED_LIMIT = 1.2  # the most a contended default call may take, in one-thread times
 
 
@@ -92,9 +93,9 @@ def merge_into(path: str, fresh: dict[str, str], order: list[str]) -> None:
     blocks.update(fresh)
     body = "\n".join(blocks[name] for name in order if name in blocks)
     with atomic_file(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
-        f.write("# Benchmarks\n\nWritten by `python bench.py`; each section says where and when it "
-                "ran. Ratios compare with baselines measured in the same run; CPU sections run "
-                "every case idle, beside busy programs and beside torch, against the same call "
+        f.write(REPORT_HEAD + "\n\nWritten by `python bench.py`; each section says where and "
+                "when it ran. Ratios compare with baselines measured in the same run; CPU sections "
+                "run every case idle, beside busy programs and beside torch, against the same call "
                 "on one thread.\n\n" + body)
 
 

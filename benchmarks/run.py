@@ -10,7 +10,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .report import MARK, Section, machine_summary, merge_into, plot, render
+from .report import MARK, REPORT_HEAD, Section, machine_summary, merge_into, plot, render
 
 TRACKED = "BENCHMARKS.md"  # the published file, written only with --write-benchmarks-md
 DEFAULT_OUTPUT = "bench-results.md"
@@ -93,6 +93,26 @@ def output_paths(args: argparse.Namespace) -> tuple[str | None, str | None]:
     return args.output, os.path.splitext(args.output)[0] + ".png"
 
 
+def output_problem(markdown: str | None) -> str | None:
+    """Why ``markdown`` cannot take the report (checked before the run, not after it), or None:
+    a folder, a missing folder, or an existing file that is not a report (it would be lost)."""
+    if markdown is None:
+        return None
+    if os.path.isdir(markdown):
+        return "is a directory"
+    if not os.path.isdir(os.path.dirname(os.path.abspath(markdown))):
+        return "its folder does not exist"
+    if os.path.exists(markdown):
+        try:
+            with open(markdown, encoding="utf-8") as f:
+                head = f.read(len(REPORT_HEAD))
+        except (OSError, UnicodeDecodeError):
+            head = ""
+        if head != REPORT_HEAD:
+            return "exists and is not a bench.py report (it would be replaced)"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the chosen sections, print the tables, and write them."""
     args = parse(argv)
@@ -107,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench.py: unknown sections {sorted(unknown)}", file=sys.stderr)
         return 2
     markdown, png = output_paths(args)
+    problem = output_problem(markdown)
+    if problem:
+        print(f"bench.py: --output {markdown}: {problem}", file=sys.stderr)
+        return 2
     fresh: dict[str, str] = {}
     measured: list[Section] = []
     failed: list[str] = []

@@ -41,3 +41,17 @@ def test_gpu_sections_are_skipped_without_a_gpu(tmp_path, capsys):
     assert run.main(["--device", "gpu", "--output", str(tmp_path / "x.md")]) == 2
     assert run.main(["--sections", "ids-gpu,gather-gpu,host-gpu", "--output", "-"]) == 0
     assert capsys.readouterr().out.count("[skip]") == 3
+
+
+def test_an_output_that_cannot_take_the_report_exits_2_before_running(tmp_path, capsys):
+    """A folder, a missing folder, or a file that is not a report (it would be lost): refused
+    before any section runs, not with a traceback after minutes of measuring."""
+    other = tmp_path / "notes.md"
+    other.write_text("my notes\n")
+    for output in (tmp_path, tmp_path / "missing" / "out.md", other):
+        assert run.main(["--sections", "ids-cpu", "--quick", "--output", str(output)]) == 2
+        err = capsys.readouterr()
+        assert f"--output {output}" in err.err and "[run]" not in err.out
+    assert other.read_text() == "my notes\n"
+    assert run.output_problem(None) is None
+    assert run.output_problem(str(tmp_path / "new.md")) is None
