@@ -165,7 +165,8 @@ def test_cli_ids_from_text(tmp_path, capsys):
     pq.write_table(corpus_slice().drop_columns(["tokens"]), source)
     out = tmp_path / "ids.parquet"
     status = main(["ids", str(source), str(out), "--config", str(CONFIG), "--doc-id-column",
-                   "doc_id", "--text-column", "text", "--tokenizer", "qwen3.5"])
+                   "doc_id", "--text-column", "text", "--tokenizer", "qwen3.5",
+                   "--id-type", "int64"])  # the library's type, for an exact Arrow comparison
     stdout = capsys.readouterr().out
     assert status == 0
     result = pq.read_table(out)
