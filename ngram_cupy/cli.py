@@ -348,6 +348,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
         if save_k < 1:
             raise UserError(f"--save-hot-rows K PATH: K must be positive, got {save_k}")
         check_output(save_path, [args.input])
+        if args.plot is not None and os.path.realpath(args.plot) == os.path.realpath(save_path):
+            raise UserError(f"--plot and --save-hot-rows name the same file {save_path}: one "
+                            f"would replace the other")
     if args.plot is not None:
         try:
             import matplotlib  # noqa: F401

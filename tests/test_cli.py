@@ -156,6 +156,8 @@ def bad_cases(tmp_path: Path) -> dict[str, list]:
                                           "--text-column", "text"],
         "hot rows k not a number": ["stats", CORPUS, *ok, "--save-hot-rows", "many",
                                     tmp_path / "hot.npy"],
+        "plot over the hot rows": ["stats", CORPUS, *ok, "--save-hot-rows", 5,
+                                   tmp_path / "o.parquet", "--plot", tmp_path / "o.parquet"],
     }
 
 
