@@ -87,6 +87,11 @@ def ngram_ids_dataset(dataset: Any, config: NGramConfig, layers: Sequence[int] =
     layers = list(layers)
     if not layers:
         raise ValueError("layers must name at least one PLE layer")
+    count = len(config.ple_layer_ids) if config.ple_layer_ids is not None else None
+    beyond = [layer for layer in layers if count is not None and layer >= count]
+    if beyond:  # as the CLI: ids of a layer the model does not have would read no table
+        raise ValueError(f"layers: {beyond[0]} is beyond the config's {count} PLE layers "
+                         f"(ple_layer_ids; layers are 0-based)")
     if doc_id_column is not None and order_column is None:
         raise ValueError(
             f"doc_id_column={doc_id_column!r} needs order_column: Ray Data does not keep a "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -98,3 +99,10 @@ def test_a_document_with_null_order_values_is_refused():
         worker(table)
     ordered = worker(table.filter(pa.array([True, False, True])))
     assert ordered.column("chunk").to_pylist() == [0, 2]
+
+
+def test_layers_beyond_the_configs_ple_layers_are_refused():
+    """As ``ngram-cupy ids --layers``: checked before Ray sees the dataset."""
+    config = dataclasses.replace(RELEASED, ple_layer_ids=(3, 7))
+    with pytest.raises(ValueError, match="layers: 2 is beyond the config's 2 PLE layers"):
+        ngram_ids_dataset(None, config, layers=(0, 2))
