@@ -5,8 +5,8 @@ in one kind of memory. ``EmbeddingTable`` is a thin front over a storage: it che
 owns the global geometry (``row_start``, ``total_rows``), the scale and the prefetch protocol, and
 asks the storage for everything that depends on where the rows live.
 
-The interface (``Storage``; each placement is one module: ``cpu``, ``gpu``, ``pinned``,
-``mapped``):
+The interface (``Storage`` in ``base``; each placement is one module: ``cpu``, ``gpu``,
+``pinned``, ``mapped``, ``tiered``):
 
 - ``placement``: the storage's kind (``"cpu"``, ``"gpu"``, ``"pinned"``, ``"mmap"``, ...);
   ``format``, ``num_rows``, ``head_dim``; ``nbytes`` (bytes of memory it holds).
@@ -38,74 +38,20 @@ serve as the storage without a copy.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 import numpy as np
 
 from ..backends import DEVICE, HOST, Backend, gpu_available
 from ..formats import Format
+from .base import Gather, Storage
+from .cpu import CpuStorage
+from .gpu import GpuStorage
+from .pinned import PinnedStorage
+
+__all__ = ["Gather", "Storage", "adopt", "allocate", "canonical_placement"]
 
 # Placement names; "host" is the old name of "pinned" (page-locked host memory).
 PLACEMENTS = ("cpu", "gpu", "pinned")
 ALIASES = {"host": "pinned"}
-
-
-@dataclass
-class Gather:
-    """One gather: ids ``[T, H]`` (contiguous int32/int64 on ``side``) into the raw output
-    ``out[T, H * head_dim]`` of format ``out_code``; rows dequantised with ``scale``.
-
-    ``expected`` (int64 ``[T, H]``): ids whose rows ``out`` already holds (a finished prefetch),
-    skipped. ``worker``: on the CPU prefetch worker (serial gathers only). ``dedup``: fetch each
-    distinct id once (GPU; waits for the GPU). ``stream``: the CuPy stream (GPU).
-    """
-
-    side: Backend
-    ids: Any
-    out: Any
-    out_code: int
-    row_start: int
-    scale: np.float32
-    expected: Any = None
-    worker: bool = False
-    dedup: bool = False
-    stream: Any = None
-
-
-class Storage:
-    """The common part of every storage: geometry, and the defaults of optional methods."""
-
-    placement = "?"
-    writable = True
-    host_view: np.ndarray | None = None
-    device_view: Any = None
-
-    def __init__(self, num_rows: int, head_dim: int, fmt: Format):
-        self.num_rows, self.head_dim, self.format = num_rows, head_dim, fmt
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the rows."""
-        return self.num_rows * self.head_dim * self.format.itemsize
-
-    def reads(self, side: Backend) -> bool:
-        """Whether ids on ``side`` can gather from this storage."""
-        return (self.host_view if side is HOST else self.device_view) is not None
-
-    def write_rows(self, local_start: int, rows) -> None:
-        """Copy a raw block into local rows ``[local_start, +len(rows))``."""
-        raise NotImplementedError
-
-    def gather(self, job: Gather) -> None:
-        """Write the rows of ``job.ids`` into ``job.out``."""
-        raise NotImplementedError
-
-    def used_on(self, stream) -> None:
-        """Nothing to remember by default."""
-
-    def close(self) -> None:
-        """Nothing to release by default."""
 
 
 def canonical_placement(placement: str) -> str:
@@ -120,10 +66,6 @@ def canonical_placement(placement: str) -> str:
 def allocate(placement: str, num_rows: int, head_dim: int, fmt: Format) -> Storage:
     """Unfilled storage of a placement. ``"pinned"`` without a GPU is ordinary host memory
     (nothing could read it over PCIe anyway)."""
-    from .cpu import CpuStorage
-    from .gpu import GpuStorage
-    from .pinned import PinnedStorage
-
     placement = canonical_placement(placement)
     shape = (num_rows, head_dim)
     if placement == "gpu":
@@ -138,9 +80,6 @@ def allocate(placement: str, num_rows: int, head_dim: int, fmt: Format) -> Stora
 def adopt(placement: str, side: Backend, array, fmt: Format) -> Storage | None:
     """A storage over the caller's ``array`` itself (no copy) when the placement allows it:
     C-contiguous host arrays for ``"cpu"``, C-contiguous device arrays for ``"gpu"``."""
-    from .cpu import CpuStorage
-    from .gpu import GpuStorage
-
     placement = canonical_placement(placement)
     if not array.flags.c_contiguous:
         return None

@@ -6,7 +6,7 @@ import numpy as np
 
 from .. import gather_numba
 from ..formats import Format
-from . import Gather, Storage
+from .base import Gather, Storage
 
 
 def gather_host(rows: np.ndarray, code: int, job: Gather) -> None:

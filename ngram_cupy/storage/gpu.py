@@ -8,7 +8,7 @@ import numpy as np
 
 from ..backends import DEVICE, cuda_stream
 from ..formats import Format
-from . import Gather, Storage
+from .base import Gather, Storage
 
 
 def gather_device(rows, code: int, job: Gather) -> None:

@@ -15,7 +15,7 @@ import numpy as np
 from .. import gather_numba
 from ..backends import HOST, Backend
 from ..formats import Format
-from . import Gather, Storage
+from .base import Gather, Storage
 
 
 class MappedStorage(Storage):

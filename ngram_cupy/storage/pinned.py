@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..backends import HOST
 from ..formats import Format
 from ..pinned import PinnedBuffer
-from . import Gather, Storage
+from .base import Gather, Storage
 from .cpu import gather_host
 from .gpu import gather_device
 

@@ -16,7 +16,7 @@ import numpy as np
 from .. import gather_numba
 from ..backends import DEVICE, HOST, Backend, cuda_stream, cupy_module
 from ..hot_rows import build_map
-from . import Gather, Storage
+from .base import Gather, Storage
 from .gpu import fill
 
 
