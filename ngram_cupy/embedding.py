@@ -22,7 +22,8 @@ class NGramEmbedding:
     """The layer: ``layout`` hashes tokens into rows of ``table`` (which may be a row shard).
 
     ``fused=True`` computes ids and gathers rows in a single GPU launch when no prefetch is
-    pending (see ``fused_cuda``); otherwise ``forward`` is ``compute_ids`` then
+    pending (see ``fused_cuda``; a table with ``hot_rows`` is read tier by tier, as its own
+    lookups do); otherwise ``forward`` is ``compute_ids`` then
     ``table.lookup``.
     """
 
@@ -92,7 +93,7 @@ class NGramEmbedding:
         batch = bind_batch(self.layout, stream, input_ids, query_start_loc, ngram_context,
                            out=out, ids_out=ids_out)
         use_fused = (self.fused and not self._prefetched and batch.call.side is DEVICE
-                     and self.table.device_rows is not None)
+                     and self.table.storage.reads(DEVICE))
         self._prefetched = False
         if use_fused:
             return self._forward_fused(batch, out_dtype)
@@ -118,16 +119,16 @@ class NGramEmbedding:
         if ids_out is not None:
             check_out("ids_out", ids_out, shape, np.int64)
         with call.on():
+            rows, tier = table.device_rows_on(call.stream)
             result = out
             if result is None:
                 result = DEVICE.empty((batch.num_tokens, self.layout.num_heads * table.head_dim),
                                       public_dtype(DEVICE, out_format))
             with result.device:
-                fused_lookup_cuda(self.layout, table.device_rows_on(call.stream), table.format,
-                                  table.row_start, table.scale, batch.tokens,
-                                  batch.query_start_loc, batch.context,
+                fused_lookup_cuda(self.layout, rows, table.format, table.row_start, table.scale,
+                                  batch.tokens, batch.query_start_loc, batch.context,
                                   result.view(out_format.raw), out_format.code, ids_out,
-                                  call.stream)
+                                  call.stream, tier)
         return call.result(result, out_format)
 
     def __repr__(self) -> str:

@@ -5,6 +5,8 @@ Each block hashes its tokens into shared memory exactly as ``ids_cuda`` does (th
 of those ids (``dequant.convert``) with coalesced word loads, so the ids never make a round trip
 through global memory. The load width divides the row and the table's address alike: a table
 adopted from an offset view is read in narrower words rather than faulting on a misaligned load.
+Over a hot-row tier (``hot_rows``) the tiered variant reads each hot row from the tier, found by
+the same ``hot_slot`` the tiered gathers use, and counts the rows read per tier as they do.
 The simulator runs this very kernel in CI against the CPU path.
 """
 
@@ -21,7 +23,9 @@ from .dequant import convert
 from .formats import FORMATS, Format
 from .gather_cupy import data_address
 from .hashing import clamp, stage_token_ids
+from .hot_rows import hot_slot
 from .ids_cuda import device_params, staging_shape
+from .jitable import inline_jitable
 
 WORD_BYTES = (8, 4, 2, 1)
 
@@ -33,13 +37,37 @@ def word_bytes(row_bytes: int, itemsize: int, address: int = 0) -> int:
                 if w >= itemsize and row_bytes % w == 0 and address % w == 0)
 
 
+@inline_jitable
+def store_ids(staged, count, heads, first, lane, block, ids_out):
+    """A block's staged ids into ``ids_out`` (rows from ``first``), its threads in turn."""
+    for flat in range(lane, count * heads, block):
+        row = flat // heads
+        head = flat - row * heads
+        ids_out[first + row, head] = staged[row, head]
+
+
+@inline_jitable
+def store_word(packed, inside, per_word, bits, mask, code, scale, out_code, out, t, column):
+    """The ``per_word`` values of one table word, dequantised into ``out[t, column:]``; zeros
+    for an id outside the table (``inside`` false: ``packed`` was not read)."""
+    for k in range(per_word):
+        if inside:
+            value = (packed >> uint64(k * bits)) & uint64(mask)
+            out[t, column + k] = convert(value, code, scale, out_code)
+        else:
+            out[t, column + k] = 0
+
+
 @cache
 def fused_kernel(ngram_size: int, heads_per_ngram: int, head_dim: int, code: int, out_code: int,
-                 block: int | None = None, word: int | None = None):
+                 block: int | None = None, word: int | None = None, tiered: bool = False):
     """``(kernel, tokens per block)`` for one layer shape and (storage, output) format pair.
 
     Table rows are read as ``[rows, words]`` unsigned words of ``word`` bytes (default: the
-    widest that tiles a row, for an aligned table).
+    widest that tiles a row, for an aligned table). ``tiered``: the kernel takes a hot tier
+    (``hot_words``, ``hot_ranks``: the slot map; ``hot``: the hot rows as words, like the table)
+    and reads each hot row from it, counting each row read per tier into ``counts`` (uint64
+    ``[lanes, 2]``: hot, cold; the lane picked by block), as ``gather_tiered_rows`` does.
     """
     heads = (ngram_size - 1) * heads_per_ngram
     shape = staging_shape(heads, block)
@@ -52,7 +80,7 @@ def fused_kernel(ngram_size: int, heads_per_ngram: int, head_dim: int, code: int
     mask = (1 << bits) - 1
 
     def fused_ids_gather(tokens, query_start_loc, context, params, eos, table, row_start, scale,
-                     write_ids, ids_out, out):
+                         write_ids, ids_out, out):
         staged = cuda.shared.array(shape, int64)
         lane = cuda.threadIdx.x
         first = cuda.blockIdx.x * block
@@ -61,10 +89,7 @@ def fused_kernel(ngram_size: int, heads_per_ngram: int, head_dim: int, code: int
         cuda.syncthreads()
         count = clamp(tokens.shape[0] - first, 0, block)
         if write_ids:  # the caller wants the ids too
-            for flat in range(lane, count * heads, block):
-                row = flat // heads
-                head = flat - row * heads
-                ids_out[first + row, head] = staged[row, head]
+            store_ids(staged, count, heads, first, lane, block, ids_out)
         rows = table.shape[0]
         for flat in range(lane, count * heads * words, block):
             item = flat // words
@@ -72,45 +97,83 @@ def fused_kernel(ngram_size: int, heads_per_ngram: int, head_dim: int, code: int
             row = item // heads
             head = item - row * heads
             local = staged[row, head] - row_start
-            column = head * head_dim + word * per_word
-            if 0 <= local < rows:
-                packed = uint64(table[local, word])
-                for k in range(per_word):
-                    value = (packed >> uint64(k * bits)) & uint64(mask)
-                    out[first + row, column + k] = convert(value, code, scale, out_code)
-            else:
-                for k in range(per_word):
-                    out[first + row, column + k] = 0
+            inside = 0 <= local < rows
+            packed = uint64(table[local, word]) if inside else uint64(0)
+            store_word(packed, inside, per_word, bits, mask, code, scale, out_code, out,
+                       first + row, head * head_dim + word * per_word)
 
-    return NumbaKernel(fused_ids_gather), block
+    def fused_tiered_ids_gather(tokens, query_start_loc, context, params, eos, table, row_start,
+                                scale, write_ids, ids_out, out, hot_words, hot_ranks, hot,
+                                counts):
+        staged = cuda.shared.array(shape, int64)
+        lane = cuda.threadIdx.x
+        first = cuda.blockIdx.x * block
+        stage_token_ids(tokens, query_start_loc, context, params, eos, ngram_size,
+                        heads_per_ngram, first + lane, staged, lane)
+        cuda.syncthreads()
+        count = clamp(tokens.shape[0] - first, 0, block)
+        if write_ids:
+            store_ids(staged, count, heads, first, lane, block, ids_out)
+        rows = table.shape[0]
+        counter = cuda.blockIdx.x % counts.shape[0]
+        for flat in range(lane, count * heads * words, block):
+            item = flat // words
+            word = flat - item * words
+            row = item // heads
+            head = item - row * heads
+            local = staged[row, head] - row_start
+            inside = 0 <= local < rows
+            packed = uint64(0)
+            if inside:
+                slot = hot_slot(hot_words, hot_ranks, local)
+                if word == 0:  # each row read counted once, in its tier
+                    cuda.atomic.add(counts, (counter, 0 if slot >= 0 else 1), uint64(1))
+                packed = uint64(hot[slot, word]) if slot >= 0 else uint64(table[local, word])
+            store_word(packed, inside, per_word, bits, mask, code, scale, out_code, out,
+                       first + row, head * head_dim + word * per_word)
+
+    return NumbaKernel(fused_tiered_ids_gather if tiered else fused_ids_gather), block
 
 
 def launch_fused(layout, tokens, query_start_loc, context, params, table_words, code: int,
                  row_start: int, scale, write_ids: bool, ids_out, out, out_code: int, stream=None,
-                 block: int | None = None):
+                 block: int | None = None, hot=None, counts=None):
     """Launch on device arrays (simulator arrays in tests).
 
     ``table_words`` is the table as ``[rows, words]`` unsigned words (see ``word_bytes``),
     ``out`` the raw ``[T, H * head_dim]`` output; the ids are written to ``ids_out`` (``[T, H]``
-    int64) when ``write_ids``, else ``ids_out`` is any int64 placeholder.
+    int64) when ``write_ids``, else ``ids_out`` is any int64 placeholder. With ``hot = ((words,
+    ranks), hot rows)`` (the slot map, see ``hot_rows``, and the hot rows as words of the
+    table's width) hot rows are read from the hot rows and each row read is counted in
+    ``counts`` (uint64 ``[COUNTER_LANES, 2]``: hot, cold), as the tiered gather does.
     """
     num_tokens = tokens.shape[0]
     if num_tokens:
         head_dim = out.shape[1] // layout.num_heads
         kernel, block = fused_kernel(layout.ngram_size, layout.heads_per_ngram, head_dim, code,
-                                     out_code, block, table_words.dtype.itemsize)
-        kernel(-(-num_tokens // block), block,
-               (tokens, query_start_loc, context, params, np.int64(layout.eos_token_id),
+                                     out_code, block, table_words.dtype.itemsize,
+                                     hot is not None)
+        args = (tokens, query_start_loc, context, params, np.int64(layout.eos_token_id),
                 table_words, np.int64(row_start), np.float32(scale), np.bool_(write_ids),
-                ids_out, out),
-               stream)
+                ids_out, out)
+        if hot is not None:
+            (words, ranks), hot_words = hot
+            if hot_words.dtype != table_words.dtype:
+                raise ValueError(f"the hot rows must be words of the table's width "
+                                 f"({table_words.dtype}), got {hot_words.dtype}")
+            args += (words, ranks, hot_words, counts)
+        kernel(-(-num_tokens // block), block, args, stream)
     return out
 
 
-def table_words(rows, itemsize: int):
+def table_words(rows, itemsize: int, *also):
     """A raw ``[rows, head_dim]`` table viewed as ``[rows, words]`` unsigned words, as wide as
-    the row size and the table's address both allow."""
-    width = word_bytes(rows.shape[1] * itemsize, itemsize, data_address(rows))
+    the row size and the table's address (and those of ``also``, raw arrays of the same rows'
+    shape read with the same words: a hot tier) all allow."""
+    address = data_address(rows)
+    for other in also:
+        address |= data_address(other)
+    width = word_bytes(rows.shape[1] * itemsize, itemsize, address)
     return rows.view(np.dtype(f"u{width}"))
 
 
@@ -121,18 +184,25 @@ def placeholder_ids(device: int):
 
 
 def fused_lookup_cuda(layout, rows, fmt: Format, row_start: int, scale, tokens, query_start_loc,
-                      context, out, out_code: int, ids_out, stream):
+                      context, out, out_code: int, ids_out, stream, tier=None):
     """Fused ids + gather on checked, contiguous CuPy arrays, on the CuPy ``stream``.
 
     ``rows`` is the table's raw ``[rows, head_dim]`` CuPy view (``EmbeddingTable.device_rows``)
     of format ``fmt``, holding global rows from ``row_start``; ``scale`` its scale or None;
-    ``out`` the raw output array; ``ids_out`` an int64 ``[T, H]`` CuPy array or None.
+    ``out`` the raw output array; ``ids_out`` an int64 ``[T, H]`` CuPy array or None. ``tier``:
+    a hot tier over ``rows`` (``TieredStorage.device_tier``: slot map, raw hot rows, counters),
+    or None.
     """
     device = out.device.id
     write_ids = ids_out is not None
     if not write_ids:
         ids_out = placeholder_ids(device)
-    words = table_words(rows, fmt.itemsize)
+    hot = counts = None
+    if tier is None:
+        words = table_words(rows, fmt.itemsize)
+    else:
+        words = table_words(rows, fmt.itemsize, tier.rows)
+        hot, counts = (tier.map, tier.rows.view(words.dtype)), tier.counts
     return launch_fused(layout, tokens, query_start_loc, context, device_params(layout, device),
                         words, fmt.code, row_start, 1.0 if scale is None else scale, write_ids,
-                        ids_out, out, out_code, stream)
+                        ids_out, out, out_code, stream, hot=hot, counts=counts)

@@ -190,10 +190,18 @@ class EmbeddingTable:
         return self.storage.device_view
 
     def device_rows_on(self, stream):
-        """``device_rows`` for a kernel outside the table (the fused ids + gather) that reads
-        them on ``stream``: the storage keeps its memory until that stream's work is done."""
-        self.storage.used_on(stream)
-        return self.storage.device_view
+        """``(rows, tier)`` for a kernel outside the table (the fused ids + gather) that reads it
+        on ``stream``: the raw ``device_rows`` (the cold rows of a tiered table) and the hot tier
+        over them (``TieredStorage.device_tier``), or None for an untiered table; ``(None,
+        None)`` when the GPU cannot read the table. The storage keeps its memory until that
+        stream's work is done."""
+        storage = self.storage
+        tiered = isinstance(storage, TieredStorage)
+        rows = storage.cold.device_view if tiered else storage.device_view
+        if rows is None:
+            return None, None
+        storage.used_on(stream)
+        return rows, storage.device_tier if tiered else None
 
     def write_rows(self, start: int, rows) -> None:
         """Copy a block of rows into global rows ``[start, start + len(rows))``, in place.

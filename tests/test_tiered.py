@@ -6,9 +6,10 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
+import simulator
 
 import ngram_cupy as nc
-from ngram_cupy import formats, gather_cupy
+from ngram_cupy import formats, fused_cuda, gather_cupy, ids_cuda, reference
 from ngram_cupy.dequant import reference_lookup
 from ngram_cupy.gather_numba import gather_rows
 from ngram_cupy.hot_rows import build_map, check_hot_rows
@@ -176,6 +177,133 @@ def test_cuda_tiered_gather_equals_the_cpu_one(host_gather, dtype, out_dtype, he
         np.testing.assert_array_equal(counts.sum(axis=0), want_counts)
 
 
+# ---- the fused ids + gather kernel over the tier (Numba CUDA simulator) ----
+
+def simulated_fused(layout, table, batch, out_format, hot=None, write_ids=False):
+    """``(rows, ids, counts)`` of the fused kernel in the simulator (``simulate`` fixture) over
+    ``table``'s rows; ``hot = ((words, ranks), raw hot rows)``: the tiered kernel."""
+    tokens, starts, context = batch
+    raw = table.host_view.view(table.format.raw)
+    out = np.full((len(tokens), layout.num_heads * table.head_dim), 0xAB, out_format.raw)
+    ids = np.full((len(tokens) if write_ids else 1, layout.num_heads), -1, np.int64)
+    counts = np.zeros((gather_cupy.COUNTER_LANES, 2), np.uint64)
+    if hot is None:
+        words = fused_cuda.table_words(raw, table.format.itemsize)
+    else:
+        words = fused_cuda.table_words(raw, table.format.itemsize, hot[1])
+        hot = (hot[0], hot[1].view(words.dtype))
+    scale = 1.0 if table.scale is None else table.scale
+    fused_cuda.launch_fused(layout, tokens, starts, context, ids_cuda.layout_params(layout),
+                            words, table.format.code, table.row_start, scale, write_ids, ids, out,
+                            out_format.code, block=4, hot=hot, counts=counts)
+    return out, ids, counts.sum(axis=0)
+
+
+def fused_case(rng, layout, fmt, head_dim, num_tokens, shard=True):
+    """A row shard of random bits (a whole table when not ``shard``), a batch, the reference
+    ids, and hot rows: about half the ids the batch reads from the shard, its edges, others."""
+    weight = random_bits(rng, layout.padded_rows, head_dim, fmt.dtype)
+    start, stop = (layout.padded_rows // 3, layout.padded_rows // 3 + 80) if shard else (
+        0, layout.padded_rows)
+    batch = simulator.random_batch(rng, layout, num_tokens, 3)
+    ids = reference.compute_ngram_ids(layout, *batch)
+    owned = ids[(ids >= start) & (ids < stop)]
+    hot = np.unique(np.concatenate([owned[::2], [start, stop - 1],
+                                    rng.integers(start, stop, 10)])).astype(np.int64)
+    return weight[start:stop], start, batch, ids, hot
+
+
+@pytest.mark.parametrize("fmt", formats.FORMATS, ids=lambda f: f.name)
+def test_simulated_fused_tier_equals_the_reference(simulate, fmt):
+    """Every output format, a row shard, a marked hot tier (unlike the cold rows: it proves the
+    source of every row): the reference ids' rows from the tier they are in, and the counts."""
+    rng = np.random.default_rng(20 + fmt.code)
+    layout = simulator.layouts()[1]
+    head_dim = 6 if fmt.itemsize < 4 else 3
+    for out_code in formats.OUTPUT_CODES:
+        out_format = formats.FORMATS[out_code]
+        weight, start, batch, want_ids, hot = fused_case(rng, layout, fmt, head_dim, 9)
+        table = nc.EmbeddingTable(weight, scale=0.375, placement="pinned", row_start=start,
+                                  total_rows=layout.padded_rows, hot_rows=hot)
+        marked = random_bits(rng, hot.size, head_dim, fmt.dtype)
+        rows, ids, counts = simulated_fused(layout, table, batch, out_format,
+                                            (table.storage.map, marked.view(fmt.raw)), True)
+        np.testing.assert_array_equal(ids, want_ids)
+        effective = weight.copy()
+        effective[hot - start] = marked
+        expected = reference_lookup(effective, want_ids - start, 0.375, out_format.dtype)
+        got = rows.view(out_format.dtype)
+        nan = np.isnan(expected.astype(np.float32))
+        np.testing.assert_array_equal(np.isnan(got.astype(np.float32)), nan)
+        np.testing.assert_array_equal(rows[~nan], expected.view(out_format.raw)[~nan],
+                                      err_msg=f"{fmt.name} -> {out_format.name}")
+        assert list(counts) == expected_counts(want_ids, hot, start, weight.shape[0])
+        assert counts[0] > 0 and counts[1] > 0
+
+
+@pytest.mark.parametrize("hot_share", [0.0, 0.5, 1.0])
+def test_simulated_fused_tier_gives_the_untiered_fused_bytes(simulate, hot_share):
+    """A true hot tier (the table's own rows): bit for bit the untiered fused kernel, NaNs
+    included, on a whole table, with int32 inputs and no hot rows, some, or every one."""
+    rng = np.random.default_rng(30)
+    layout = simulator.layouts()[0]
+    fmt = formats.FORMATS[formats.FLOAT8_E4M3]
+    weight = random_bits(rng, layout.padded_rows, 8, fmt.dtype)
+    hot = np.flatnonzero(rng.random(layout.padded_rows) < hot_share).astype(np.int64)
+    tiered = nc.EmbeddingTable(weight, scale=0.5, placement="pinned", hot_rows=hot)
+    plain = nc.EmbeddingTable(weight, scale=0.5)
+    batch = simulator.random_batch(rng, layout, 7, 2, dtypes=(np.int32,) * 3)
+    out_format = formats.FORMATS[formats.BFLOAT16]
+    storage = tiered.storage
+    got, _, counts = simulated_fused(layout, tiered, batch, out_format,
+                                     (storage.map, storage.host_hot.view(fmt.raw)))
+    want, _, _ = simulated_fused(layout, plain, batch, out_format)
+    np.testing.assert_array_equal(got, want)
+    ids = reference.compute_ngram_ids(layout, *batch)
+    assert list(counts) == expected_counts(ids, hot, 0, layout.padded_rows)
+
+
+def test_simulated_fused_tier_equals_the_cuda_tiered_gather(simulate, host_gather):
+    """The Numba slot map (fused kernel, simulated) and its CUDA C twin (``gather_tiered_rows``,
+    host build) on the same map and ids: the same bytes and the same counts per tier."""
+    rng = np.random.default_rng(40)
+    layout = simulator.layouts()[1]
+    fmt, out_format = (formats.FORMATS[code] for code in (formats.FLOAT16, formats.FLOAT32))
+    weight, start, batch, ids, hot = fused_case(rng, layout, fmt, 4, 8)
+    table = nc.EmbeddingTable(weight, placement="pinned", row_start=start,
+                              total_rows=layout.padded_rows, hot_rows=hot)
+    marked = random_bits(rng, hot.size, 4, fmt.dtype).view(fmt.raw)
+    rows, _, counts = simulated_fused(layout, table, batch, out_format,
+                                      (table.storage.map, marked))
+    out = np.full(rows.shape, 0xAB, out_format.raw)
+    cuda_counts = np.zeros((gather_cupy.COUNTER_LANES, 2), np.uint64)
+    plan = gather_cupy.launch_plan(weight.view(fmt.raw), fmt.code, start, 1.0, ids, out,
+                                   out_format.code, None, (table.storage.map, marked),
+                                   cuda_counts)
+    host_gather.run(plan)
+    np.testing.assert_array_equal(rows, out)
+    np.testing.assert_array_equal(counts, cuda_counts.sum(axis=0))
+
+
+def test_fused_words_fit_the_table_and_the_tier():
+    """The tier is read with the table's words: as wide as both addresses allow."""
+    base = np.zeros(256, np.uint8)
+    aligned = base[-base.ctypes.data % 16:][:64].reshape(4, 16)
+    shifted = base[-base.ctypes.data % 16 + 100:][:32].reshape(2, 16)  # 4 past 16: 4-byte words
+    assert fused_cuda.table_words(aligned, 1).dtype == np.uint64
+    assert fused_cuda.table_words(aligned, 1, shifted).dtype == np.uint32
+    layout = simulator.layouts()[0]
+    words = np.zeros((layout.padded_rows, 2), np.uint64)
+    with pytest.raises(ValueError, match="words of the table's width"):
+        fused_cuda.launch_fused(layout, np.zeros(1, np.int64), np.array([0, 1]),
+                                np.zeros((1, 1), np.int64), ids_cuda.layout_params(layout),
+                                words, formats.FLOAT8_E4M3, 0, 1.0, False,
+                                np.zeros((1, 1), np.int64), np.zeros((1, 16), np.uint16), 2,
+                                hot=((np.zeros(1, np.uint64), np.zeros(1, np.uint32)),
+                                     np.zeros((1, 4), np.uint32)),
+                                counts=np.zeros((64, 2), np.uint64))
+
+
 # ---- EmbeddingTable(..., hot_rows=...) ----
 
 def tiered_and_plain(weight, hot, placement="pinned", **kwargs):
@@ -316,3 +444,44 @@ def test_gpu_tiered_lookup_equals_the_cpu_one(dtype, out_dtype):
     again = tiered.lookup(cupy.asarray(ids), out_dtype=out_dtype)
     np.testing.assert_array_equal(cupy.asnumpy(again), cupy.asnumpy(got))
     assert tiered.counters == {"hot_rows": 2 * hot_read, "cold_rows": 2 * cold_read}
+
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, out_dtype", PAIRS, ids=str)
+def test_gpu_fused_tier_equals_the_untiered_lookup(dtype, out_dtype):
+    """On a device: the tiered fused kernel (one launch) gives the untiered table's bytes, ids
+    included, and counts each row read in its tier, on a whole table and on a row shard."""
+    import cupy
+
+    config = nc.NGramConfig(vocab_size=5000, ngram_size=3, heads_per_ngram=8,
+                            ngram_vocab_size_base=20_000, eos_token_id=7,
+                            embedding_dim=16 * 160 // formats.storage_format(dtype).itemsize)
+    layout = nc.layer_layout(config, 0)
+    rng = np.random.default_rng(16)
+    weight = random_bits(rng, layout.padded_rows, layout.head_dim, dtype)
+    num_tokens = 700
+    tokens = rng.integers(0, 5000, num_tokens)
+    tokens[::5] = 7
+    starts = np.array([0, 1, 300, 300, num_tokens])
+    context = rng.integers(0, 5000, (4, 2))
+    ids = reference.compute_ngram_ids(layout, tokens, starts, context)
+    plain = nc.NGramEmbedding(layout, nc.EmbeddingTable(weight, scale=0.5))
+    want = plain(tokens, starts, context, out_dtype=out_dtype)
+    bits = f"u{want.itemsize}"
+    for start, stop in [(0, layout.padded_rows), (1000, 30_000)]:
+        hot = np.unique(np.concatenate([ids[(ids >= start) & (ids < stop)][::3],
+                                        rng.integers(start, stop, 500)]))
+        table = nc.EmbeddingTable(weight[start:stop], scale=0.5, placement="pinned",
+                                  row_start=start, total_rows=layout.padded_rows,
+                                  hot_rows=hot)
+        fused = nc.NGramEmbedding(layout, table, fused=True)
+        ids_out = cupy.full(ids.shape, -1, cupy.int64)
+        got = cupy.asnumpy(fused(cupy.asarray(tokens), cupy.asarray(starts),
+                                 cupy.asarray(context), out_dtype=out_dtype, ids_out=ids_out))
+        np.testing.assert_array_equal(ids_out.get(), ids)
+        inside = np.repeat((ids >= start) & (ids < stop), layout.head_dim, axis=1)
+        np.testing.assert_array_equal(got.view(bits)[inside], want.view(bits)[inside])
+        assert not got.view(bits)[~inside].any()
+        hot_read, cold_read = expected_counts(ids, hot, start, stop - start)
+        assert table.counters == {"hot_rows": hot_read, "cold_rows": cold_read}

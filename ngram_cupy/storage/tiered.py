@@ -5,11 +5,15 @@ tier in order, so a row's slot is its rank; the slot map says which rows are hot
 one launch of ``gather_tiered_rows`` (hot rows from GPU memory, the rest from the cold storage's
 mapped pinned memory) that adds the rows read per tier to device counters, read only when
 ``counters`` is asked for. A CPU lookup (no GPU: both tiers in ordinary memory) runs the tiered
-Numba gather, counting the same way. Writes go to the cold rows and to any hot copy of them;
-rows written any other way (through ``host_view``) leave the hot copies stale.
+Numba gather, counting the same way. The fused ids + gather kernel reads the same tiers
+(``device_tier`` over the cold rows) and adds to the same counters. Writes go to the cold rows
+and to any hot copy of them; rows written any other way (through ``host_view``) leave the hot
+copies stale until ``refresh`` copies them again.
 """
 
 from __future__ import annotations
+
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -18,6 +22,16 @@ from ..backends import DEVICE, HOST, Backend, cuda_stream, cupy_module
 from ..hot_rows import build_map
 from .base import Gather, Storage
 from .gpu import fill
+
+
+class DeviceTier(NamedTuple):
+    """The GPU side of a hot tier, for kernels that read it: the slot map ``(words, ranks)``, the
+    raw hot rows ``[hot, head_dim]`` and the counters (uint64 ``[COUNTER_LANES, 2]``: hot,
+    cold)."""
+
+    map: tuple[Any, Any]
+    rows: Any
+    counts: Any
 
 
 class TieredStorage(Storage):
@@ -52,6 +66,13 @@ class TieredStorage(Storage):
                 self.device_counts = cupy.zeros((gather_cupy.COUNTER_LANES, 2), np.uint64)
 
     @property
+    def device_tier(self) -> DeviceTier | None:
+        """The tier on the GPU (over ``cold.device_view``), or None when the GPU cannot read it."""
+        if self.device_hot is None:
+            return None
+        return DeviceTier(self.device_map, self.device_hot, self.device_counts)
+
+    @property
     def hot_nbytes(self) -> int:
         """Bytes of the hot tier and its slot map (GPU memory when the GPU reads the table)."""
         return self.host_hot.nbytes + self.map.nbytes
@@ -62,8 +83,8 @@ class TieredStorage(Storage):
         return self.cold.writable
 
     def reads(self, side: Backend) -> bool:
-        """As the cold storage (the fused kernel, reading ``device_view``, is not tiered: it
-        sees none, and lookups gather ids first, then rows)."""
+        """As the cold storage (``device_view`` stays None: a kernel outside the storage reads
+        ``cold.device_view`` through ``device_tier``, never the cold rows alone)."""
         return self.cold.reads(side)
 
     def write_rows(self, local_start: int, rows) -> None:
