@@ -230,6 +230,15 @@ class EmbeddingTable:
         with call.on():
             self.storage.write_rows(int(start) - self.row_start, rows.view(self.format.raw))
 
+    def refresh_hot_rows(self) -> None:
+        """Copy the hot tier's rows again from the table's rows (nothing without ``hot_rows``).
+
+        ``write_rows`` keeps the tier current; rows changed any other way (in place through
+        ``host_view``, or a torch tensor sharing it) leave stale hot copies until this is called.
+        """
+        if isinstance(self.storage, TieredStorage):
+            self.storage.refresh()
+
     # ---- lookups ----
 
     def _request(self, ids, out, out_dtype, stream) -> _Request:

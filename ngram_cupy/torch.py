@@ -70,8 +70,10 @@ class TableWeights(torch.nn.Module):
         ``assign=True`` replaced the buffers instead of copying into them."""
         view = _storage_view(module.table, module.weight.dtype)
         if module.weight.data_ptr() != view.data_ptr():
-            module.table.write_rows(0, module.weight.detach())
+            module.table.write_rows(0, module.weight.detach())  # keeps a hot tier current
             module.weight = view
+        else:  # copied in place into the table's rows, behind a hot tier's back
+            module.table.refresh_hot_rows()
         if hasattr(module, "weight_scale"):
             try:
                 module.set_scale(module.weight_scale)
@@ -93,11 +95,15 @@ class NGramEmbeddingModule(torch.nn.Module):
     float8_e4m3fn, as a torch dtype or a name); by default ``config.ple_embedding_dtype``, else
     torch's default dtype, as the reference layer does. The table is allocated here and filled by
     ``load_weights`` (or ``load_state_dict``); lookups give bfloat16 for float8 and bfloat16
-    tables, the storage type otherwise.
+    tables, the storage type otherwise. ``hot_rows`` (sorted unique row ids, e.g. from
+    ``ngram-cupy stats --save-hot-rows``; placement ``"pinned"`` or ``"cpu"``) puts those rows
+    in a hot tier (GPU memory for a pinned table) that lookups read them from; every load path
+    keeps it current, and a caller who changes ``ngram_embedding.weight`` in place calls
+    ``refresh_hot_rows()`` afterwards.
     """
 
     def __init__(self, config: NGramConfig, layer: int, *, placement: str = "gpu",
-                 weight_dtype: torch.dtype | str | None = None):
+                 weight_dtype: torch.dtype | str | None = None, hot_rows=None):
         super().__init__()
         if not isinstance(config, NGramConfig):
             raise TypeError(f"config must be an NGramConfig, got {type(config).__name__}")
@@ -108,7 +114,7 @@ class NGramEmbeddingModule(torch.nn.Module):
             weight_dtype = config.ple_embedding_dtype or torch.get_default_dtype()
         layout = layer_layout(config, layer)
         table = EmbeddingTable.empty(layout.padded_rows, layout.head_dim, weight_dtype,
-                                     placement=placement)
+                                     placement=placement, hot_rows=hot_rows)
         self.layout = layout
         self.embedding = NGramEmbedding(layout, table)
         self.out_dtype = default_output(table.format).torch_dtype
@@ -129,6 +135,11 @@ class NGramEmbeddingModule(torch.nn.Module):
         """Indexes of checkpoint shards ``load_weights`` has not received yet."""
         parts = self.layout.config.split_ngram_parts
         return [i for i in range(parts) if i not in self._loaded_shards]
+
+    def refresh_hot_rows(self) -> None:
+        """Copy the hot tier's rows again from the table (after an in-place weight change; the
+        load paths do this themselves). Nothing without ``hot_rows``."""
+        self.table.refresh_hot_rows()
 
     # ---- lookups ----
 

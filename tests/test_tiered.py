@@ -375,6 +375,23 @@ def test_written_rows_reach_the_hot_tier():
                               "cold_rows": 9 - int(np.isin(ids.ravel()[7:], hot).sum())}
 
 
+def test_rows_changed_in_place_reach_the_hot_tier_on_refresh():
+    rng = np.random.default_rng(17)
+    weight = random_bits(rng, 100, 4, np.float16)
+    hot = np.array([0, 7, 64, 99], np.int64)
+    table = nc.EmbeddingTable(weight, placement="pinned", hot_rows=hot)
+    ids = np.array([[0, 7, 64, 99], [1, 8, 65, 98]])
+    new = random_bits(rng, 100, 4, np.float16)
+    table.host_view[...] = new  # behind the tier's back: hot copies stale
+    stale = table.lookup(ids).view(np.uint16)
+    np.testing.assert_array_equal(stale[0], nc.EmbeddingTable(weight).lookup(ids)[0].view(
+        np.uint16))
+    table.refresh_hot_rows()
+    np.testing.assert_array_equal(table.lookup(ids).view(np.uint16),
+                                  nc.EmbeddingTable(new).lookup(ids).view(np.uint16))
+    nc.EmbeddingTable(weight).refresh_hot_rows()  # untiered: nothing to do
+
+
 def test_prefetch_through_the_tier():
     rng = np.random.default_rng(14)
     weight = random_bits(rng, 500, 8, ml_dtypes.bfloat16)

@@ -478,3 +478,61 @@ def test_cuda_tensors_match_the_cpu(placement, dtype_name):
     restored = NGramEmbeddingModule(config, 2, placement=placement, weight_dtype=dtype_name)
     restored.load_state_dict(cpu.state_dict())
     np.testing.assert_array_equal(bits(restored(hidden_states, *cuda_batch)), bits(want))
+
+
+def test_hot_rows_stay_current_through_every_load_path(dtype_name="float8_e4m3fn"):
+    """A module with a hot tier looks up what the untiered one does, hot and cold ids alike,
+    after load_weights, load_state_dict (in place and assign=True), new weights each time, and
+    an in-place weight change followed by refresh_hot_rows."""
+    config = small_config()
+    layout = nc.layer_layout(config, 1)
+    batch = packed(config, [[1, 2, 3, 4, 3, 9, 11], [3, 5, 6]], [[0, 3], [7, 8]])
+    ids = reference.compute_ngram_ids(layout, *(t.numpy() for t in batch))
+    hot = np.unique(np.concatenate([ids.ravel()[::2], [0, layout.padded_rows - 1]]))
+    module = NGramEmbeddingModule(config, 1, placement="pinned", weight_dtype=dtype_name,
+                                  hot_rows=hot)
+    read = {"hot_rows": 0, "cold_rows": 0}
+
+    def check(weight, scale):
+        want = expected_rows(config, 1, weight, scale, *batch)
+        got = bits(module(None, *batch))
+        np.testing.assert_array_equal(got, want.view(got.dtype))
+        for tier, count in zip(read, (np.isin(ids, hot).sum(), (~np.isin(ids, hot)).sum()),
+                               strict=True):
+            read[tier] += int(count)
+        assert module.table.counters == read
+
+    for seed in (1, 2):  # load_weights, then other weights
+        weight = random_rows(layout.padded_rows, layout.head_dim, dtype_name, seed)
+        module.load_weights(checkpoint_weights(config, 1, weight, DTYPES[dtype_name][2]))
+        check(weight, DTYPES[dtype_name][2])
+    for seed, assign in ((3, False), (4, True)):
+        source, weight, scale = loaded_module(config, 1, dtype_name, seed=seed)
+        module.load_state_dict({name: value.clone() for name, value in
+                                source.state_dict().items()}, assign=assign)
+        check(weight, scale)
+    weight = random_rows(layout.padded_rows, layout.head_dim, dtype_name, 5)
+    with torch.no_grad():
+        module.ngram_embedding.weight.copy_(as_torch(weight))
+    module.refresh_hot_rows()
+    check(weight, scale)
+
+
+@pytest.mark.gpu
+def test_cuda_hot_rows_stay_current_through_load_state_dict():
+    """On a device: the GPU hot tier of a pinned module, after an in-place load_state_dict,
+    gives the CPU module's rows (and counts its hot reads)."""
+    config = small_config()
+    layout = nc.layer_layout(config, 1)
+    batch = packed(config, [[1, 2, 3, 4, 3, 9, 11], [3, 5, 6]], [[0, 3], [7, 8]])
+    ids = reference.compute_ngram_ids(layout, *(t.numpy() for t in batch))
+    hot = np.unique(ids.ravel()[::2])
+    module = NGramEmbeddingModule(config, 1, placement="pinned", weight_dtype="float8_e4m3fn",
+                                  hot_rows=hot)
+    assert module.table.storage.device_tier is not None
+    cuda_batch = [t.cuda() for t in batch]
+    for seed in (1, 2):
+        cpu, _, _ = loaded_module(config, 1, "float8_e4m3fn", seed=seed)
+        module.load_state_dict(cpu.state_dict())
+        np.testing.assert_array_equal(bits(module(None, *cuda_batch)), bits(cpu(None, *batch)))
+    assert module.table.counters["hot_rows"] == 2 * int(np.isin(ids, hot).sum())

@@ -102,6 +102,15 @@ class TieredStorage(Storage):
             with self.device_hot.device:
                 fill(self.device_hot[first:last], block, cuda_stream())
 
+    def refresh(self) -> None:
+        """Copy every hot row again from the cold rows: after they changed other than through
+        ``write_rows`` (in place through ``host_view``, or a torch ``state_dict`` sharing it).
+        Finished when this returns, as ``write_rows`` is."""
+        self.host_hot[...] = self.host_view.view(self.cold.format.raw)[self.hot_rows]
+        if self.device_hot is not None:
+            with self.device_hot.device:
+                fill(self.device_hot, self.host_hot, cuda_stream())
+
     def gather(self, job: Gather) -> None:
         """The tiered gather of the ids' side (``job.dedup`` is not used: one launch)."""
         raw = self.cold.format.raw
