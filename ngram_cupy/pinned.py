@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from .backends import cupy_module
+from .used_streams import UsedStreams
 
 # cudaHostRegisterPortable | cudaHostRegisterMapped: every device and context may map it.
 _REGISTER_FLAGS = 0x01 | 0x02
@@ -37,7 +38,7 @@ class Registration:
     def __init__(self, pointer: int, memory: Any):
         self.pointer = pointer
         self.memory = memory
-        self.streams: dict[int, Any] = {}  # by handle: the streams that read the memory
+        self.streams = UsedStreams()  # the streams that read the memory
 
     @property
     def released(self) -> bool:
@@ -46,20 +47,18 @@ class Registration:
 
     def used_on(self, stream: Any) -> None:
         """Remember a stream that reads the memory."""
-        self.streams.setdefault(stream.ptr, stream)
+        self.streams.add(stream)
 
     def release(self) -> bool:
         """Wait for the streams that read the memory, then unregister it. While any of them is
         capturing a CUDA graph nothing is done (a wait would break the capture): False."""
         if self.released:
             return True
-        if any(stream.is_capturing() for stream in self.streams.values()):
+        if self.streams.capturing():
             return False
-        for stream in self.streams.values():
-            stream.synchronize()
+        self.streams.synchronize()
         host_unregister(self.pointer)
         self.memory = None
-        self.streams.clear()
         return True
 
 

@@ -175,7 +175,8 @@ class EmbeddingTable:
     @property
     def counters(self) -> dict[str, int]:
         """Rows read from each tier since creation, ``{"hot_rows": .., "cold_rows": ..}``, for a
-        table with ``hot_rows`` (reading the GPU's counts waits for the GPU); else empty."""
+        table with ``hot_rows`` (reading the GPU's counts waits for the streams that looked the
+        table up, and refuses while one of them captures a CUDA graph); else empty."""
         return self.storage.counters if isinstance(self.storage, TieredStorage) else {}
 
     @property

@@ -10,9 +10,11 @@ import simulator
 
 import ngram_cupy as nc
 from ngram_cupy import formats, fused_cuda, gather_cupy, ids_cuda, reference
+from ngram_cupy.backends import DEVICE
 from ngram_cupy.dequant import reference_lookup
 from ngram_cupy.gather_numba import gather_rows
 from ngram_cupy.hot_rows import build_map, check_hot_rows
+from ngram_cupy.storage import Gather
 
 # 4 heads of prime sizes 11, 13, 17, 19: 60 rows padded to 64, cut in 6 shards of 11.
 TINY = nc.NGramConfig(
@@ -407,6 +409,51 @@ def test_prefetch_through_the_tier():
     assert sum(tiered.counters.values()) == (expected_counts(first, hot, 0, 500)[0]
                                              + expected_counts(first, hot, 0, 500)[1]
                                              + sum(expected_counts(differs, hot, 0, 500)))
+
+
+class FakeStream:
+    """A CuPy-like stream: records its waits, and whether it is capturing a graph."""
+
+    def __init__(self, log, name, ptr, capturing=False):
+        self.log, self.name, self.ptr, self.capturing = log, name, ptr, capturing
+
+    def synchronize(self):
+        self.log.append(f"synchronize {self.name}")
+
+    def is_capturing(self):
+        return self.capturing
+
+
+def test_gpu_counters_wait_for_the_tables_streams_only(monkeypatch):
+    """Reading the GPU's counters waits for the streams that looked the table up (never the
+    whole device: that breaks a global-mode graph capture elsewhere) and refuses while one of
+    them is capturing a graph."""
+    from ngram_cupy.storage import tiered
+
+    log = []
+    table = nc.EmbeddingTable(np.zeros((100, 4), np.float32), placement="pinned",
+                              hot_rows=[1, 2])
+    table.lookup(np.array([[1, 5, 2]]))  # host counts: 2 hot, 1 cold
+    storage = table.storage
+    storage.device_counts = "device counters"
+    monkeypatch.setattr(tiered, "read_counts", lambda counts: log.append(f"read {counts}")
+                        or np.array([30, 40], np.uint64))
+    monkeypatch.setattr(tiered, "cupy_module", lambda: pytest.fail("a device-wide call"))
+    caller, side = FakeStream(log, "caller", 1, capturing=True), FakeStream(log, "side", 2)
+    for stream in (caller, side, caller):  # what lookups and the fused kernel report
+        storage.used_on(stream)
+    with pytest.raises(RuntimeError, match="capturing a CUDA graph: read them after"):
+        _ = table.counters
+    assert log == []
+    caller.capturing = False
+    assert table.counters == {"hot_rows": 32, "cold_rows": 41}
+    assert log == ["synchronize caller", "synchronize side", "read device counters"]
+    assert table.counters == {"hot_rows": 32, "cold_rows": 41}  # nothing ran since: no wait
+    assert log[3:] == ["read device counters"]
+    monkeypatch.setattr(gather_cupy, "gather_rows", lambda *args, **kwargs: None)
+    storage.gather(Gather(DEVICE, None, None, 0, 0, np.float32(1), stream=side))  # a lookup
+    _ = table.counters
+    assert log[4:] == ["synchronize side", "read device counters"]
 
 
 @pytest.mark.parametrize("hot_rows, error, match", [

@@ -4,8 +4,9 @@ The hot rows (sorted local rows, see ``hot_rows``) are copied from the cold stor
 tier in order, so a row's slot is its rank; the slot map says which rows are hot. A GPU lookup is
 one launch of ``gather_tiered_rows`` (hot rows from GPU memory, the rest from the cold storage's
 mapped pinned memory) that adds the rows read per tier to device counters, read only when
-``counters`` is asked for. A CPU lookup (no GPU: both tiers in ordinary memory) runs the tiered
-Numba gather, counting the same way. The fused ids + gather kernel reads the same tiers
+``counters`` is asked for: after the streams that ran lookups on the table, and those alone. A
+CPU lookup (no GPU: both tiers in ordinary memory) runs the tiered Numba gather, counting the
+same way. The fused ids + gather kernel reads the same tiers
 (``device_tier`` over the cold rows) and adds to the same counters. Writes go to the cold rows
 and to any hot copy of them; rows written any other way (through ``host_view``) leave the hot
 copies stale until ``refresh`` copies them again.
@@ -20,8 +21,17 @@ import numpy as np
 from .. import gather_numba
 from ..backends import DEVICE, HOST, Backend, cuda_stream, cupy_module
 from ..hot_rows import build_map
+from ..used_streams import UsedStreams
 from .base import Gather, Storage
 from .gpu import fill
+
+
+def read_counts(counts) -> np.ndarray:
+    """The ``(hot, cold)`` sums of finished device counters, copied on a stream of their own (the
+    legacy default stream would wait for every other stream of the device)."""
+    cupy = cupy_module()
+    with counts.device:
+        return counts.get(stream=cupy.cuda.Stream(non_blocking=True)).sum(axis=0)
 
 
 class DeviceTier(NamedTuple):
@@ -55,6 +65,7 @@ class TieredStorage(Storage):
         self.host_hot = self.host_view.view(cold.format.raw)[hot_rows]
         self.host_counts = np.zeros(2, np.int64)
         self.device_map = self.device_hot = self.device_counts = None
+        self.streams = UsedStreams()  # those whose kernels add to device_counts
         if cold.device_view is not None:
             from .. import gather_cupy
 
@@ -123,7 +134,7 @@ class TieredStorage(Storage):
         from .. import gather_cupy
 
         assert job.side is DEVICE
-        self.cold.used_on(job.stream)
+        self.used_on(job.stream)
         gather_cupy.gather_rows(self.cold.device_view, self.format.code, job.row_start,
                                 job.scale, job.ids, job.out, job.out_code, job.expected,
                                 stream=job.stream, hot=(self.device_map, self.device_hot),
@@ -131,18 +142,24 @@ class TieredStorage(Storage):
 
     @property
     def counters(self) -> dict[str, int]:
-        """Rows read from each tier since creation (reading the GPU's counters waits for it)."""
+        """Rows read from each tier since creation. The GPU's counts are read after the streams
+        that ran lookups on the table finish their work (those streams only, never the whole
+        device); a RuntimeError while one of them is capturing a CUDA graph."""
         hot, cold = (int(count) for count in self.host_counts)
         if self.device_counts is not None:
-            cupy = cupy_module()
-            with self.device_counts.device:
-                cupy.cuda.runtime.deviceSynchronize()  # lookups may run on any stream
-                device = self.device_counts.sum(axis=0).get()
+            if self.streams.capturing():
+                raise RuntimeError("cannot read the hot-row counters while a stream that looks "
+                                   "up the table is capturing a CUDA graph: read them after the "
+                                   "capture")
+            self.streams.synchronize()
+            device = read_counts(self.device_counts)
             hot, cold = hot + int(device[0]), cold + int(device[1])
         return {"hot_rows": hot, "cold_rows": cold}
 
     def used_on(self, stream) -> None:
-        """The cold storage's memory must outlive the kernels that read it."""
+        """Kernels on ``stream`` add to the counters and read the cold storage's memory, which
+        must outlive them."""
+        self.streams.add(stream)
         self.cold.used_on(stream)
 
     def close(self) -> None:
