@@ -23,10 +23,12 @@ class UsedStreams:
 
     def capturing(self) -> bool:
         """Whether one of the streams is capturing a CUDA graph now."""
-        return any(stream.is_capturing() for stream in self.streams.values())
+        return any(stream.is_capturing() for stream in list(self.streams.values()))
 
     def synchronize(self) -> None:
         """Wait for the work queued on every stream so far, then forget them."""
-        for stream in self.streams.values():
+        waited = list(self.streams.items())
+        for _, stream in waited:
             stream.synchronize()
-        self.streams.clear()
+        for handle, _ in waited:
+            self.streams.pop(handle, None)

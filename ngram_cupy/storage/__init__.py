@@ -24,7 +24,8 @@ The interface (``Storage`` in ``base``; each placement is one module: ``cpu``, `
   memory, or host memory mapped for the GPU), else None. Kernels outside the storage (the fused
   ids + gather) read ``device_view`` directly, so a storage whose rows are not all at one device
   address (a tiered one) leaves it None, and ``reads`` says which sides its own ``gather``
-  serves.
+  serves; such kernels read a tiered storage through ``EmbeddingTable.device_rows_on`` (its cold
+  rows and ``device_tier``).
 - ``used_on(stream)``: note that a kernel reading ``device_view`` runs on ``stream`` (the fused
   kernel calls it); storages whose memory must outlive such kernels remember it.
 - ``close()``: release what the storage holds (registrations); it may be unusable afterwards.
