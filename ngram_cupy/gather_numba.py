@@ -40,6 +40,8 @@ DEQUANT_DIGEST = source_digest(dequant, formats, hot_rows)
 
 # Rows below which a thread pool costs more than it saves (decode batches of a few hundred tokens).
 PARALLEL_MIN_ROWS = 8192
+# The same when every core is taken (4,096 tokens, 65,536 rows, still gain from threads there).
+PARALLEL_BUSY_MIN_ROWS = 1 << 15
 # Tokens per parallel work item.
 BLOCK = 64
 CACHE_LINE = 64
@@ -203,7 +205,7 @@ def gather_rows(table: np.ndarray, code: int, row_start: int, scale: np.float32,
         blocks = max(-(-ids.shape[0] // BLOCK), 1)  # a serial gather counts in the first
     block_counts = np.zeros((blocks, 2), np.int64)
     min_rows = PARALLEL_MIN_ROWS if parallel is None else 0 if parallel else 1 << 62
-    with use_threads(ids.size, min_rows) as threaded:
+    with use_threads(ids.size, min_rows, PARALLEL_BUSY_MIN_ROWS) as threaded:
         _gather_kernel(code, out_code, threaded, hot is not None)(
             table, np.int64(row_start), scale, outputs, ids,
             NO_EXPECTED if expected is None else expected, out, words, ranks, hot_table,

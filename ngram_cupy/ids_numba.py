@@ -21,6 +21,9 @@ HASHING_DIGEST = source_digest(hashing)
 BLOCK = 512
 # Below this many tokens a thread pool costs more than it saves (decode batches).
 PARALLEL_MIN_TOKENS = 1024
+# Below this many, threads wait for a descheduled worker more than they save when every core is
+# taken (32 x 512 tokens with both cores busy: 1.28x the one-thread time on threads).
+PARALLEL_BUSY_MIN_TOKENS = 1 << 16
 
 
 @cache
@@ -57,7 +60,7 @@ def ngram_ids_numba(layout, tokens, query_start_loc, context, out, parallel: boo
     the threading layer allows (``cpu_threads.use_threads``), ``False`` never.
     """
     min_tokens = PARALLEL_MIN_TOKENS if parallel is None else 0 if parallel else 1 << 62
-    with use_threads(tokens.shape[0], min_tokens) as threaded:
+    with use_threads(tokens.shape[0], min_tokens, PARALLEL_BUSY_MIN_TOKENS) as threaded:
         kernel = _ids_kernel(layout.ngram_size, layout.heads_per_ngram, threaded)
         kernel(tokens, query_start_loc, context, layout.multipliers, layout.head_sizes,
                layout.head_magics, layout.head_offsets, layout.eos_token_id, out)

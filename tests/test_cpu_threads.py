@@ -46,3 +46,22 @@ def test_small_work_runs_serially_and_forced_work_in_parallel_under_tbb():
     if cpu_threads.threading_layer() == "tbb":
         with cpu_threads.use_threads(10, 0) as threaded:
             assert threaded
+
+
+@pytest.mark.parametrize(("loadavg", "taken"), [
+    ("0.10 0.20 0.30 1/300 4242", False),  # only the caller runs
+    ("5.00 4.00 3.00 999/1200 4242", True),  # more runnable threads than any host's cores
+    ("garbled", False),  # unreadable: assume free, as on hosts without /proc
+])
+def test_every_core_taken_makes_mid_sized_work_serial(tmp_path, monkeypatch, loadavg, taken):
+    if cpu_threads.threading_layer() != "tbb":
+        pytest.skip("the busy threshold applies under the tbb layer")
+    stat = tmp_path / "loadavg"
+    stat.write_text(loadavg)
+    monkeypatch.setattr(cpu_threads, "RUNNABLE_FILE", str(stat))
+    monkeypatch.setattr(cpu_threads, "_busy_reading", [-1.0, False])
+    assert cpu_threads.cores_taken() is taken
+    with cpu_threads.use_threads(100, 10, 1000) as threaded:
+        assert threaded is not taken  # mid-sized: serial exactly when the cores are taken
+    with cpu_threads.use_threads(5000, 10, 1000) as threaded:
+        assert threaded  # large work repays a stall: threads even then
