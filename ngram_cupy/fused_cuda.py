@@ -47,6 +47,28 @@ def store_ids(staged, count, heads, first, lane, block, ids_out):
 
 
 @inline_jitable
+def stage_block(tokens, query_start_loc, context, params, eos, ngram_size, heads_per_ngram,
+                heads, first, lane, block, staged, write_ids, ids_out):
+    """Hash the block's tokens from ``first`` into ``staged`` (shared), storing the ids too when
+    ``write_ids``; returns how many of the block's tokens exist."""
+    stage_token_ids(tokens, query_start_loc, context, params, eos, ngram_size, heads_per_ngram,
+                    first + lane, staged, lane)
+    cuda.syncthreads()
+    count = clamp(tokens.shape[0] - first, 0, block)
+    if write_ids:  # the caller wants the ids too
+        store_ids(staged, count, heads, first, lane, block, ids_out)
+    return count
+
+
+@inline_jitable
+def locate(flat, words, heads):
+    """``(token, head, word)`` of a block's ``flat`` work item: token-major, then head, word."""
+    item = flat // words
+    row = item // heads
+    return row, item - row * heads, flat - item * words
+
+
+@inline_jitable
 def store_word(packed, inside, per_word, bits, mask, code, scale, out_code, out, t, column):
     """The ``per_word`` values of one table word, dequantised into ``out[t, column:]``; zeros
     for an id outside the table (``inside`` false: ``packed`` was not read)."""
@@ -84,18 +106,12 @@ def fused_kernel(ngram_size: int, heads_per_ngram: int, head_dim: int, code: int
         staged = cuda.shared.array(shape, int64)
         lane = cuda.threadIdx.x
         first = cuda.blockIdx.x * block
-        stage_token_ids(tokens, query_start_loc, context, params, eos, ngram_size,
-                        heads_per_ngram, first + lane, staged, lane)
-        cuda.syncthreads()
-        count = clamp(tokens.shape[0] - first, 0, block)
-        if write_ids:  # the caller wants the ids too
-            store_ids(staged, count, heads, first, lane, block, ids_out)
+        count = stage_block(tokens, query_start_loc, context, params, eos, ngram_size,
+                            heads_per_ngram, heads, first, lane, block, staged, write_ids,
+                            ids_out)
         rows = table.shape[0]
         for flat in range(lane, count * heads * words, block):
-            item = flat // words
-            word = flat - item * words
-            row = item // heads
-            head = item - row * heads
+            row, head, word = locate(flat, words, heads)
             local = staged[row, head] - row_start
             inside = 0 <= local < rows
             packed = uint64(table[local, word]) if inside else uint64(0)
@@ -108,19 +124,13 @@ def fused_kernel(ngram_size: int, heads_per_ngram: int, head_dim: int, code: int
         staged = cuda.shared.array(shape, int64)
         lane = cuda.threadIdx.x
         first = cuda.blockIdx.x * block
-        stage_token_ids(tokens, query_start_loc, context, params, eos, ngram_size,
-                        heads_per_ngram, first + lane, staged, lane)
-        cuda.syncthreads()
-        count = clamp(tokens.shape[0] - first, 0, block)
-        if write_ids:
-            store_ids(staged, count, heads, first, lane, block, ids_out)
+        count = stage_block(tokens, query_start_loc, context, params, eos, ngram_size,
+                            heads_per_ngram, heads, first, lane, block, staged, write_ids,
+                            ids_out)
         rows = table.shape[0]
         counter = cuda.blockIdx.x % counts.shape[0]
         for flat in range(lane, count * heads * words, block):
-            item = flat // words
-            word = flat - item * words
-            row = item // heads
-            head = item - row * heads
+            row, head, word = locate(flat, words, heads)
             local = staged[row, head] - row_start
             inside = 0 <= local < rows
             packed = uint64(0)
