@@ -10,6 +10,7 @@ adding an entry here (and its decoding in ``dequant.py``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import ml_dtypes
@@ -71,7 +72,22 @@ def names() -> str:
 
 
 def find_format(dtype: Any) -> Format | None:
-    """The format of a NumPy / ml_dtypes / torch dtype, a name or a safetensors code; or None."""
+    """The format of a NumPy / ml_dtypes / torch dtype, a name or a safetensors code; or None.
+    Remembered per hashable dtype: every lookup asks, and a dtype's name is slow to build."""
+    try:
+        return _cached_format(dtype)
+    except TypeError:  # unhashable: not remembered
+        return _format_of(dtype)
+
+
+@lru_cache(maxsize=256)
+def _cached_format(dtype: Any) -> Format | None:
+    """``_format_of`` remembered."""
+    return _format_of(dtype)
+
+
+def _format_of(dtype: Any) -> Format | None:
+    """``find_format``, worked out."""
     text = str(dtype).removeprefix("torch.")
     if text in BY_SAFETENSORS:
         return BY_SAFETENSORS[text]
