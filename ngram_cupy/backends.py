@@ -274,6 +274,9 @@ def bind(stream: Any = None, **arrays: Any) -> Call:
     Device arguments are imported for the stream the kernels will run on; a ``stream`` with host
     arrays is a ``ValueError``; bad streams are a ``TypeError`` before any device work.
     """
+    if stream is None and all(value is None or type(value) is np.ndarray
+                              for value in arrays.values()):
+        return Call(HOST, None, dict(arrays), {}, dict(arrays), False)  # NumPy: nothing to do
     formats, unwrapped = {}, {}
     for name, value in arrays.items():
         unwrapped[name], fmt = unwrap_torch(value)
