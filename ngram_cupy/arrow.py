@@ -398,6 +398,24 @@ def slices(batches: Iterable[pa.RecordBatch], rows: int) -> Iterator[pa.RecordBa
             yield batch.slice(start, rows)
 
 
+def token_slices(batches: Iterable[pa.RecordBatch], column: str,
+                 max_tokens: int) -> Iterator[pa.RecordBatch]:
+    """Zero-copy slices of whole rows holding at most ``max_tokens`` tokens of ``column`` (a
+    longer row alone): bounds the ids one call computes. Batches without the column (text not
+    yet tokenized) pass whole."""
+    for batch in batches:
+        if batch.num_rows == 0 or batch.schema.get_field_index(column) < 0:
+            yield batch
+            continue
+        offsets = batch.column(column).offsets.to_numpy()
+        start = 0
+        while start < batch.num_rows:
+            end = int(np.searchsorted(offsets, offsets[start] + max_tokens, side="right")) - 1
+            end = min(max(end, start + 1), batch.num_rows)
+            yield batch.slice(start, end - start)
+            start = end
+
+
 def open_tokens(path: str | os.PathLike, batch_rows: int = 256) -> TokenSource:
     """Open a Parquet file or folder, or an Arrow IPC file or stream, for streaming in batches of
     at most ``batch_rows`` rows; the kind is read from the file's magic bytes."""

@@ -183,8 +183,8 @@ def compile_kernels(layouts: list[LayerLayout], schema: Any, column: str, quiet:
 
 def cmd_ids(args: argparse.Namespace) -> int:
     """Stream INPUT through the id columns into OUTPUT (Parquet), atomically."""
-    from .arrow import NGramIds, open_tokens
-    from .pipeline import write_ids, writer_options
+    from .arrow import NGramIds, open_tokens, token_slices
+    from .pipeline import tokens_per_call, write_ids, writer_options
 
     check_output(args.output, [args.input])
     layouts = layouts_for(load_config(args.config), args.layers)
@@ -212,7 +212,8 @@ def cmd_ids(args: argparse.Namespace) -> int:
             elapsed = max(time.perf_counter() - start, 1e-9)
             bar.set_postfix_str(f"{bar.format_sizeof(tokens / elapsed)} tokens/s", refresh=False)
 
-        write_ids(source.batches(), mapper, tmp, schema,
+        per_call = tokens_per_call(layouts[0].num_heads, mapper.id_dtype.itemsize)
+        write_ids(token_slices(source.batches(), args.column, per_call), mapper, tmp, schema,
                   writer_options(schema, source.schema, args.compression), progress)
     elapsed = time.perf_counter() - start
     if not args.quiet:

@@ -3,9 +3,13 @@
 pyarrow decodes and encodes Parquet with the GIL released and the id kernels release it too, so
 a reader thread, the calling thread (ids) and a writer thread keep the cores busy at once.
 Queues of ``DEPTH`` items bound the memory in flight; output batches are grouped into row groups
-of about ``ROW_GROUP_BYTES`` of ids (one row group per small input batch costs time and
-compression). The id columns are written without dictionary or statistics: hashed ids rarely
-repeat in a page, and their min/max say nothing.
+of about ``ROW_GROUP_BYTES`` (one row group per small input batch costs time and compression),
+except the first ones: ``FIRST_ROW_GROUP_BYTES``, then each twice the last, so the writer, which
+takes most of the time, starts after one call instead of a full row group. Each mapper call
+computes about ``CALL_IDS_BYTES`` of ids (``tokens_per_call``): NumPy backs arrays from 4 MiB with
+huge pages (a small buffer per call costs a page fault per 4 KiB), and the int64 ids narrowed to
+int32 stay in the last-level cache. The id columns are written without dictionary or statistics:
+hashed ids rarely repeat in a page, and their min/max say nothing.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import pyarrow.parquet as pq
 
 DEPTH = 2
 ROW_GROUP_BYTES = 32 << 20
+FIRST_ROW_GROUP_BYTES = 4 << 20
+CALL_IDS_BYTES = 8 << 20
 POLL_SECONDS = 0.1
 
 T = TypeVar("T")
@@ -30,6 +36,11 @@ def writer_options(schema: pa.Schema, input_schema: pa.Schema,
     """ParquetWriter keywords: dictionary encoding and statistics for the input's columns only."""
     return dict(compression=compression, use_dictionary=input_schema.names,
                 write_statistics=input_schema.names)
+
+
+def tokens_per_call(ids_per_token: int, itemsize: int) -> int:
+    """Tokens whose ids fill about ``CALL_IDS_BYTES``: the size of one mapper call."""
+    return max(1, CALL_IDS_BYTES // (ids_per_token * itemsize))
 
 
 def read_ahead(items: Iterable[T], depth: int = DEPTH) -> Iterator[T]:
@@ -124,14 +135,16 @@ def write_ids(batches: Iterable[pa.RecordBatch], mapper: Callable[[pa.RecordBatc
         try:
             group: list[pa.RecordBatch] = []
             size = 0
+            target = min(FIRST_ROW_GROUP_BYTES, ROW_GROUP_BYTES)
             for batch in read_ahead(batches):
                 mapped = mapper(batch)
                 group.append(mapped)
                 size += mapped.nbytes
                 on_batch(mapped)
-                if size >= ROW_GROUP_BYTES:
+                if size >= target:
                     out.put(pa.Table.from_batches(group, schema))
                     group, size = [], 0
+                    target = min(2 * target, ROW_GROUP_BYTES)
             if group:
                 out.put(pa.Table.from_batches(group, schema))
         finally:

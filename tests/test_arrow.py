@@ -13,7 +13,12 @@ pa = pytest.importorskip("pyarrow")
 ds = pytest.importorskip("pyarrow.dataset")
 pq = pytest.importorskip("pyarrow.parquet")
 
-from ngram_cupy.arrow import NGramIds, ngram_ids_batch, ngram_ids_batches  # noqa: E402
+from ngram_cupy.arrow import (  # noqa: E402
+    NGramIds,
+    ngram_ids_batch,
+    ngram_ids_batches,
+    token_slices,
+)
 
 CONFIG = nc.NGramConfig(vocab_size=50, ngram_size=3, heads_per_ngram=2, ngram_vocab_size_base=40,
                         eos_token_id=7)
@@ -102,6 +107,29 @@ def test_chunked_table_matches_flattened_tokens(chunks, list_type):
     assert [len(chunk) for chunk in out.column("ngram_ids").chunks] == [
         batch.num_rows for batch in table.to_batches()]
     assert_rows_equal(id_rows(out.column("ngram_ids")), expected_ids(sum(chunks, [])))
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=rows_strategy, data=st.data(), max_tokens=st.integers(1, 20),
+       list_type=st.sampled_from(LIST_TYPES))
+def test_token_slices_hold_whole_rows_up_to_the_budget(rows, data, max_tokens, list_type):
+    start = data.draw(st.integers(0, len(rows)))
+    batch = pa.record_batch({"tokens": token_array(rows, list_type),
+                             "doc": pa.array(range(len(rows)))}).slice(start)
+    pieces = list(token_slices([batch], "tokens", max_tokens))
+    assert pa.Table.from_batches(pieces, batch.schema).equals(pa.Table.from_batches([batch]))
+    for piece in pieces:
+        lengths = [len(row) for row in piece.column("tokens").to_pylist()]
+        assert piece.num_rows >= 1 or batch.num_rows == 0
+        assert sum(lengths) <= max_tokens or piece.num_rows == 1
+    for piece, following in zip(pieces[:-1], pieces[1:], strict=True):  # slices take what fits
+        first = len(following.column("tokens")[0].as_py())
+        assert sum(len(r) for r in piece.column("tokens").to_pylist()) + first > max_tokens
+
+
+def test_token_slices_pass_batches_without_the_column_whole():
+    batch = pa.record_batch({"text": pa.array(["a b", "c"])})
+    assert list(token_slices([batch], "tokens", 1)) == [batch]
 
 
 def test_offsets_reused_without_copying():

@@ -85,6 +85,32 @@ def test_written_ids_equal_the_mapped_batches(tmp_path, monkeypatch, id_type):
     assert written.column("ngram_ids").to_pylist() == expected.column("ngram_ids").to_pylist()
 
 
+def test_row_groups_grow_from_a_small_first_one(tmp_path, monkeypatch):
+    monkeypatch.setattr(pipeline, "FIRST_ROW_GROUP_BYTES", 1000)
+    monkeypatch.setattr(pipeline, "ROW_GROUP_BYTES", 6000)
+    layout = nc.layer_layout(CONFIG, 0)
+    tokens = pa.array(np.arange(40 * 20, dtype=np.int32) % 1000)
+    batches = [pa.record_batch({"doc": pa.array([i // 4]), "tokens": pa.ListArray.from_arrays(
+        pa.array([0, 20], pa.int32()), tokens.slice(20 * i, 20))}) for i in range(40)]
+    mapper = NGramIds(layout, doc_id_column="doc")
+    schema = mapper.output_schema(batches[0].schema)
+    path = tmp_path / "out.parquet"
+    pipeline.write_ids(iter(batches), mapper, str(path), schema,
+                       pipeline.writer_options(schema, batches[0].schema), lambda batch: None)
+    metadata = pq.ParquetFile(path).metadata
+    rows = [metadata.row_group(i).num_rows for i in range(metadata.num_row_groups)]
+    assert sum(rows) == 40
+    assert rows[:4] == sorted(rows[:4]) and len(set(rows[:4])) == 4, rows  # doubling
+    assert max(rows) == rows[3] and rows[0] * 4 < rows[3], rows  # up to ROW_GROUP_BYTES
+    expected = NGramIds(layout, doc_id_column="doc")(pa.Table.from_batches(batches))
+    assert pq.read_table(path).equals(expected)
+
+
+def test_tokens_per_call_fill_the_call_bytes():
+    assert pipeline.tokens_per_call(16, 4) * 16 * 4 == pipeline.CALL_IDS_BYTES
+    assert pipeline.tokens_per_call(10**9, 8) == 1
+
+
 def test_id_types():
     layout = nc.layer_layout(CONFIG, 0)
     assert NGramIds(layout, id_type="auto").id_type == "int32"
