@@ -407,7 +407,7 @@ def token_slices(batches: Iterable[pa.RecordBatch], column: str,
         if batch.num_rows == 0 or batch.schema.get_field_index(column) < 0:
             yield batch
             continue
-        offsets = batch.column(column).offsets.to_numpy()
+        offsets = batch.column(column).offsets.to_numpy().astype(np.int64)  # no int32 overflow
         start = 0
         while start < batch.num_rows:
             end = int(np.searchsorted(offsets, offsets[start] + max_tokens, side="right")) - 1

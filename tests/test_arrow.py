@@ -127,6 +127,11 @@ def test_token_slices_hold_whole_rows_up_to_the_budget(rows, data, max_tokens, l
         assert sum(len(r) for r in piece.column("tokens").to_pylist()) + first > max_tokens
 
 
+def test_token_slices_with_a_budget_beyond_int32_offsets_take_the_batch_whole():
+    batch = pa.record_batch({"tokens": token_array([[1, 2], [3]])})
+    assert list(token_slices([batch], "tokens", 1 << 40)) == [batch]
+
+
 def test_token_slices_pass_batches_without_the_column_whole():
     batch = pa.record_batch({"text": pa.array(["a b", "c"])})
     assert list(token_slices([batch], "tokens", 1)) == [batch]
