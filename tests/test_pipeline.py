@@ -106,6 +106,21 @@ def test_row_groups_grow_from_a_small_first_one(tmp_path, monkeypatch):
     assert pq.read_table(path).equals(expected)
 
 
+@pytest.mark.parametrize("existing", [b"", b"not parquet " * 100])
+def test_output_replaces_an_existing_file_whole(tmp_path, existing):
+    layout = nc.layer_layout(CONFIG, 0)
+    batches = token_batches(3)
+    mapper = NGramIds(layout, doc_id_column="doc")
+    schema = mapper.output_schema(batches[0].schema)
+    path = tmp_path / "out.parquet"
+    path.write_bytes(existing)  # empty: a reserved temporary, written without truncating it
+    pipeline.write_ids(iter(batches), mapper, str(path), schema,
+                       pipeline.writer_options(schema, batches[0].schema), lambda batch: None)
+    expected = NGramIds(layout, doc_id_column="doc")(pa.Table.from_batches(batches))
+    assert pq.read_table(path).equals(expected)
+    assert path.read_bytes()[:4] == b"PAR1"
+
+
 def test_tokens_per_call_fill_the_call_bytes():
     assert pipeline.tokens_per_call(16, 4) * 16 * 4 == pipeline.CALL_IDS_BYTES
     assert pipeline.tokens_per_call(10**9, 8) == 1
