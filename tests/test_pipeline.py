@@ -121,6 +121,25 @@ def test_output_replaces_an_existing_file_whole(tmp_path, existing):
     assert path.read_bytes()[:4] == b"PAR1"
 
 
+def test_ids_run_on_one_numba_thread_and_the_callers_count_is_kept(tmp_path):
+    numba = pytest.importorskip("numba")
+    layout = nc.layer_layout(CONFIG, 0)
+    batches = token_batches(3)
+    ids = NGramIds(layout, doc_id_column="doc")
+    counts = []
+
+    def mapper(batch):
+        counts.append(numba.get_num_threads())
+        return ids(batch)
+
+    schema = ids.output_schema(batches[0].schema)
+    before = numba.get_num_threads()
+    pipeline.write_ids(iter(batches), mapper, str(tmp_path / "out.parquet"), schema,
+                       pipeline.writer_options(schema, batches[0].schema), lambda batch: None)
+    assert counts == [1, 1, 1]
+    assert numba.get_num_threads() == before
+
+
 def test_tokens_per_call_fill_the_call_bytes():
     assert pipeline.tokens_per_call(16, 4) * 16 * 4 == pipeline.CALL_IDS_BYTES
     assert pipeline.tokens_per_call(10**9, 8) == 1
