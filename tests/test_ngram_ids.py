@@ -89,6 +89,8 @@ def test_backends_match_reference(case):
     layout, tokens, starts, context = case
     expected = reference.compute_ngram_ids(layout, tokens, starts, context)
     for name, backend in BACKENDS.items():
+        if name == "numba-parallel" and tokens.dtype == np.int32:
+            continue  # one block here, as serial; int32 threaded: test_cli's runs (5 s a compile)
         np.testing.assert_array_equal(backend(layout, tokens, starts, context), expected,
                                       err_msg=name)
 
