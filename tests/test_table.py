@@ -169,7 +169,7 @@ def test_out_is_written_and_returned():
 
 
 def test_empty_batches_and_heads():
-    table = nc.EmbeddingTable(np.ones((4, 3), np.float32))
+    table = nc.EmbeddingTable(np.ones((4, 3), np.float16))  # float32: a 10 s compile per id type
     assert table.lookup(np.zeros((0, 2), np.int64)).shape == (0, 6)
     assert table.lookup(np.zeros((3, 0), np.int32)).shape == (3, 0)
 
