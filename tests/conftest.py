@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -23,6 +26,26 @@ warnings.simplefilter("ignore", RuntimeWarning)
 
 
 HAS_GPU = gpu_available()  # the library's own probe: CuPy, a driver and a device
+
+# tests/kernel_builds.py shares the CUDA kernels it lowers between the session's processes here.
+BUILDS_ENV = "NGRAM_CUPY_TEST_BUILDS"
+BUILDS_MADE = pytest.StashKey[str]()
+
+
+def pytest_configure(config):
+    """The session's first process makes the shared build folder; pytest-xdist workers, started
+    after it, inherit its name."""
+    if BUILDS_ENV not in os.environ:
+        folder = tempfile.mkdtemp(prefix="ngram_cupy-test-builds-")
+        config.stash[BUILDS_MADE] = os.environ[BUILDS_ENV] = folder
+
+
+def pytest_unconfigure(config):
+    """The folder goes with the process that made it."""
+    folder = config.stash.get(BUILDS_MADE, None)
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
+        os.environ.pop(BUILDS_ENV, None)
 
 
 def pytest_collection_modifyitems(config, items):

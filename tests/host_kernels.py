@@ -9,6 +9,7 @@ the temporary folder; a misaligned load or store ends the launch and raises.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import mmap
@@ -22,6 +23,11 @@ from pathlib import Path
 import numpy as np
 
 from ngram_cupy import gather_cupy
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: concurrent sessions may build the same library twice
+    fcntl = None
 from ngram_cupy.gather_cupy import Launch
 
 SHIM_DIR = Path(__file__).resolve().with_name("host")
@@ -66,8 +72,28 @@ def build(folder: Path | None = None) -> Path:
     key = hashlib.sha256("\0".join([source, shim, cxx, *FLAGS]).encode()).hexdigest()[:16]
     folder = Path(folder or tempfile.gettempdir())
     library = folder / f"ngram_cupy-host-gather-{key}.so"
-    if library.exists():
-        return library
+    with build_lock(folder):  # pytest-xdist workers: one builds, the others wait and load it
+        if not library.exists():
+            compile_library(cxx, source, folder, library)
+    return library
+
+
+@contextlib.contextmanager
+def build_lock(folder: Path):
+    """An exclusive lock on ``folder`` (where ``fcntl`` exists) while a build is made or found."""
+    if fcntl is None:
+        yield
+        return
+    handle = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(handle)  # releases the lock
+
+
+def compile_library(cxx: str, source: str, folder: Path, library: Path) -> None:
+    """g++ builds ``source`` into ``library``, atomically."""
     with tempfile.TemporaryDirectory(dir=folder, prefix=".ngram_cupy-host-") as work:
         cpp = Path(work) / "gather_host.cpp"
         cpp.write_text(source)
@@ -78,7 +104,6 @@ def build(folder: Path | None = None) -> Path:
             if run.returncode:
                 raise RuntimeError(f"g++ could not build gather.cu for the host:\n{run.stderr}")
         os.replace(built, library)  # atomic: a concurrent session sees all of it or none
-    return library
 
 
 def pack(args: tuple) -> tuple[ctypes.Array, ctypes.Array, list]:

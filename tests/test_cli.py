@@ -313,8 +313,10 @@ def test_progress_bar_on_a_terminal(tmp_path, columns):
 
 
 def test_progress_bar_off_without_a_terminal(tmp_path):
-    process = run_subprocess(["ids", CORPUS, tmp_path / "o.parquet", "--config",
-                              small_config(tmp_path)])
+    source = tmp_path / "in.parquet"
+    write_tokens(source, row_groups=3, rows=50, length=100)  # as the terminal test's input
+    process = run_subprocess(["ids", source, tmp_path / "o.parquet", "--config",
+                              small_config(tmp_path), "--batch-rows", "10"])
     stdout, stderr = process.communicate(timeout=120)
     assert process.returncode == 0 and stderr == ""
     assert stdout.startswith("wrote ") and stdout.count("\n") == 1

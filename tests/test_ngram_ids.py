@@ -41,8 +41,11 @@ def test_golden_ids(golden, backend):
 # (ngram_size, heads_per_ngram) pairs: every order 2..5 and head count 1..4 appears. The kernels
 # are one code with n and k unrolled as constants, so the other pairs would add compiles (each
 # a second or more, times serial/threaded and two index types), not paths; three of these are
-# the golden files' shapes, compiled already.
+# the golden files' shapes, compiled already (tests/simulator.py's layouts use them too).
 SHAPES = [(2, 1), (3, 2), (4, 4), (5, 3)]
+# int32 inputs (the dtype dispatch: loads and sign extension, the same for every shape) with an
+# odd and an even head count only: each other shape would add two compiles.
+INT32_SHAPES = [(2, 1), (4, 4)]
 
 
 @st.composite
@@ -71,7 +74,7 @@ def batches(draw, max_tokens=120):
     spare_rows = draw(st.integers(0, 2))
     context = draw(st.lists(token, min_size=(len(starts) - 1 + spare_rows) * (n - 1),
                             max_size=(len(starts) - 1 + spare_rows) * (n - 1)))
-    dtype = draw(st.sampled_from([np.int32, np.int64]))
+    dtype = draw(st.sampled_from([np.int32, np.int64] if (n, k) in INT32_SHAPES else [np.int64]))
     tokens = np.array(tokens, dtype=np.int64)
     context = np.array(context, dtype=np.int64).reshape(-1, n - 1)
     if dtype is np.int32:
@@ -86,6 +89,8 @@ def test_backends_match_reference(case):
     layout, tokens, starts, context = case
     expected = reference.compute_ngram_ids(layout, tokens, starts, context)
     for name, backend in BACKENDS.items():
+        if name == "numba-parallel" and tokens.dtype == np.int32:
+            continue  # one block here, as serial; int32 threaded: test_cli's runs (5 s a compile)
         np.testing.assert_array_equal(backend(layout, tokens, starts, context), expected,
                                       err_msg=name)
 
