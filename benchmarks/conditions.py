@@ -48,7 +48,7 @@ def torch_beside() -> Iterator[None]:
     started = threading.Event()
 
     def work() -> None:
-        a = torch.randn(512, 512)
+        a = torch.randn(1024, 1024)  # ~10 ms a product: the GIL changes hands rarely
         started.set()
         while not stop.is_set():
             torch.mm(a, a)

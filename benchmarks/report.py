@@ -26,6 +26,12 @@ class Row:
     tokens: int = 0  # tokens per call, for the throughput plot (0: not plotted)
     condition: str = ""  # the load it ran under (conditions sections only)
     one_thread: float = 0.0  # the same call on one thread, same condition (0: not measured)
+    ratio: float = 0.0  # median of paired default / one-thread rounds (0: seconds / one_thread)
+
+    @property
+    def thread_ratio(self) -> float:
+        """Default time over one-thread time: the paired median when measured."""
+        return self.ratio or self.seconds / self.one_thread
 
 
 @dataclass
@@ -49,7 +55,7 @@ def render(section: Section) -> str:
                  "| case | condition | default | one thread | default / one thread | rate | "
                  "notes |", "|---|---|---:|---:|---:|---:|---|"]
         for row in section.rows:
-            ratio = row.seconds / row.one_thread
+            ratio = row.thread_ratio
             lines.append(f"| {row.case} | {row.condition} | {row.seconds * 1e6:,.1f} us | "
                          f"{row.one_thread * 1e6:,.1f} us | {ratio:.2f} | {row.rate} | "
                          f"{row.notes} |")
@@ -129,7 +135,7 @@ def plot(sections: list[Section], path: str) -> bool:
     names = list(dict.fromkeys(r.condition for _, r in cases))
     width = 0.8 / max(len(names), 1)
     for j, name in enumerate(names):
-        ratios = {f"{title}: {r.case}": r.seconds / r.one_thread for title, r in cases
+        ratios = {f"{title}: {r.case}": r.thread_ratio for title, r in cases
                   if r.condition == name}
         right.bar([i + j * width for i in range(len(labels))],
                   [ratios.get(label, np.nan) for label in labels], width, label=name)

@@ -49,13 +49,13 @@ def bench_ids_cpu(quick: bool) -> Section:
     for condition, load in conditions():
         with load():
             for case, num_tokens, call, slow, nbytes in calls:
-                fast, single = paired(call, one_thread(call))
+                fast, single, ratio = paired(call, one_thread(call))
                 notes = ""
                 if condition == "idle":
                     ref = timeit(slow, min_time=0.05, max_calls=4)
                     notes = (f"{ref / fast:.0f}x the NumPy reference; "
                              f"{copy_floor(nbytes) / fast:.0%} of the copy floor")
-                section.rows.append(Row(case=case, seconds=fast, one_thread=single,
+                section.rows.append(Row(case=case, seconds=fast, one_thread=single, ratio=ratio,
                                         condition=condition, tokens=num_tokens,
                                         rate=f"{num_tokens / fast / 1e6:.1f} Mtoken/s",
                                         notes=notes))
@@ -81,7 +81,7 @@ def bench_gather_cpu(quick: bool) -> Section:
         with load():
             for num_tokens, batches, out in calls:
                 call = rotating(batches, partial(table.lookup, out=out))
-                fast, single = paired(call, one_thread(call))
+                fast, single, ratio = paired(call, one_thread(call))
                 notes = ""
                 if condition == "idle":
                     fancy = timeit(rotating(batches, weight.__getitem__))
@@ -90,7 +90,7 @@ def bench_gather_cpu(quick: bool) -> Section:
                              f"{fancy * 1e6:,.0f} us")
                 moved = batches[0].size * RELEASED_HEAD_DIM + out.nbytes  # rows in + output
                 section.rows.append(Row(case=f"{num_tokens:,} tokens", seconds=fast,
-                                        one_thread=single, condition=condition,
+                                        one_thread=single, ratio=ratio, condition=condition,
                                         rate=f"{moved / fast / 1e9:.2f} GB/s", tokens=num_tokens,
                                         notes=notes))
     return section

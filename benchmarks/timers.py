@@ -37,10 +37,12 @@ def timeit(fn: Callable[[], object], min_time: float = 0.3, max_calls: int = 100
 
 
 def paired(first: Callable[[], object], second: Callable[[], object],
-           min_time: float = 0.6, rounds: int = 9) -> tuple[float, float]:
-    """Median seconds per call of two functions timed in alternating batches.
+           min_time: float = 2.0, rounds: int = 21) -> tuple[float, float, float]:
+    """Median seconds per call of two functions timed in alternating batches, and the median of
+    the rounds' ratios ``first / second``.
 
-    Alternating makes both see the same load: a noisy neighbour slows both, not one.
+    Alternating makes both see the same load: a noisy neighbour slows both, not one. The ratio of
+    each round's pair follows a load that changes between rounds, which the two medians do not.
     """
     first()
     second()
@@ -50,7 +52,8 @@ def paired(first: Callable[[], object], second: Callable[[], object],
     while len(a) < rounds or time.perf_counter() < deadline:
         a.append(per_call(first, calls))
         b.append(per_call(second, calls))
-    return float(np.median(a)), float(np.median(b))
+    ratios = np.array(a) / np.array(b)
+    return float(np.median(a)), float(np.median(b)), float(np.median(ratios))
 
 
 def copy_floor(nbytes: int) -> float:
