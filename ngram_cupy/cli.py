@@ -166,7 +166,6 @@ def compile_kernels(layouts: list[LayerLayout], schema: Any, column: str, quiet:
 
     token_type = schema.field(column).type
     check_token_type(column, token_type)
-    offsets = "int64" if str(token_type).startswith("large_list") else "int32"
     notice = threading.Timer(1.0, lambda: print(
         f"{PROG}: compiling kernels (once: later runs load them from Numba's cache)...",
         file=sys.stderr, flush=True))
@@ -175,7 +174,7 @@ def compile_kernels(layouts: list[LayerLayout], schema: Any, column: str, quiet:
     start = time.perf_counter()
     try:
         for layout in layouts:
-            compile_ids(layout, token_type.value_type.to_pandas_dtype(), offsets)
+            compile_ids(layout, token_type.value_type.to_pandas_dtype())
     finally:
         notice.cancel()
     return time.perf_counter() - start

@@ -59,6 +59,10 @@ def ngram_ids_numba(layout, tokens, query_start_loc, context, out, parallel: boo
     ``parallel=None`` uses threads only for batches large enough to repay them, ``True`` whenever
     the threading layer allows (``cpu_threads.use_threads``), ``False`` never.
     """
+    # Request starts and context rows are small: widened to int64 here, so that each kernel is
+    # compiled for the token type alone, not for every mix of three index types.
+    query_start_loc = np.require(query_start_loc, np.int64, "W")
+    context = np.require(context, np.int64, "W")
     min_tokens = PARALLEL_MIN_TOKENS if parallel is None else 0 if parallel else 1 << 62
     with use_threads(tokens.shape[0], min_tokens, PARALLEL_BUSY_MIN_TOKENS) as threaded:
         kernel = _ids_kernel(layout.ngram_size, layout.heads_per_ngram, threaded)
@@ -75,15 +79,15 @@ def advance_context_numba(tokens, query_start_loc, context, out):
     return out
 
 
-def compile_kernels(layout, token_dtype, offset_dtype) -> None:
-    """Compile (or load from Numba's cache) the serial and parallel id kernels and the context
-    roll for these argument types, with empty inputs: callers can do it before timing."""
+def compile_kernels(layout, token_dtype, parallel: tuple[bool, ...] = (False,)) -> None:
+    """Compile (or load from Numba's cache) the id kernels (serial by default, as the ``ids``
+    pipeline runs them) and the context roll for read-only tokens of ``token_dtype`` (zero-copy
+    Arrow values), with empty inputs: callers can do it before timing."""
     tokens = np.zeros(0, dtype=token_dtype)
-    starts = np.zeros(1, dtype=offset_dtype)
+    tokens.flags.writeable = False
+    starts = np.zeros(1, dtype=np.int64)
     context = np.zeros((0, layout.ngram_size - 1), dtype=np.int64)
     out = np.zeros((0, layout.num_heads), dtype=np.int64)
-    for parallel in (False, True):
-        _ids_kernel(layout.ngram_size, layout.heads_per_ngram, parallel)(
-            tokens, starts, context, layout.multipliers, layout.head_sizes, layout.head_magics,
-            layout.head_offsets, layout.eos_token_id, out)
-    advance_context_numba(tokens, np.zeros(2, dtype=np.int64), context, context)
+    for threaded in parallel:
+        ngram_ids_numba(layout, tokens, starts, context, out, threaded)
+    advance_context_numba(tokens, starts, context, context)
