@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ngram_cupy.atomic import atomic_file
+from ngram_cupy.files.atomic import atomic_file
 
 MARK = "<!-- section: {} -->"
 REPORT_HEAD = "# Benchmarks"  # the first line of every report (bench.py refuses other files)
@@ -71,7 +71,7 @@ def machine_summary(gpu: bool) -> str:
     """One line naming the host (and the GPU when there is one)."""
     import numba
 
-    from ngram_cupy.cpu_threads import threading_layer
+    from ngram_cupy.runtime.cpu_threads import threading_layer
 
     line = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
             f"Python {platform.python_version()}, NumPy {np.__version__}, "

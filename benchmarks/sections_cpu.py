@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 
 import ngram_cupy as nc
-from ngram_cupy import reference
+from ngram_cupy.hashing import reference
 
 from .conditions import conditions, one_thread
 from .data import (
@@ -119,7 +119,7 @@ def bench_parquet_e2e(quick: bool) -> Section:
     import pyarrow.parquet as pq
 
     from ngram_cupy.cli import main as cli_main
-    from ngram_cupy.pipeline import writer_options
+    from ngram_cupy.files.pipeline import writer_options
 
     corpus = str(CORPUS)
     config = str(CORPUS.parent / "config.json")

@@ -11,18 +11,18 @@ from typing import TYPE_CHECKING, Any
 
 # Each public name and the module that defines it.
 _EXPORTS = {
-    "EmbeddingTable": "table",
-    "LayerLayout": "layout",
-    "NGramConfig": "config",
+    "EmbeddingTable": "tables.table",
+    "LayerLayout": "hashing.layout",
+    "NGramConfig": "hashing.config",
     "NGramEmbedding": "embedding",
     "PlacementPlan": "placement",
     "ShardedLookup": "distributed",
-    "advance_context": "ngram_ids",
-    "compute_ngram_ids": "ngram_ids",
-    "layer_layout": "layout",
-    "load_ngram_embedding": "checkpoint",
+    "advance_context": "ids.ngram_ids",
+    "compute_ngram_ids": "ids.ngram_ids",
+    "layer_layout": "hashing.layout",
+    "load_ngram_embedding": "files.checkpoint",
     "plan_placement": "placement",
-    "save_ngram_embedding": "checkpoint",
+    "save_ngram_embedding": "files.checkpoint",
 }
 
 __all__ = [
@@ -52,14 +52,14 @@ def _package_version() -> str:
 
 
 if TYPE_CHECKING:
-    from .checkpoint import load_ngram_embedding, save_ngram_embedding
-    from .config import NGramConfig
     from .distributed import ShardedLookup
     from .embedding import NGramEmbedding
-    from .layout import LayerLayout, layer_layout
-    from .ngram_ids import advance_context, compute_ngram_ids
+    from .files.checkpoint import load_ngram_embedding, save_ngram_embedding
+    from .hashing.config import NGramConfig
+    from .hashing.layout import LayerLayout, layer_layout
+    from .ids.ngram_ids import advance_context, compute_ngram_ids
     from .placement import PlacementPlan, plan_placement
-    from .table import EmbeddingTable
+    from .tables.table import EmbeddingTable
 
 
 def __getattr__(name: str) -> Any:

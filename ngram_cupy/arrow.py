@@ -23,8 +23,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .layout import LayerLayout
-from .ngram_ids import advance_context, compute_ngram_ids
+from .hashing.layout import LayerLayout
+from .ids.ngram_ids import advance_context, compute_ngram_ids
 from .text import TextTokenizer, as_tokenizer, check_tokenizer
 
 DEFAULT_OUT_COLUMN = "ngram_ids"
@@ -305,7 +305,7 @@ class NGramIds:
         shape = (packed.tokens.size, self.layouts[0].num_heads)
         arrays = (packed.tokens, packed.query_start_loc, packed.ngram_context)
         if self.device == "gpu":
-            from .backends import DEVICE
+            from .runtime.backends import DEVICE
 
             arrays = tuple(DEVICE.asarray(array) for array in arrays)
         results = []

@@ -16,12 +16,12 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from . import interrupts
-from .atomic import atomic_file
-from .backends import gpu_available
-from .config import NGramConfig
-from .formats import FORMATS
-from .layout import LayerLayout, layer_layout
+from .files.atomic import atomic_file
+from .hashing.config import NGramConfig
+from .hashing.layout import LayerLayout, layer_layout
+from .runtime import interrupts
+from .runtime.backends import gpu_available
+from .tables.formats import FORMATS
 
 PROG = "ngram-cupy"
 DEFAULT_HOT_ROWS = (1_000, 10_000, 100_000, 1_000_000)  # as ngram_cupy.stats (not imported early)
@@ -162,7 +162,7 @@ def compile_kernels(layouts: list[LayerLayout], schema: Any, column: str, quiet:
     """Compile (or load from cache) the CPU id kernels for the input's types before the clock
     starts; on a terminal, say so when it takes long (a first run). Returns the seconds."""
     from .arrow import check_token_type
-    from .ids_numba import compile_kernels as compile_ids
+    from .ids.ids_numba import compile_kernels as compile_ids
 
     token_type = schema.field(column).type
     check_token_type(column, token_type)
@@ -183,7 +183,7 @@ def compile_kernels(layouts: list[LayerLayout], schema: Any, column: str, quiet:
 def cmd_ids(args: argparse.Namespace) -> int:
     """Stream INPUT through the id columns into OUTPUT (Parquet), atomically."""
     from .arrow import NGramIds, open_tokens, token_slices
-    from .pipeline import tokens_per_call, write_ids, writer_options
+    from .files.pipeline import tokens_per_call, write_ids, writer_options
 
     check_output(args.output, [args.input])
     layouts = layouts_for(load_config(args.config), args.layers)

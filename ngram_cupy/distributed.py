@@ -14,11 +14,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .backends import DEVICE, bind, cuda_stream, where
-from .checks import check_index_array
 from .embedding import NGramEmbedding
-from .layout import split_rows
-from .table import EmbeddingTable
+from .hashing.layout import split_rows
+from .runtime.backends import DEVICE, bind, cuda_stream, where
+from .runtime.checks import check_index_array
+from .tables.table import EmbeddingTable
 
 
 def _dist():

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from .backends import DEVICE, Backend
-from .checks import check_integer, check_out
-from .layout import LayerLayout, check_layout
-from .ngram_ids import Batch, batch_ids, bind_batch, compute_ngram_ids
-from .prefetch import Buffers
-from .table import EmbeddingTable, public_dtype
+from .hashing.layout import LayerLayout, check_layout
+from .ids.ngram_ids import Batch, batch_ids, bind_batch, compute_ngram_ids
+from .runtime.backends import DEVICE, Backend
+from .runtime.checks import check_integer, check_out
+from .tables.prefetch import Buffers
+from .tables.table import EmbeddingTable, public_dtype
 
 
 class NGramEmbedding:
@@ -109,7 +109,7 @@ class NGramEmbedding:
 
     def _forward_fused(self, batch: Batch, out_dtype):
         """Ids and rows in one launch (GPU)."""
-        from .fused_cuda import fused_lookup_cuda
+        from .ids.fused_cuda import fused_lookup_cuda
 
         call, table = batch.call, self.table
         shape = (batch.num_tokens, self.layout.num_heads)

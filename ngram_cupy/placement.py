@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .formats import storage_format
-from .hot_rows import map_nbytes
-from .layout import LayerLayout
-from .table import EmbeddingTable
+from .hashing.layout import LayerLayout
+from .tables.formats import storage_format
+from .tables.hot_rows import map_nbytes
+from .tables.table import EmbeddingTable
 
 GPU, HOST, NONE = "gpu", "host", "none"
 

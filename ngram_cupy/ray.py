@@ -14,8 +14,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .arrow import NGramIds
-from .config import NGramConfig
-from .layout import layer_layout
+from .hashing.config import NGramConfig
+from .hashing.layout import layer_layout
 from .text import TextTokenizer
 
 

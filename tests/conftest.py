@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import ngram_cupy as nc
-from ngram_cupy.backends import gpu_available
+from ngram_cupy.runtime.backends import gpu_available
 
 GOLDEN_DIR = Path(__file__).resolve().parent / "data" / "golden"
 GOLDEN_FILES = sorted(GOLDEN_DIR.glob("*.json"))

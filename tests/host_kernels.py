@@ -22,13 +22,13 @@ from pathlib import Path
 
 import numpy as np
 
-from ngram_cupy import gather_cupy
+from ngram_cupy.tables import gather_cupy
 
 try:
     import fcntl
 except ImportError:  # not POSIX: concurrent sessions may build the same library twice
     fcntl = None
-from ngram_cupy.gather_cupy import Launch
+from ngram_cupy.tables.gather_cupy import Launch
 
 SHIM_DIR = Path(__file__).resolve().with_name("host")
 # Compile with the alignment sanitizer, link without its runtime: cuda_host.h handles its reports.

@@ -25,7 +25,7 @@ except ImportError:  # not POSIX: each process lowers its own kernels
 from numba import cuda, types
 from numba.cuda.compiler import compile_cuda, kernel_fixup
 
-from ngram_cupy.cuda_launch import NumbaKernel, numba_type
+from ngram_cupy.runtime.cuda_launch import NumbaKernel, numba_type
 
 # Numba asks the driver for a compute capability when a kernel calls a helper: answer for it.
 _DEVICE = pytypes.SimpleNamespace(compute_capability=(9, 0))

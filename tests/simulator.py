@@ -16,7 +16,7 @@ from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
 from numba.cuda.simulator.kernel import FakeCUDAKernel
 
 import ngram_cupy as nc
-from ngram_cupy.cuda_launch import NumbaKernel
+from ngram_cupy.runtime.cuda_launch import NumbaKernel
 
 
 class MisalignedAccess(IndexError):

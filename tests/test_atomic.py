@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from ngram_cupy import atomic
+from ngram_cupy.files import atomic
 
 
 def dead_pid() -> int:

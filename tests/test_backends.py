@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import ngram_cupy as nc
-from ngram_cupy import backends, reference
-from ngram_cupy.formats import storage_format
+from ngram_cupy.hashing import reference
+from ngram_cupy.runtime import backends
+from ngram_cupy.tables.formats import storage_format
 
 LAYOUT = nc.layer_layout(nc.NGramConfig(300, 3, 2, 40, 7), 0)
 TOKENS = np.array([5, 7, 7, 1, 9, 2, 299, 0], dtype=np.int64)

@@ -12,9 +12,14 @@ import pytest
 from safetensors.numpy import save_file
 
 import ngram_cupy as nc
-from ngram_cupy import checkpoint as ck
-from ngram_cupy.dequant import default_output, reference_lookup, storage_format
-from ngram_cupy.safetensors_files import Checkpoint, checkpoint_paths, read_header, write_checkpoint
+from ngram_cupy.files import checkpoint as ck
+from ngram_cupy.files.safetensors_files import (
+    Checkpoint,
+    checkpoint_paths,
+    read_header,
+    write_checkpoint,
+)
+from ngram_cupy.tables.dequant import default_output, reference_lookup, storage_format
 
 # 4 heads of prime sizes 11, 13, 17, 19: 60 rows padded to 64, cut in 6 shards of 11 (the last 9).
 TINY = nc.NGramConfig(
@@ -643,7 +648,7 @@ def test_data_loss_another_models_index_is_not_replaced(tmp_path):
 KILLED_WRITER = """
 import os, signal, sys
 import numpy as np
-from ngram_cupy import safetensors_files as sf
+from ngram_cupy.files import safetensors_files as sf
 real, calls = sf.save_file, []
 def save_then_die(*args, **kwargs):
     real(*args, **kwargs)
@@ -683,7 +688,7 @@ path, mode = sys.argv[1], sys.argv[2]
 layout = nc.layer_layout(config, 0)
 nc.save_ngram_embedding(path, layout, np.ones((layout.padded_rows, 256), np.float32))
 if mode == "unguarded":
-    nc.safetensors_files.Checkpoint.check_mapped = lambda self: None
+    nc.files.safetensors_files.Checkpoint.check_mapped = lambda self: None
 table = nc.load_ngram_embedding(path, config, 0, placement="mmap").table
 ids = np.arange(64, dtype=np.int64).reshape(16, 4)
 table.lookup(ids)
@@ -777,7 +782,7 @@ def test_data_loss_reader_of_an_index_replaced_meanwhile_reads_the_new_generatio
                                                                                    monkeypatch):
     """A reader that read the old index just before a writer committed and removed the old
     files reads the index again and loads the new generation whole."""
-    from ngram_cupy import safetensors_files
+    from ngram_cupy.files import safetensors_files
 
     write_checkpoint(tmp_path, generation_tensors(1.0), num_files=3)
     stale = safetensors_files.read_index(tmp_path / "model.safetensors.index.json")

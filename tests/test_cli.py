@@ -24,8 +24,8 @@ pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 pytest.importorskip("tqdm")
 
-from ngram_cupy.atomic import TEMP_PREFIX  # noqa: E402
 from ngram_cupy.cli import main, parse_bytes  # noqa: E402
+from ngram_cupy.files.atomic import TEMP_PREFIX  # noqa: E402
 from ngram_cupy.stats import hottest_rows, ngram_stats, reuse_stats  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

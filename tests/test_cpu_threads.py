@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import threads_worker
 
-from ngram_cupy import cpu_threads
+from ngram_cupy.runtime import cpu_threads
 
 WORKER = Path(__file__).with_name("threads_worker.py")
 

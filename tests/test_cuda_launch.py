@@ -18,8 +18,9 @@ from kernel_builds import build_for
 from numba import cuda
 
 import ngram_cupy as nc
-from ngram_cupy import cuda_launch, dequant, fused_cuda, ids_cuda
-from ngram_cupy.cuda_launch import (
+from ngram_cupy.ids import fused_cuda, ids_cuda
+from ngram_cupy.runtime import cuda_launch
+from ngram_cupy.runtime.cuda_launch import (
     assemble,
     check_abi,
     check_abi_names,
@@ -28,6 +29,7 @@ from ngram_cupy.cuda_launch import (
     flatten,
     llvm_params,
 )
+from ngram_cupy.tables import dequant
 
 
 @pytest.fixture(autouse=True)

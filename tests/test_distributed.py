@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import ngram_cupy as nc
-from ngram_cupy import checkpoint as ck
+from ngram_cupy.files import checkpoint as ck
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 TIMEOUT_S = 120  # a hung collective fails the test instead of blocking CI

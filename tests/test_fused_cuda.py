@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ngram_cupy import fused_cuda
+from ngram_cupy.ids import fused_cuda
 
 
 @pytest.mark.parametrize("row_bytes, itemsize, address, width", [

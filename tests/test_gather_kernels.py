@@ -15,9 +15,10 @@ import pytest
 import simulator
 
 import ngram_cupy as nc
-from ngram_cupy import dequant, fused_cuda, gather_cupy, ids_cuda
-from ngram_cupy.dequant import FORMATS, OUTPUT_CODES, reference_lookup
-from ngram_cupy.gather_numba import gather_rows
+from ngram_cupy.ids import fused_cuda, ids_cuda
+from ngram_cupy.tables import dequant, gather_cupy
+from ngram_cupy.tables.dequant import FORMATS, OUTPUT_CODES, reference_lookup
+from ngram_cupy.tables.gather_numba import gather_rows
 
 
 def test_every_format_pair_has_instances():

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 from numba import types
 
-from ngram_cupy import dequant, fused_cuda, gather_cupy
-from ngram_cupy.dequant import FORMATS
+from ngram_cupy.ids import fused_cuda
+from ngram_cupy.tables import dequant, gather_cupy
+from ngram_cupy.tables.dequant import FORMATS
 
 KERNELS = sorted(gather_cupy.KERNEL_DIR.glob("*.cu"))
 # Template instantiations each kernels/*.cu must compile (files without templates: none).

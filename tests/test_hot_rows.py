@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from numba import njit
 
-from ngram_cupy.hot_rows import build_map, check_hot_rows, hot_slot, map_nbytes, popcount
+from ngram_cupy.tables.hot_rows import build_map, check_hot_rows, hot_slot, map_nbytes, popcount
 
 
 @njit

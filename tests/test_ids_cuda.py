@@ -13,8 +13,9 @@ import simulator
 from numba import cuda, types
 
 import ngram_cupy as nc
-from ngram_cupy import ids_cuda, reference
-from ngram_cupy.cuda_launch import NumbaKernel
+from ngram_cupy.hashing import reference
+from ngram_cupy.ids import ids_cuda
+from ngram_cupy.runtime.cuda_launch import NumbaKernel
 
 DIVISION_64 = re.compile(r"\b(?:div|rem)\.[us]64\b")
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from ngram_cupy import NGramConfig, layer_layout
-from ngram_cupy.layout import is_prime, primes_after, splitmix64
+from ngram_cupy.hashing.layout import is_prime, primes_after, splitmix64
 
 
 def test_golden_layouts(golden):

@@ -8,8 +8,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ngram_cupy as nc
-from ngram_cupy import reference
-from ngram_cupy.ids_numba import ngram_ids_numba
+from ngram_cupy.hashing import reference
+from ngram_cupy.ids.ids_numba import ngram_ids_numba
 
 
 def _numba(parallel):

@@ -10,8 +10,8 @@ import ngram_cupy as nc
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
-from ngram_cupy import pipeline  # noqa: E402
 from ngram_cupy.arrow import NGramIds  # noqa: E402
+from ngram_cupy.files import pipeline  # noqa: E402
 
 CONFIG = nc.NGramConfig(vocab_size=1000, ngram_size=3, heads_per_ngram=2,
                         ngram_vocab_size_base=5000, eos_token_id=0)

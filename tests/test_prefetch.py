@@ -14,10 +14,10 @@ import pytest
 from conftest import HAS_GPU
 
 import ngram_cupy as nc
-from ngram_cupy import gather_numba
-from ngram_cupy.dequant import reference_lookup
-from ngram_cupy.pinned import PinnedBuffer
-from ngram_cupy.prefetch import Pending
+from ngram_cupy.tables import gather_numba
+from ngram_cupy.tables.dequant import reference_lookup
+from ngram_cupy.tables.pinned import PinnedBuffer
+from ngram_cupy.tables.prefetch import Pending
 
 SCALE = 0.75
 
@@ -116,8 +116,8 @@ def test_staging_buffers_are_allocated_once_per_shape(weight):
 
 def test_host_staging_buffers_do_not_pile_up(weight):
     """Batch sizes change from step to step: the host keeps only the latest few buffers."""
-    from ngram_cupy.backends import HOST
-    from ngram_cupy.prefetch import STAGING_SHAPES as HOST_BUFFER_SHAPES
+    from ngram_cupy.runtime.backends import HOST
+    from ngram_cupy.tables.prefetch import STAGING_SHAPES as HOST_BUFFER_SHAPES
 
     table = nc.EmbeddingTable(weight, scale=SCALE)
     kept = []
@@ -190,7 +190,7 @@ def test_the_worker_never_runs_a_parallel_gather(weight, monkeypatch):
     """Numba's workqueue threading layer aborts the process when two threads run parallel
     kernels at once: the worker's gathers are serial, even for batches that get threads on the
     caller's side."""
-    from ngram_cupy.mapped import MappedTable
+    from ngram_cupy.tables.mapped import MappedTable
 
     calls = []
     real = gather_numba.gather_rows
@@ -501,7 +501,7 @@ def test_a_pending_prefetch_is_joined_only_by_its_thread(weight):
 def test_kept_staging_shapes_survive_any_number_of_other_shapes(weight):
     """Bug 4: staging buffers are bounded on both sides; the batch sizes a CUDA graph captured
     are pinned with keep_staging and never dropped (the graph holds their addresses)."""
-    from ngram_cupy.prefetch import STAGING_SHAPES
+    from ngram_cupy.tables.prefetch import STAGING_SHAPES
 
     table = nc.EmbeddingTable(weight, scale=SCALE)
     table.keep_staging([5])
@@ -514,13 +514,13 @@ def test_kept_staging_shapes_survive_any_number_of_other_shapes(weight):
     table.prefetch(ids)
     assert table.lookup(ids) is captured  # the same buffer, at the same address
     np.testing.assert_array_equal(captured, expected(weight, ids))
-    assert len(table.prefetcher.buffers(nc.backends.HOST)) <= STAGING_SHAPES + 2
+    assert len(table.prefetcher.buffers(nc.runtime.backends.HOST)) <= STAGING_SHAPES + 2
     with pytest.raises(TypeError, match="num_tokens must be an integer"):
         table.keep_staging([2.5])
 
 
 def test_buffers_drop_the_oldest_unpinned_shapes():
-    from ngram_cupy.prefetch import Buffers
+    from ngram_cupy.tables.prefetch import Buffers
 
     buffers = Buffers(np.empty, keep=2)
     first = buffers.get("rows", (1, 3), np.float32)
@@ -561,7 +561,7 @@ class FakeStream:
 def test_a_prefetch_captured_without_its_lookup_is_a_clear_error():
     """Bug 6: a prefetch inside a CUDA graph capture whose lookup is not captured leaves the
     side stream unjoined; the next join says what happened instead of a CUDA error."""
-    from ngram_cupy.prefetch import StreamPrefetcher
+    from ngram_cupy.tables.prefetch import StreamPrefetcher
 
     prefetcher = StreamPrefetcher(stream=FakeStream(), event=FakeEvent)
     caller = FakeStream(capturing=True)

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 
 import ngram_cupy as nc
-from ngram_cupy import pinned
-from ngram_cupy.backends import DEVICE, HOST
-from ngram_cupy.dequant import reference_lookup
-from ngram_cupy.formats import BFLOAT16, storage_format
-from ngram_cupy.storage import Gather, allocate, canonical_placement
-from ngram_cupy.storage.gpu import fill
-from ngram_cupy.storage.mapped import MappedStorage
+from ngram_cupy.runtime.backends import DEVICE, HOST
+from ngram_cupy.tables import pinned
+from ngram_cupy.tables.dequant import reference_lookup
+from ngram_cupy.tables.formats import BFLOAT16, storage_format
+from ngram_cupy.tables.storage import Gather, allocate, canonical_placement
+from ngram_cupy.tables.storage.gpu import fill
+from ngram_cupy.tables.storage.mapped import MappedStorage
 
 FP8 = storage_format("float8_e4m3fn")
 

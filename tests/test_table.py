@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ngram_cupy as nc
-from ngram_cupy import dequant
-from ngram_cupy.dequant import reference_lookup
-from ngram_cupy.gather_numba import gather_rows
+from ngram_cupy.tables import dequant
+from ngram_cupy.tables.dequant import reference_lookup
+from ngram_cupy.tables.gather_numba import gather_rows
 
 STORAGE = [np.float32, np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn]
 OUTPUTS = [np.float32, np.float16, ml_dtypes.bfloat16]
@@ -189,7 +189,7 @@ def test_the_sign_of_a_zero_scale_is_kept():
 def test_cached_cpu_kernels_are_keyed_by_the_shared_decoding():
     """Numba's disk cache watches only gather_numba.py: every cached kernel that inlines
     dequant.py must carry its digest in its closure (its cache key)."""
-    from ngram_cupy import gather_numba
+    from ngram_cupy.tables import gather_numba
 
     kernels = [gather_numba._convert_all_kernel(),
                gather_numba._gather_kernel(dequant.FLOAT8_E4M3, dequant.BFLOAT16, False)]

@@ -9,12 +9,14 @@ import pytest
 import simulator
 
 import ngram_cupy as nc
-from ngram_cupy import formats, fused_cuda, gather_cupy, ids_cuda, reference
-from ngram_cupy.backends import DEVICE
-from ngram_cupy.dequant import reference_lookup
-from ngram_cupy.gather_numba import gather_rows
-from ngram_cupy.hot_rows import build_map, check_hot_rows
-from ngram_cupy.storage import Gather
+from ngram_cupy.hashing import reference
+from ngram_cupy.ids import fused_cuda, ids_cuda
+from ngram_cupy.runtime.backends import DEVICE
+from ngram_cupy.tables import formats, gather_cupy
+from ngram_cupy.tables.dequant import reference_lookup
+from ngram_cupy.tables.gather_numba import gather_rows
+from ngram_cupy.tables.hot_rows import build_map, check_hot_rows
+from ngram_cupy.tables.storage import Gather
 
 # 4 heads of prime sizes 11, 13, 17, 19: 60 rows padded to 64, cut in 6 shards of 11.
 TINY = nc.NGramConfig(
@@ -432,7 +434,7 @@ def test_gpu_counters_wait_for_the_tables_streams_only(monkeypatch):
     """Reading the GPU's counters waits for the streams that looked the table up (never the
     whole device: that breaks a global-mode graph capture elsewhere) and refuses while one of
     them is capturing a graph."""
-    from ngram_cupy.storage import tiered
+    from ngram_cupy.tables.storage import tiered
 
     log = []
     table = nc.EmbeddingTable(np.zeros((100, 4), np.float32), placement="pinned",

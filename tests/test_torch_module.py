@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ngram_cupy as nc
-from ngram_cupy import reference
-from ngram_cupy.layout import split_rows
+from ngram_cupy.hashing import reference
+from ngram_cupy.hashing.layout import split_rows
 from ngram_cupy.torch import NGramEmbeddingModule
 
 # Storage dtype name -> (NumPy type, integer type of the same width, scale or None).

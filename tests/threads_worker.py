@@ -14,10 +14,10 @@ import numba
 import numpy as np
 
 import ngram_cupy as nc
-from ngram_cupy import reference
-from ngram_cupy.dequant import BFLOAT16, FLOAT8_E4M3, reference_lookup
-from ngram_cupy.gather_numba import gather_rows
-from ngram_cupy.ids_numba import ngram_ids_numba
+from ngram_cupy.hashing import reference
+from ngram_cupy.ids.ids_numba import ngram_ids_numba
+from ngram_cupy.tables.dequant import BFLOAT16, FLOAT8_E4M3, reference_lookup
+from ngram_cupy.tables.gather_numba import gather_rows
 
 THREADS, ROUNDS = 4, 3
 

@@ -16,7 +16,7 @@ from llvmlite import ir
 from numba import int64, types, uint64
 from numba.core.extending import intrinsic, overload
 
-from .jitable import inline_jitable
+from ..runtime.jitable import inline_jitable
 
 
 def umulhi(a, b):

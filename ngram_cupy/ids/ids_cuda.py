@@ -19,10 +19,10 @@ from functools import cache
 import numpy as np
 from numba import cuda, int64
 
-from .backends import cupy_module
-from .cuda_launch import NumbaKernel
-from .hashing import clamp, roll_context_row, stage_token_ids
-from .layout import LayerLayout
+from ..hashing.arithmetic import clamp, roll_context_row, stage_token_ids
+from ..hashing.layout import LayerLayout
+from ..runtime.backends import cupy_module
+from ..runtime.cuda_launch import NumbaKernel
 
 # Tokens per block (fewer for many heads): each thread hashes one token into shared memory, then
 # the block writes its ids as one contiguous run, so every warp store is coalesced. (Each thread

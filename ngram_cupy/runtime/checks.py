@@ -13,7 +13,7 @@ import numpy as np
 from .backends import where
 
 if TYPE_CHECKING:
-    from .layout import LayerLayout
+    from ..hashing.layout import LayerLayout
 
 INDEX_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
 

@@ -20,8 +20,9 @@ from llvmlite import ir
 from numba import float32, int64, njit, prange, types, uint16, uint32
 from numba.core.extending import intrinsic
 
+from ..runtime.cpu_threads import use_threads
+from ..runtime.jitable import source_digest
 from . import dequant, formats, hot_rows
-from .cpu_threads import use_threads
 from .dequant import (
     BFLOAT16,
     FLOAT8_E4M3,
@@ -32,7 +33,6 @@ from .dequant import (
     float32_to_bits,
 )
 from .hot_rows import HotRowMap, hot_slot
-from .jitable import source_digest
 
 # Numba's on-disk cache only watches this file: the digest of dequant.py in the kernels' closure
 # changes the cache key whenever the shared decoding (or the hot-row slot map) changes.

@@ -19,16 +19,16 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
+from ..embedding import NGramEmbedding
+from ..hashing.config import MAX_SPLIT_PARTS, NGramConfig
+from ..hashing.layout import LayerLayout, check_layout, layer_layout, split_rows
+from ..runtime.backends import HOST, unwrap_torch
+from ..tables.formats import BY_SAFETENSORS, FORMATS, SCALE_FORMATS, find_format
+from ..tables.hot_rows import check_hot_rows
+from ..tables.mapped import MappedTable
+from ..tables.table import EmbeddingTable
 from .atomic import atomic_file
-from .backends import HOST, unwrap_torch
-from .config import MAX_SPLIT_PARTS, NGramConfig
-from .embedding import NGramEmbedding
-from .formats import BY_SAFETENSORS, FORMATS, SCALE_FORMATS, find_format
-from .hot_rows import check_hot_rows
-from .layout import LayerLayout, check_layout, layer_layout, split_rows
-from .mapped import MappedTable
 from .safetensors_files import DTYPES, Checkpoint, write_checkpoint
-from .table import EmbeddingTable
 
 # Safetensors dtype codes of table rows, and which of them carry a scale.
 TABLE_DTYPES = tuple(BY_SAFETENSORS)

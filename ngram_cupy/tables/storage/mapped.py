@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from ...runtime.backends import HOST, Backend
 from .. import gather_numba
-from ..backends import HOST, Backend
 from ..formats import Format
 from .base import Gather, Storage
 

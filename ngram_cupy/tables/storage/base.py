@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from ..backends import HOST, Backend
+from ...runtime.backends import HOST, Backend
 from ..formats import Format
 
 

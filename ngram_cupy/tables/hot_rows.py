@@ -24,7 +24,7 @@ from llvmlite import ir
 from numba import int64, njit, types, uint64
 from numba.core.extending import intrinsic, overload
 
-from .jitable import inline_jitable
+from ..runtime.jitable import inline_jitable
 
 WORD_BITS = 64
 

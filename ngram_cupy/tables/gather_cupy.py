@@ -15,12 +15,12 @@ from pathlib import Path
 
 import numpy as np
 
-from .backends import cupy_module
+from ..runtime.backends import cupy_module
 from .dequant import FORMATS, OUTPUT_CODES
 
 # kernels/ at the top of a source checkout; installed wheels carry it as ngram_cupy/kernels.
-_HERE = Path(__file__).resolve().parent
-KERNEL_DIR = next(p for p in (_HERE / "kernels", _HERE.parent / "kernels") if p.is_dir())
+_PACKAGE = Path(__file__).resolve().parents[1]
+KERNEL_DIR = next(p for p in (_PACKAGE / "kernels", _PACKAGE.parent / "kernels") if p.is_dir())
 THREADS_PER_BLOCK = 256
 COUNTER_LANES = 64  # counter pairs a tiered gather spreads its atomics over (hot_rows.cuh)
 VECTOR_BYTES = (16, 8, 4, 2, 1)

@@ -7,14 +7,14 @@ from functools import cache
 import numpy as np
 from numba import njit, prange
 
-from . import hashing
-from .cpu_threads import use_threads
-from .hashing import roll_context_row, write_token_ids
-from .jitable import source_digest
+from ..hashing import arithmetic
+from ..hashing.arithmetic import roll_context_row, write_token_ids
+from ..runtime.cpu_threads import use_threads
+from ..runtime.jitable import source_digest
 
 # Numba's on-disk cache only watches this file; the kernels' closure carries a digest of the
-# shared arithmetic too, so editing hashing.py can never reuse stale machine code.
-HASHING_DIGEST = source_digest(hashing)
+# shared arithmetic too, so editing hashing/arithmetic.py can never reuse stale machine code.
+HASHING_DIGEST = source_digest(arithmetic)
 
 # Tokens per parallel work item: large enough to amortise the request search, small enough to
 # balance a single long request across every core.
@@ -34,7 +34,7 @@ def _ids_kernel(ngram_size: int, heads_per_ngram: int, parallel: bool,
     All are constants of the closure, so the per-order and per-head loops unroll fully. Numba's
     disk cache keys an entry by the code and the closure's values only, not by ``parallel=``, so
     the serial kernel is its own closure (one block: no thread pool, no per-block search);
-    ``digest`` ties the entries to hashing.py.
+    ``digest`` ties the entries to hashing/arithmetic.py.
     """
     block_size = BLOCK if parallel else 1 << 62
 

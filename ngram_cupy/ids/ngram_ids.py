@@ -13,10 +13,10 @@ from typing import Any
 
 import numpy as np
 
-from .backends import HOST, Call, bind
-from .checks import check_batch, check_destination, check_out, check_query_start_loc_values
+from ..hashing.layout import LayerLayout, check_layout
+from ..runtime.backends import HOST, Call, bind
+from ..runtime.checks import check_batch, check_destination, check_out, check_query_start_loc_values
 from .ids_numba import advance_context_numba, ngram_ids_numba
-from .layout import LayerLayout, check_layout
 
 
 @dataclass

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..backends import DEVICE, HOST, Backend, gpu_available
+from ...runtime.backends import DEVICE, HOST, Backend, gpu_available
 from ..formats import Format
 from .base import Gather, Storage
 from .cpu import CpuStorage

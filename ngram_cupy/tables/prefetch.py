@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from .backends import HOST, Backend, cupy_module
+from ..runtime.backends import HOST, Backend, cupy_module
 
 # Staging buffer shapes kept per side (beyond the pinned ones).
 STAGING_SHAPES = 8

@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from .backends import cupy_module
-from .used_streams import UsedStreams
+from ..runtime.backends import cupy_module
+from ..runtime.used_streams import UsedStreams
 
 # cudaHostRegisterPortable | cudaHostRegisterMapped: every device and context may map it.
 _REGISTER_FLAGS = 0x01 | 0x02

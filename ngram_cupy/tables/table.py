@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from .backends import DEVICE, HOST, Backend, Call, bind, cuda_stream
-from .checks import check_destination, check_index_array, check_integer, check_out
+from ..runtime.backends import DEVICE, HOST, Backend, Call, bind, cuda_stream
+from ..runtime.checks import check_destination, check_index_array, check_integer, check_out
 from .formats import BFLOAT16, Format, default_output, holds, output_format, storage_format
 from .hot_rows import check_hot_rows
 from .prefetch import Prefetcher

@@ -13,7 +13,7 @@ from functools import cache
 
 import numpy as np
 
-from .checks import check_integer
+from ..runtime.checks import check_integer
 from .config import MAX_LAYOUT_PRIMES, NGramConfig
 
 MASK64 = (1 << 64) - 1

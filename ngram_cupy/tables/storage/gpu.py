@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from ..backends import DEVICE, cuda_stream
+from ...runtime.backends import DEVICE, cuda_stream
 from ..formats import Format
 from .base import Gather, Storage
 

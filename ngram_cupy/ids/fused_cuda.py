@@ -17,15 +17,15 @@ from functools import cache
 import numpy as np
 from numba import cuda, int64, uint64
 
-from .backends import cupy_module
-from .cuda_launch import NumbaKernel
-from .dequant import convert
-from .formats import FORMATS, Format
-from .gather_cupy import data_address
-from .hashing import clamp, stage_token_ids
-from .hot_rows import hot_slot
+from ..hashing.arithmetic import clamp, stage_token_ids
+from ..runtime.backends import cupy_module
+from ..runtime.cuda_launch import NumbaKernel
+from ..runtime.jitable import inline_jitable
+from ..tables.dequant import convert
+from ..tables.formats import FORMATS, Format
+from ..tables.gather_cupy import data_address
+from ..tables.hot_rows import hot_slot
 from .ids_cuda import device_params, staging_shape
-from .jitable import inline_jitable
 
 WORD_BYTES = (8, 4, 2, 1)
 

@@ -18,10 +18,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from ...runtime.backends import DEVICE, HOST, Backend, cuda_stream, cupy_module
+from ...runtime.used_streams import UsedStreams
 from .. import gather_numba
-from ..backends import DEVICE, HOST, Backend, cuda_stream, cupy_module
 from ..hot_rows import build_map
-from ..used_streams import UsedStreams
 from .base import Gather, Storage
 from .gpu import fill
 

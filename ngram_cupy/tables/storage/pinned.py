@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..backends import HOST
+from ...runtime.backends import HOST
 from ..formats import Format
 from ..pinned import PinnedBuffer
 from .base import Gather, Storage

@@ -1,0 +1,1 @@
+"""The hash layout and per-token arithmetic of each model family: config, layout, reference."""

@@ -1,0 +1,1 @@
+"""Embedding tables: storage formats, their decoding, gathers, hot rows, prefetch and placements."""
