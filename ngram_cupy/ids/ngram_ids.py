@@ -15,7 +15,8 @@ import numpy as np
 
 from ..hashing.layout import LayerLayout, check_layout
 from ..runtime.backends import HOST, Call, bind
-from ..runtime.checks import check_batch, check_destination, check_out, check_query_start_loc_values
+from ..runtime.checks import check_destination, check_out
+from .batch import check_batch, check_query_start_loc_values
 from .ids_numba import advance_context_numba, ngram_ids_numba
 
 

@@ -1,19 +1,13 @@
 """Argument checks shared by every backend: clear errors naming the argument, never a crash.
 
-Shape and dtype checks read only metadata, so they cost nothing on GPU arrays; the value checks
-of ``query_start_loc`` need host data and run on the CPU path only.
+They read only metadata (shape, dtype, flags), so they cost nothing on GPU arrays.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from .backends import where
-
-if TYPE_CHECKING:
-    from ..hashing.layout import LayerLayout
 
 INDEX_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
 
@@ -24,37 +18,6 @@ def check_index_array(name: str, array, ndim: int) -> None:
         raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(array.shape)}")
     if np.dtype(array.dtype) not in INDEX_DTYPES:
         raise TypeError(f"{name} must be int32 or int64, got {array.dtype}")
-
-
-def check_batch(layout: LayerLayout, input_ids, query_start_loc, ngram_context) -> tuple[int, int]:
-    """Check shapes and dtypes of a packed batch; return ``(num_tokens, num_requests)``."""
-    check_index_array("input_ids", input_ids, 1)
-    check_index_array("query_start_loc", query_start_loc, 1)
-    check_index_array("ngram_context", ngram_context, 2)
-    num_tokens = input_ids.shape[0]
-    if query_start_loc.shape[0] < 1:
-        raise ValueError("query_start_loc must hold at least one entry (0 for an empty batch)")
-    num_requests = query_start_loc.shape[0] - 1
-    width = layout.ngram_size - 1
-    if ngram_context.shape[1] != width or ngram_context.shape[0] < num_requests:
-        raise ValueError(
-            f"ngram_context must have shape [R' >= {num_requests}, ngram_size - 1 = {width}], "
-            f"got {tuple(ngram_context.shape)}"
-        )
-    return num_tokens, num_requests
-
-
-def check_query_start_loc_values(query_start_loc: np.ndarray, num_tokens: int) -> None:
-    """Host-side: ``0 = q_0 <= q_1 <= ... <= q_R = T``, so no kernel reads out of bounds."""
-    if query_start_loc[0] != 0:
-        raise ValueError(f"query_start_loc must start at 0, got {int(query_start_loc[0])}")
-    if query_start_loc[-1] != num_tokens:
-        raise ValueError(
-            f"query_start_loc must end at the number of tokens {num_tokens}, "
-            f"got {int(query_start_loc[-1])}"
-        )
-    if query_start_loc.shape[0] > 2 and np.any(query_start_loc[1:] < query_start_loc[:-1]):
-        raise ValueError("query_start_loc must be non-decreasing")
 
 
 def check_out(name: str, out, shape: tuple[int, ...], dtype) -> None:
