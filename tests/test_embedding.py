@@ -120,7 +120,7 @@ def test_batch_errors_surface_from_forward():
     layout = small_layout()
     layer = nc.NGramEmbedding(layout, nc.EmbeddingTable(fp8_rows(layout.padded_rows, 8)))
     with pytest.raises(ValueError, match="query_start_loc must end at"):
-        layer(np.array([1, 2, 3]), np.array([0, 2]), np.zeros((1, 3), np.int64))
+        layer(np.array([1, 2, 3]), np.array([0, 4]), np.zeros((1, 3), np.int64))
     with pytest.raises(ValueError, match="ngram_context must have shape"):
         layer.start_prefetch(np.array([1, 2]), np.array([0, 2]), np.zeros((1, 2), np.int64))
     for call in (layer, layer.start_prefetch):  # a scalar is no batch (not even of one token)

@@ -48,8 +48,6 @@ def bind_batch(layout: LayerLayout, stream, input_ids, query_start_loc, ngram_co
     names = ("input_ids", "query_start_loc", "ngram_context")
     # Checked before making contiguous, which would turn a 0-d array into a 1-D one.
     num_tokens, num_requests = check_batch(layout, *(call[name] for name in names))
-    if call.side is not HOST and num_requests == 0 and num_tokens:
-        raise ValueError(f"query_start_loc holds no request but input_ids has {num_tokens} tokens")
     with call.on():
         arrays = tuple(call.side.contiguous(call[name]) for name in names)
     if call.side is HOST:
@@ -75,9 +73,11 @@ def compute_ngram_ids(layout: LayerLayout, input_ids, query_start_loc, ngram_con
     ``input_ids[T]`` holds the requests' tokens back to back, ``query_start_loc[R+1]`` where each
     starts, and ``ngram_context[R' >= R, ngram_size-1]`` the tokens before each request (oldest
     first; all EOS for a fresh sequence). Bit-exact with the reference model on any input.
-    GPU arrays run one kernel on ``stream`` (default: torch's current stream for torch inputs,
-    else CuPy's current stream; a CuPy or torch stream), with no host synchronisation; there
-    ``query_start_loc`` is trusted, not checked.
+    A batch padded to a CUDA-graph size (``T > query_start_loc[R]``, SPEC 10.3) gives its padded
+    tokens vLLM's ids: those of tokens appended to the last request. GPU arrays run one kernel
+    on ``stream`` (default: torch's current stream for torch inputs, else CuPy's current stream;
+    a CuPy or torch stream), with no host synchronisation; there ``query_start_loc`` is trusted,
+    not checked.
     """
     batch = bind_batch(layout, stream, input_ids, query_start_loc, ngram_context, out=out)
     return batch.call.result(batch_ids(layout, batch, output(
@@ -98,7 +98,8 @@ def batch_ids(layout: LayerLayout, batch: Batch, out):
 
 def advance_context(layout: LayerLayout, input_ids, query_start_loc, ngram_context,
                     out=None, *, stream=None):
-    """Each request's next ``[R, ngram_size-1]`` context: the last n-1 of context ++ tokens.
+    """Each request's next ``[R, ngram_size-1]`` context: the last n-1 of context ++ tokens
+    (padded tokens past ``query_start_loc[R]`` belong to no request and are ignored).
 
     ``out`` may be ``ngram_context`` itself (or its first R rows) to roll a persistent buffer in
     place. GPU arrays run one kernel on ``stream``, as in ``compute_ngram_ids``.
