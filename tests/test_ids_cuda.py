@@ -356,6 +356,28 @@ def test_gpu_equals_cpu(layout, num_tokens, num_requests, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("padding", [1, 200, 5000])
+def test_gpu_padded_batches_equal_cpu(padding):
+    """A batch padded to a graph size (SPEC 10.3), padding spanning whole blocks: the CPU's ids
+    (vLLM's), the fused forward's rows too; the roll ignores the padding."""
+    import ml_dtypes
+
+    layout = GPU_LAYOUTS[2]  # a small table
+    tokens, starts, context = random_batch(layout, 300, 5, np.int64, seed=padding)
+    padded = np.concatenate([tokens, np.zeros(padding, np.int64)])
+    want = nc.compute_ngram_ids(layout, padded, starts, context)
+    np.testing.assert_array_equal(nc.compute_ngram_ids(layout, *on_device(padded, starts,
+                                                                          context)).get(), want)
+    rolled = nc.advance_context(layout, *on_device(padded, starts, context))
+    np.testing.assert_array_equal(rolled.get(), nc.advance_context(layout, tokens, starts, context))
+    rows = np.random.default_rng(1).standard_normal((layout.padded_rows, 4))
+    table = nc.EmbeddingTable(rows.astype(ml_dtypes.bfloat16), placement="gpu")
+    fused = nc.NGramEmbedding(layout, table, fused=True)(*on_device(padded, starts, context))
+    np.testing.assert_array_equal(fused.get(), nc.EmbeddingTable(
+        rows.astype(ml_dtypes.bfloat16)).lookup(want).view(np.uint16))
+
+
+@pytest.mark.gpu
 def test_gpu_matches_reference_on_golden(golden):
     layout, _, batches = golden
     for batch in batches:
