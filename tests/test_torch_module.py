@@ -661,6 +661,41 @@ def test_cuda_stored_rows_of_a_padded_batch_dequantize_to_the_cpu_rows(placement
         np.testing.assert_array_equal(bits(got), bits(cpu.table.lookup(ids, out_dtype=dtype)))
 
 
+@pytest.mark.gpu
+def test_cuda_graphs_of_more_batch_sizes_than_staging_shapes_replay():
+    """An engine captures more batch sizes than the staging buffers kept by default: with
+    ``keep_staging`` each graph's prefetch buffers stay its own, and every graph, replayed after
+    all were captured, gives the CPU module's rows of its new tokens."""
+    config = small_config()
+    cpu, _, _ = loaded_module(config, 1, "float8_e4m3fn", seed=3)
+    module, _, _ = loaded_module(config, 1, "float8_e4m3fn", seed=3, placement="pinned")
+    sizes = range(1, STAGING_SHAPES + 4)
+    module.keep_staging(sizes)
+    context = torch.tensor([[0, 3]], device="cuda")
+    graphs = []
+    for size in sizes:
+        tokens = torch.arange(size, device="cuda")
+        starts = torch.tensor([0, size], device="cuda")
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: compiles and allocates outside the capture
+            module.start_prefetch(tokens, starts, context)
+            module(tokens, starts, context)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            module.start_prefetch(tokens, starts, context)
+            out = module(tokens, starts, context)
+        graphs.append((graph, tokens, starts, out))
+    rng = np.random.default_rng(4)
+    for graph, tokens, starts, out in graphs:
+        tokens.copy_(torch.from_numpy(rng.integers(0, config.vocab_size, tokens.numel())))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = cpu(tokens.cpu(), starts.cpu(), context.cpu())
+        np.testing.assert_array_equal(bits(out), bits(want))
+
+
 def test_hot_rows_stay_current_through_every_load_path(dtype_name="float8_e4m3fn"):
     """A module with a hot tier looks up what the untiered one does, hot and cold ids alike,
     after load_weights, load_state_dict (in place and assign=True), new weights each time, and
