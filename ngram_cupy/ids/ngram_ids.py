@@ -3,7 +3,9 @@
 NumPy arguments (or torch CPU tensors, viewed zero-copy) run the Numba CPU kernels; CuPy arrays,
 CUDA torch tensors and other CUDA arrays run the Numba CUDA kernels on the caller's stream.
 Results follow the inputs (``backends``): NumPy for NumPy, CuPy for CuPy, torch for torch, and a
-given ``out`` is what is returned.
+given ``out`` is what is returned. A batch padded to a CUDA-graph size (``input_ids`` longer than
+``query_start_loc[R]``, SPEC 10.3) gives its padded tokens vLLM's ids, those of tokens appended to
+the last request; ``advance_context`` ignores them.
 """
 
 from __future__ import annotations
@@ -73,11 +75,9 @@ def compute_ngram_ids(layout: LayerLayout, input_ids, query_start_loc, ngram_con
     ``input_ids[T]`` holds the requests' tokens back to back, ``query_start_loc[R+1]`` where each
     starts, and ``ngram_context[R' >= R, ngram_size-1]`` the tokens before each request (oldest
     first; all EOS for a fresh sequence). Bit-exact with the reference model on any input.
-    A batch padded to a CUDA-graph size (``T > query_start_loc[R]``, SPEC 10.3) gives its padded
-    tokens vLLM's ids: those of tokens appended to the last request. GPU arrays run one kernel
-    on ``stream`` (default: torch's current stream for torch inputs, else CuPy's current stream;
-    a CuPy or torch stream), with no host synchronisation; there ``query_start_loc`` is trusted,
-    not checked.
+    GPU arrays run one kernel on ``stream`` (default: torch's current stream for torch inputs,
+    else CuPy's current stream; a CuPy or torch stream), with no host synchronisation; there
+    ``query_start_loc`` is trusted, not checked.
     """
     batch = bind_batch(layout, stream, input_ids, query_start_loc, ngram_context, out=out)
     return batch.call.result(batch_ids(layout, batch, output(
