@@ -198,14 +198,11 @@ class NGramEmbeddingModule(torch.nn.Module):
         self.layout = layout
         self.out_dtype = default_output(table.format).torch_dtype
         self.return_stored_rows = bool(return_stored_rows)
-        # Stored rows: gathered unscaled (a second front over the same storage) in a format
-        # that holds them exactly, then cast back to the storage dtype.
         stored = stored_rows_format(table.format) if self.return_stored_rows else None
         self._stored_format = stored
-        lookups = table if stored is None else EmbeddingTable(
-            table.storage, row_start=table.row_start, total_rows=table.total_rows)
-        self.embedding = NGramEmbedding(layout, lookups)
         self._lookup_dtype = self.out_dtype if stored is None else stored.torch_dtype
+        self._kept_sizes: set[int] = set()
+        self.embedding = self._embedding_over(table)
         self.register_buffer("layer_multipliers", torch.tensor(layout.multipliers))
         self.register_buffer("ngram_heads_vocab_sizes", torch.tensor(layout.head_sizes))
         self.register_buffer("ngram_heads_offsets", torch.tensor(layout.head_offsets))
@@ -224,11 +221,24 @@ class NGramEmbeddingModule(torch.nn.Module):
         parts = self.layout.config.split_ngram_parts
         return [i for i in range(parts) if i not in self._loaded_shards]
 
+    def _embedding_over(self, table: EmbeddingTable) -> NGramEmbedding:
+        """The layer's lookups over ``table``, keeping the staging sizes kept so far. Stored rows
+        are gathered unscaled (a second front over the same storage) in a format that holds
+        them exactly, then cast back to the storage dtype in ``forward``."""
+        if self._stored_format is not None:
+            table = EmbeddingTable(table.storage, row_start=table.row_start,
+                                   total_rows=table.total_rows)
+        embedding = NGramEmbedding(self.layout, table)
+        embedding.keep_staging(self._kept_sizes)
+        return embedding
+
     def keep_staging(self, num_tokens: Iterable[int]) -> None:
         """Keep the ids and rows staging buffers of these batch sizes for the module's life:
         call it with every batch size an engine captures in a CUDA graph, before capturing
         (others are dropped beyond the latest ``prefetch.STAGING_SHAPES``)."""
-        self.embedding.keep_staging(num_tokens)
+        sizes = list(num_tokens)
+        self.embedding.keep_staging(sizes)
+        self._kept_sizes.update(int(size) for size in sizes)
 
     def dequantize(self, rows: torch.Tensor, dtype: torch.dtype | str) -> torch.Tensor:
         """``self.ngram_embedding.dequantize`` (``TableWeights.dequantize``): stored rows
