@@ -1,8 +1,10 @@
 """``NGramEmbeddingModule``: one PLE layer as a ``torch.nn.Module`` shaped like the reference layer.
 
 A model written for the reference layer can use it in its place: the same ``forward`` and
-``start_prefetch`` arguments, the same ``[T, num_heads * head_dim]`` output, the same checkpoint
-names in ``load_weights`` and the same ``state_dict`` keys. Underneath it is an
+``start_prefetch`` arguments (the seed's, with ``hidden_states`` first, or vLLM 0.33's, without),
+the same ``[T, num_heads * head_dim]`` output, the same checkpoint names in ``load_weights`` and
+the same ``state_dict`` keys; with ``return_stored_rows=True`` it returns the stored rows that
+vLLM 0.33's PLE layer decodes with ``ngram_embedding.dequantize(rows, dtype)``. Underneath it is an
 ``NGramEmbedding`` (exact ids, then an ``EmbeddingTable`` gather), so CPU tensors run on the CPU
 and CUDA tensors on the GPU, on torch's current stream.
 """
@@ -19,7 +21,7 @@ from .embedding import NGramEmbedding
 from .files.checkpoint import BUFFERS, check_scale
 from .hashing.config import NGramConfig
 from .hashing.layout import layer_layout, split_rows
-from .tables.formats import default_output
+from .tables.formats import BFLOAT16, FLOAT8_E4M3, FORMATS, Format, default_output, output_format
 from .tables.table import EmbeddingTable
 
 WEIGHT = "ngram_embedding.weight"
@@ -27,12 +29,62 @@ SCALE = "ngram_embedding.weight_scale"
 # Value width in bytes -> the NumPy integer type that moves those bits to torch.
 _BITS = {1: np.uint8, 2: np.int16, 4: np.int32}
 _SHARD = re.compile(r"ngram_embedding\.shard_(\d+)\.weight", re.ASCII)
+BATCH = ("input_ids", "query_start_loc", "ngram_context")
+SEED_BATCH = ("hidden_states", *BATCH)
 
 
 def _is_ignored(name: str) -> bool:
     """Checkpoint entries the layer never uses: hash statistics and token lookups."""
     leaf = name.rsplit(".", 1)[-1]
     return leaf.startswith("hashstats_") or leaf == "token_lookup"
+
+
+def batch_arguments(method: str, args: tuple, kwargs: dict) -> tuple[torch.Tensor, ...]:
+    """``(input_ids, query_start_loc, ngram_context)`` of a call in either layer shape: vLLM
+    0.33's three tensors, or the seed's four with ``hidden_states`` (a floating tensor or None,
+    not read) first. The count of arguments decides, so no tensor is taken for another."""
+    seed = "hidden_states" in kwargs or len(args) + len(kwargs) == len(SEED_BATCH)
+    names = SEED_BATCH if seed else BATCH
+    if len(args) > len(names):
+        raise TypeError(f"{method}() takes ({', '.join(BATCH)}) or ({', '.join(SEED_BATCH)}), "
+                        f"got {len(args)} positional arguments")
+    values = dict(zip(names, args, strict=False))
+    for name, value in kwargs.items():
+        if name not in names or name in values:
+            raise TypeError(f"{method}() got an unexpected or repeated argument {name!r}")
+        values[name] = value
+    missing = [name for name in names if name not in values]
+    if missing:
+        raise TypeError(f"{method}() is missing {', '.join(missing)} (it takes "
+                        f"({', '.join(BATCH)}) or ({', '.join(SEED_BATCH)}))")
+    hidden_states = values.get("hidden_states")
+    if hidden_states is not None and not (isinstance(hidden_states, torch.Tensor)
+                                          and hidden_states.is_floating_point()):
+        raise TypeError(f"{method}(): hidden_states, the first of four arguments, must be a "
+                        f"floating tensor or None, got {_kind(hidden_states)}")
+    for name in BATCH:
+        value = values[name]
+        if not isinstance(value, torch.Tensor) or value.is_floating_point():
+            hint = (" (hidden_states goes first, before three more)" if name == "input_ids"
+                    and isinstance(value, torch.Tensor) else "")
+            raise TypeError(f"{method}(): {name} must be an integer tensor, got "
+                            f"{_kind(value)}{hint}")
+    return tuple(values[name] for name in BATCH)
+
+
+def _kind(value) -> str:
+    """A value's type for an error message: a tensor's dtype, else its class."""
+    return f"a {value.dtype} tensor" if isinstance(value, torch.Tensor) else type(value).__name__
+
+
+def stored_rows_format(fmt: Format) -> Format | None:
+    """The output format a lookup of stored rows gathers in: the storage format itself when
+    lookups produce it (the values come back unchanged), bfloat16 for float8 e4m3 (it holds every
+    float8 value exactly, so casting back restores the stored value; a NaN keeps no sign). None
+    for formats whose rows vLLM decodes inside the lookup (block-scaled ones, SPEC 10.4)."""
+    if fmt.output:
+        return fmt
+    return FORMATS[BFLOAT16] if fmt.code == FLOAT8_E4M3 else None
 
 
 def _storage_view(table: EmbeddingTable, dtype: torch.dtype) -> torch.Tensor:
@@ -81,6 +133,31 @@ class TableWeights(torch.nn.Module):
                 module.weight_scale = torch.tensor(float(module.table.scale))
                 raise
 
+    def dequantize(self, rows: torch.Tensor, dtype: torch.dtype | str) -> torch.Tensor:
+        """Stored rows (``[..., k * head_dim]`` of the storage dtype, as ``forward`` returns
+        them with ``return_stored_rows=True``) decoded to ``dtype`` exactly as a lookup decodes
+        them, bit for bit: the table's format and scale, through the table gather itself. Rows a
+        lookup has decoded already (the module's ``out_dtype``) are cast, as vLLM does for
+        NVFP4 rows. The call vLLM 0.33's PLE layer makes."""
+        out_format = output_format(dtype, "dtype")
+        fmt, head_dim = self.table.format, self.table.head_dim
+        if not isinstance(rows, torch.Tensor):
+            raise TypeError(f"rows must be a torch.Tensor, got {type(rows).__name__}")
+        decoded = default_output(fmt).torch_dtype
+        if rows.dtype != fmt.torch_dtype:
+            if rows.dtype == decoded:
+                return rows.to(out_format.torch_dtype)
+            raise TypeError(f"rows must be the table's stored rows ({fmt.torch_dtype}) or rows "
+                            f"its lookups decoded ({decoded}), got {rows.dtype}")
+        if rows.ndim == 0 or rows.shape[-1] % max(head_dim, 1):
+            raise ValueError(f"rows must have a last dimension of whole rows of head_dim="
+                             f"{head_dim}, got shape {tuple(rows.shape)}")
+        flat = rows.detach().reshape(-1, head_dim).contiguous()
+        decoder = EmbeddingTable(flat, scale=self.table.scale,
+                                 placement="gpu" if flat.is_cuda else "cpu")
+        ids = torch.arange(flat.shape[0], device=flat.device).reshape(-1, 1)
+        return decoder.lookup(ids, out_dtype=out_format.name).reshape(rows.shape)
+
     def _apply(self, fn, recurse=True):
         """``.to()``, ``.cuda()``, ``.half()`` leave the rows alone: where the table lives and its
         storage dtype are fixed by ``placement`` and ``weight_dtype`` (overrides torch's hook)."""
@@ -99,11 +176,14 @@ class NGramEmbeddingModule(torch.nn.Module):
     ``ngram-cupy stats --save-hot-rows``; placement ``"pinned"`` or ``"cpu"``) puts those rows
     in a hot tier (GPU memory for a pinned table) that lookups read them from; every load path
     keeps it current, and a caller who changes ``ngram_embedding.weight`` in place calls
-    ``refresh_hot_rows()`` afterwards.
+    ``refresh_hot_rows()`` afterwards. ``return_stored_rows=True``: ``forward`` returns the rows
+    as stored (float8 rows unscaled, as float8), for ``dequantize`` to decode, as vLLM 0.33's
+    layer does; formats vLLM decodes in the lookup (block-scaled) come back decoded.
     """
 
     def __init__(self, config: NGramConfig, layer: int, *, placement: str = "gpu",
-                 weight_dtype: torch.dtype | str | None = None, hot_rows=None):
+                 weight_dtype: torch.dtype | str | None = None, hot_rows=None,
+                 return_stored_rows: bool = False):
         super().__init__()
         if not isinstance(config, NGramConfig):
             raise TypeError(f"config must be an NGramConfig, got {type(config).__name__}")
@@ -116,8 +196,13 @@ class NGramEmbeddingModule(torch.nn.Module):
         table = EmbeddingTable.empty(layout.padded_rows, layout.head_dim, weight_dtype,
                                      placement=placement, hot_rows=hot_rows)
         self.layout = layout
-        self.embedding = NGramEmbedding(layout, table)
         self.out_dtype = default_output(table.format).torch_dtype
+        self.return_stored_rows = bool(return_stored_rows)
+        stored = stored_rows_format(table.format) if self.return_stored_rows else None
+        self._stored_format = stored
+        self._lookup_dtype = self.out_dtype if stored is None else stored.torch_dtype
+        self._kept_sizes: set[int] = set()
+        self.embedding = self._embedding_over(table)
         self.register_buffer("layer_multipliers", torch.tensor(layout.multipliers))
         self.register_buffer("ngram_heads_vocab_sizes", torch.tensor(layout.head_sizes))
         self.register_buffer("ngram_heads_offsets", torch.tensor(layout.head_offsets))
@@ -128,13 +213,37 @@ class NGramEmbeddingModule(torch.nn.Module):
     @property
     def table(self) -> EmbeddingTable:
         """The embedding table the rows live in."""
-        return self.embedding.table
+        return self.ngram_embedding.table
 
     @property
     def missing_shards(self) -> list[int]:
         """Indexes of checkpoint shards ``load_weights`` has not received yet."""
         parts = self.layout.config.split_ngram_parts
         return [i for i in range(parts) if i not in self._loaded_shards]
+
+    def _embedding_over(self, table: EmbeddingTable) -> NGramEmbedding:
+        """The layer's lookups over ``table``, keeping the staging sizes kept so far. Stored rows
+        are gathered unscaled (a second front over the same storage) in a format that holds
+        them exactly, then cast back to the storage dtype in ``forward``."""
+        if self._stored_format is not None:
+            table = EmbeddingTable(table.storage, row_start=table.row_start,
+                                   total_rows=table.total_rows)
+        embedding = NGramEmbedding(self.layout, table)
+        embedding.keep_staging(self._kept_sizes)
+        return embedding
+
+    def keep_staging(self, num_tokens: Iterable[int]) -> None:
+        """Keep the ids and rows staging buffers of these batch sizes for the module's life:
+        call it with every batch size an engine captures in a CUDA graph, before capturing
+        (others are dropped beyond the latest ``prefetch.STAGING_SHAPES``)."""
+        sizes = list(num_tokens)
+        self.embedding.keep_staging(sizes)
+        self._kept_sizes.update(int(size) for size in sizes)
+
+    def dequantize(self, rows: torch.Tensor, dtype: torch.dtype | str) -> torch.Tensor:
+        """``self.ngram_embedding.dequantize`` (``TableWeights.dequantize``): stored rows
+        decoded to ``dtype`` exactly as a lookup decodes them."""
+        return self.ngram_embedding.dequantize(rows, dtype)
 
     def refresh_hot_rows(self) -> None:
         """Copy the hot tier's rows again from the table (after an in-place weight change; the
@@ -165,31 +274,35 @@ class NGramEmbeddingModule(torch.nn.Module):
                                    stream=stream)
         return output
 
-    def forward(self, hidden_states: torch.Tensor, input_ids: torch.Tensor,
-                query_start_loc: torch.Tensor, ngram_context: torch.Tensor) -> torch.Tensor:
-        """``[T, num_heads * head_dim]`` embeddings of the batch, in ``self.out_dtype``.
+    def forward(self, *args: torch.Tensor | None, **kwargs: torch.Tensor | None) -> torch.Tensor:
+        """``[T, num_heads * head_dim]`` embeddings of ``(input_ids, query_start_loc,
+        ngram_context)`` in ``self.out_dtype`` (the stored rows with ``return_stored_rows``).
 
-        ``hidden_states`` is taken for the reference layer's signature and not read. After
-        ``start_prefetch`` this joins the prefetch and gathers again only heads whose ids
-        changed, so a stale prefetch costs time, never correctness.
+        The seed's ``(hidden_states, input_ids, query_start_loc, ngram_context)`` is taken too;
+        ``hidden_states`` is not read. After ``start_prefetch`` this joins the prefetch and
+        gathers again only heads whose ids changed, so a stale prefetch costs time, never
+        correctness. ``input_ids`` may be padded past ``query_start_loc[-1]`` (SPEC 10.3).
         """
         input_ids, query_start_loc, ngram_context, stream = self._batch(
-            input_ids, query_start_loc, ngram_context)
+            *batch_arguments("forward", args, kwargs))
         width = self.layout.num_heads * self.layout.head_dim
-        out = torch.empty((input_ids.shape[0], width), dtype=self.out_dtype,
+        out = torch.empty((input_ids.shape[0], width), dtype=self._lookup_dtype,
                           device=input_ids.device)
-        return self.embedding.forward(input_ids, query_start_loc, ngram_context, out=out,
+        rows = self.embedding.forward(input_ids, query_start_loc, ngram_context, out=out,
                                       stream=stream)
+        if self._stored_format is not None and rows.dtype != self.table.format.torch_dtype:
+            return rows.to(self.table.format.torch_dtype)  # exact: see stored_rows_format
+        return rows
 
-    def start_prefetch(self, hidden_states: torch.Tensor, input_ids: torch.Tensor,
-                       query_start_loc: torch.Tensor, ngram_context: torch.Tensor) -> None:
-        """Start gathering the batch's rows while the preceding decoder layer runs (a side CUDA
-        stream, or a worker thread on the CPU); nothing for a table in GPU memory, as in the
-        reference layer."""
+    def start_prefetch(self, *args: torch.Tensor | None, **kwargs: torch.Tensor | None) -> None:
+        """Start gathering the rows of ``(input_ids, query_start_loc, ngram_context)`` (vLLM
+        0.33's call; the seed's, with ``hidden_states`` first, too) while the preceding decoder
+        layer runs (a side CUDA stream, or a worker thread on the CPU); ``forward`` joins it.
+        Nothing for a table in GPU memory, as in the reference layer."""
+        batch = batch_arguments("start_prefetch", args, kwargs)
         if self.table.placement == "gpu":
             return
-        input_ids, query_start_loc, ngram_context, stream = self._batch(
-            input_ids, query_start_loc, ngram_context)
+        input_ids, query_start_loc, ngram_context, stream = self._batch(*batch)
         self.embedding.start_prefetch(input_ids, query_start_loc, ngram_context, stream=stream)
 
     # ---- weights ----
@@ -283,4 +396,5 @@ class NGramEmbeddingModule(torch.nn.Module):
         return (f"layer={self.layout.layer}, heads={self.layout.num_heads}, "
                 f"head_dim={self.layout.head_dim}, rows={self.layout.padded_rows}, "
                 f"weight_dtype={self.ngram_embedding.weight.dtype}, "
-                f"placement={self.table.placement!r}")
+                f"placement={self.table.placement!r}"
+                f"{', return_stored_rows=True' if self.return_stored_rows else ''}")

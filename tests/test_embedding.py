@@ -62,6 +62,24 @@ def test_forward_out_and_out_dtype():
     np.testing.assert_array_equal(ids_out, ids)
 
 
+def test_padded_batch_through_forward_ids_out_and_prefetch():
+    """Tokens past ``query_start_loc[-1]`` (SPEC 10.3): the rows of tokens appended to the last
+    request, with ``ids_out`` and after a prefetch; the real tokens' rows unchanged."""
+    layout = small_layout()
+    weight = fp8_rows(layout.padded_rows, 8)
+    layer = nc.NGramEmbedding(layout, nc.EmbeddingTable(weight, scale=0.25))
+    tokens, starts = np.array([5, 2, 7, 9, 11, 0, 0, 2]), np.array([0, 2, 5])
+    context = np.array([[1, 3, 4], [2, 2, 2]])
+    ids = nc.compute_ngram_ids(layout, tokens, np.array([0, 2, 8]), context)
+    want = reference_lookup(weight, ids, 0.25, ml_dtypes.bfloat16)
+    ids_out = np.full_like(ids, -1)
+    np.testing.assert_array_equal(layer(tokens, starts, context, ids_out=ids_out), want)
+    np.testing.assert_array_equal(ids_out, ids)
+    np.testing.assert_array_equal(want[:5], layer(tokens[:5], starts, context))
+    layer.prefetch(tokens, starts, context)
+    np.testing.assert_array_equal(layer(tokens, starts, context), want)
+
+
 def test_row_shards_sum_to_the_whole_layer():
     layout = small_layout()
     weight = fp8_rows(layout.padded_rows, 8, seed=1)
@@ -120,7 +138,7 @@ def test_batch_errors_surface_from_forward():
     layout = small_layout()
     layer = nc.NGramEmbedding(layout, nc.EmbeddingTable(fp8_rows(layout.padded_rows, 8)))
     with pytest.raises(ValueError, match="query_start_loc must end at"):
-        layer(np.array([1, 2, 3]), np.array([0, 2]), np.zeros((1, 3), np.int64))
+        layer(np.array([1, 2, 3]), np.array([0, 4]), np.zeros((1, 3), np.int64))
     with pytest.raises(ValueError, match="ngram_context must have shape"):
         layer.start_prefetch(np.array([1, 2]), np.array([0, 2]), np.zeros((1, 2), np.int64))
     for call in (layer, layer.start_prefetch):  # a scalar is no batch (not even of one token)

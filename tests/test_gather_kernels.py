@@ -317,6 +317,22 @@ def test_simulated_fused_kernel_on_an_empty_batch(simulate):
     assert rows.shape == (0, layout.num_heads * 4)
 
 
+def test_simulated_fused_kernel_on_a_padded_batch(simulate):
+    """Tokens past ``query_start_loc[R]`` (SPEC 10.3): the CPU path's ids and rows, in a block
+    of padding alone too."""
+    rng = np.random.default_rng(4)
+    layout = simulator.layouts()[1]
+    fmt = FORMATS[dequant.FLOAT8_E4M3]
+    table = nc.EmbeddingTable(every_pattern_table(rng, layout.padded_rows, 4, fmt), scale=0.75)
+    tokens, starts, context = simulator.random_batch(rng, layout, 3, 2)
+    padded = np.concatenate([tokens, rng.integers(0, 300, 6)])
+    out_format = FORMATS[dequant.BFLOAT16]
+    got_rows, got_ids = fused(layout, table, padded, starts, context, out_format, block=4)
+    want_rows, want_ids = cpu_rows_and_ids(layout, table, padded, starts, context, out_format)
+    np.testing.assert_array_equal(got_ids, want_ids)
+    np.testing.assert_array_equal(got_rows, want_rows)
+
+
 def test_the_simulator_refuses_a_misaligned_word_load(simulate):
     """The alignment check is live: 8-byte words read from an address 1 mod 8 fail."""
     layout = simulator.layouts()[1]

@@ -62,6 +62,26 @@ def test_simulated_ids_with_empty_requests_and_batches(simulate):
     assert empty.shape == (0, layout.num_heads)
 
 
+def test_simulated_padded_batches_give_vllm_ids(simulate):
+    """Tokens past ``query_start_loc[R]`` (a CUDA-graph size, SPEC 10.3): ids as if appended to
+    the last request, across blocks and after an empty last request; the roll ignores them."""
+    rng = np.random.default_rng(23)
+    layout = simulator.layouts()[2]
+    for num_tokens, num_requests, padding in [(5, 2, 7), (0, 1, 6), (9, 3, 1)]:
+        tokens, starts, context = simulator.random_batch(rng, layout, num_tokens, num_requests)
+        padded = np.concatenate([tokens, rng.integers(0, 1000, padding)])
+        extended = starts.copy()
+        extended[-1] = padded.size
+        want = reference.compute_ngram_ids(layout, padded, extended, context)
+        np.testing.assert_array_equal(want[:num_tokens],
+                                      reference.compute_ngram_ids(layout, tokens, starts, context))
+        np.testing.assert_array_equal(gpu_ids(layout, padded, starts, context, block=4), want)
+        rolled = np.zeros_like(context[:num_requests])
+        ids_cuda.launch_advance_context(padded, starts, context, rolled)
+        np.testing.assert_array_equal(rolled,
+                                      reference.advance_context(layout, tokens, starts, context))
+
+
 @pytest.mark.parametrize("dtypes", [(np.int32,) * 3, (np.int32, np.int64, np.int32),
                                     (np.int64, np.int32, np.int64)], ids=str)
 def test_simulated_ids_on_int32_inputs(simulate, dtypes):
@@ -333,6 +353,28 @@ def test_gpu_equals_cpu(layout, num_tokens, num_requests, dtype):
     np.testing.assert_array_equal(ids.get(), nc.compute_ngram_ids(layout, *batch))
     context = nc.advance_context(layout, *on_device(*batch))
     np.testing.assert_array_equal(context.get(), nc.advance_context(layout, *batch))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("padding", [1, 200, 5000])
+def test_gpu_padded_batches_equal_cpu(padding):
+    """A batch padded to a graph size (SPEC 10.3), padding spanning whole blocks: the CPU's ids
+    (vLLM's), the fused forward's rows too; the roll ignores the padding."""
+    import ml_dtypes
+
+    layout = GPU_LAYOUTS[2]  # a small table
+    tokens, starts, context = random_batch(layout, 300, 5, np.int64, seed=padding)
+    padded = np.concatenate([tokens, np.zeros(padding, np.int64)])
+    want = nc.compute_ngram_ids(layout, padded, starts, context)
+    np.testing.assert_array_equal(nc.compute_ngram_ids(layout, *on_device(padded, starts,
+                                                                          context)).get(), want)
+    rolled = nc.advance_context(layout, *on_device(padded, starts, context))
+    np.testing.assert_array_equal(rolled.get(), nc.advance_context(layout, tokens, starts, context))
+    rows = np.random.default_rng(1).standard_normal((layout.padded_rows, 4))
+    table = nc.EmbeddingTable(rows.astype(ml_dtypes.bfloat16), placement="gpu")
+    fused = nc.NGramEmbedding(layout, table, fused=True)(*on_device(padded, starts, context))
+    np.testing.assert_array_equal(fused.get(), nc.EmbeddingTable(
+        rows.astype(ml_dtypes.bfloat16)).lookup(want).view(np.uint16))
 
 
 @pytest.mark.gpu

@@ -103,6 +103,66 @@ def test_advance_context_matches_reference(case):
     np.testing.assert_array_equal(nc.advance_context(layout, tokens, starts, context), expected)
 
 
+@st.composite
+def padded_batches(draw):
+    """A batch of at least one request, padded with 1-20 tokens past ``query_start_loc[R]``
+    (SPEC 10.3): EOS, valid and wild ids, as an engine's padding may hold anything."""
+    layout, tokens, starts, context = draw(batches(max_tokens=60))
+    info = np.iinfo(tokens.dtype)
+    token = st.one_of(st.just(layout.eos_token_id), st.integers(0, layout.config.vocab_size - 1),
+                      st.integers(int(info.min), int(info.max)))
+    padding = np.array(draw(st.lists(token, min_size=1, max_size=20)), dtype=tokens.dtype)
+    return layout, tokens, np.concatenate([tokens, padding]), starts, context
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(padded_batches())
+def test_padded_batches_give_vllm_ids(case):
+    """Padding leaves the real tokens' ids alone; a padded token's ids are those it would have
+    appended to the last request (vLLM's kernel: its request search clamps to R - 1)."""
+    layout, tokens, padded, starts, context = case
+    real = reference.compute_ngram_ids(layout, tokens, starts, context)
+    extended = starts.copy()
+    extended[-1] = padded.size  # the last request owns the padding
+    appended = reference.compute_ngram_ids(layout, padded, extended, context)
+    np.testing.assert_array_equal(appended[: tokens.size], real)  # the definition agrees
+    np.testing.assert_array_equal(reference.compute_ngram_ids(layout, padded, starts, context),
+                                  appended)
+    for name, backend in BACKENDS.items():
+        if name == "numba-parallel" and padded.dtype == np.int32:
+            continue  # as in test_backends_match_reference
+        ids = backend(layout, padded, starts, context)
+        np.testing.assert_array_equal(ids[: tokens.size], real, err_msg=name)
+        np.testing.assert_array_equal(ids, appended, err_msg=name)
+    np.testing.assert_array_equal(nc.advance_context(layout, padded, starts, context),
+                                  reference.advance_context(layout, tokens, starts, context))
+
+
+def test_padding_after_an_empty_last_request_reads_its_context():
+    """The last request may be empty (a finished slot): the padding then hashes its context."""
+    layout = nc.layer_layout(nc.NGramConfig(100, 3, 1, 50, 0), 0)
+    tokens = np.array([5, 6, 7, 8, 9], dtype=np.int64)
+    context = np.array([[1, 2], [3, 4]], dtype=np.int64)
+    padded = nc.compute_ngram_ids(layout, tokens, np.array([0, 3, 3]), context)
+    alone = nc.compute_ngram_ids(layout, tokens[3:], np.array([0, 2]), context[1:])
+    np.testing.assert_array_equal(padded[3:], alone)
+    long_batch = np.concatenate([tokens, np.zeros(2000, np.int64)])  # whole blocks past q_R
+    want = reference.compute_ngram_ids(layout, long_batch, np.array([0, 3, 3]), context)
+    for threaded in (False, True):
+        np.testing.assert_array_equal(
+            _numba(threaded)(layout, long_batch, np.array([0, 3, 3]), context), want)
+
+
+def test_a_batch_of_no_request_takes_no_tokens():
+    """R = 0 with tokens: vLLM's kernel reads ``query_start_loc[-1]`` there (outside the array)
+    and its torch path fails, so there is nothing to match: a ValueError, on every path."""
+    layout = nc.layer_layout(nc.NGramConfig(100, 3, 1, 50, 0), 0)
+    for call in (nc.compute_ngram_ids, nc.advance_context):
+        with pytest.raises(ValueError, match="query_start_loc holds no request but input_ids "
+                                             "has 2 tokens"):
+            call(layout, np.array([1, 2]), np.array([0]), np.zeros((3, 2), np.int64))
+
+
 def test_advance_context_in_place():
     layout = nc.layer_layout(nc.NGramConfig(100, 4, 1, 50, 0), 0)
     tokens = np.array([5, 6, 7, 8, 9], dtype=np.int64)
@@ -199,7 +259,7 @@ CONTEXT = np.zeros((3, 2), dtype=np.int64)  # R' = 3 >= R: spare rows are allowe
         (dict(input_ids=TOKENS.astype(np.uint8)), TypeError, "input_ids"),
         (dict(query_start_loc=np.array([1, 2, 6])), ValueError, "query_start_loc"),
         (dict(query_start_loc=np.array([0, 4, 2, 6])), ValueError, "query_start_loc"),
-        (dict(query_start_loc=np.array([0, 2, 5])), ValueError, "query_start_loc"),
+        (dict(query_start_loc=np.array([0])), ValueError, "query_start_loc holds no request"),
         (dict(query_start_loc=np.array([0, 2, 7])), ValueError, "query_start_loc"),
         (dict(query_start_loc=np.zeros(0, np.int64)), ValueError, "query_start_loc"),
         (dict(query_start_loc=np.array([[0, 6]])), ValueError, "query_start_loc"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import tracemalloc
 
 import ml_dtypes
@@ -17,6 +18,8 @@ from hypothesis import strategies as st
 import ngram_cupy as nc
 from ngram_cupy.hashing import reference
 from ngram_cupy.hashing.layout import split_rows
+from ngram_cupy.runtime.backends import HOST
+from ngram_cupy.tables.prefetch import STAGING_SHAPES
 from ngram_cupy.torch import NGramEmbeddingModule
 
 # Storage dtype name -> (NumPy type, integer type of the same width, scale or None).
@@ -108,12 +111,13 @@ def checkpoint_weights(config, layer, weight, scale):
     yield "token_lookup", torch.zeros(2)
 
 
-def loaded_module(config, layer, dtype_name, seed=0, placement="cpu"):
+def loaded_module(config, layer, dtype_name, seed=0, placement="cpu", **options):
     """A module with random rows loaded through ``load_weights``, and those rows and scale."""
     layout = nc.layer_layout(config, layer)
     weight = random_rows(layout.padded_rows, layout.head_dim, dtype_name, seed)
     scale = DTYPES[dtype_name][2]
-    module = NGramEmbeddingModule(config, layer, placement=placement, weight_dtype=dtype_name)
+    module = NGramEmbeddingModule(config, layer, placement=placement, weight_dtype=dtype_name,
+                                  **options)
     module.load_weights(checkpoint_weights(config, layer, weight, scale))
     return module, weight, scale
 
@@ -228,6 +232,161 @@ def test_prefetch_then_forward_equals_forward(placement, data):
     np.testing.assert_array_equal(bits(module(None, *batch)), bits(alone))
     module.start_prefetch(None, *other)  # stale: the forward asks for other rows
     np.testing.assert_array_equal(bits(module(None, *batch)), bits(alone))
+
+
+def padded(batch, padding):
+    """``batch`` with ``padding`` tokens appended past ``query_start_loc[-1]`` (SPEC 10.3), and
+    the same tokens with the last request extended over them."""
+    input_ids, starts, context = batch
+    tokens = torch.cat([input_ids, torch.tensor(padding, dtype=input_ids.dtype)])
+    extended = starts.clone()
+    extended[-1] = tokens.numel()
+    return (tokens, starts, context), (tokens, extended, context)
+
+
+@pytest.mark.parametrize("placement", ["cpu", "pinned"])
+@SETTINGS
+@given(data=st.data())
+def test_padded_batches_through_forward_and_prefetch(placement, data):
+    """Padding leaves the real tokens' rows alone and gives the padded ones the rows of tokens
+    appended to the last request, with and without a prefetch, in both call shapes."""
+    config, layer = data.draw(configs())
+    tokens, contexts = data.draw(sequences(config))
+    tokens = tokens or [[]]
+    contexts = contexts or [[config.eos_token_id] * (config.ngram_size - 1)]
+    batch = packed(config, tokens, contexts)
+    pad = data.draw(st.lists(st.integers(0, config.vocab_size - 1), min_size=1, max_size=9))
+    padded_batch, appended = padded(batch, pad)
+    module, _, _ = loaded_module(config, layer, "float8_e4m3fn", placement=placement)
+    real = module(*batch)
+    want = module(*appended)
+    np.testing.assert_array_equal(bits(want[: len(batch[0])]), bits(real))
+    np.testing.assert_array_equal(bits(module(None, *padded_batch)), bits(want))
+    module.start_prefetch(*padded_batch)
+    np.testing.assert_array_equal(bits(module(*padded_batch)), bits(want))
+
+
+def test_both_call_shapes_give_the_same_rows():
+    """vLLM 0.33's ``(input_ids, query_start_loc, ngram_context)`` and the seed's four
+    arguments, positional or by name, for ``forward`` and ``start_prefetch`` alike."""
+    config = small_config()
+    module, _, _ = loaded_module(config, 1, "bfloat16", placement="pinned")
+    batch = packed(config, [[1, 2, 3, 4], [3, 5]], [[0, 3], [7, 8]])
+    names = dict(zip(("input_ids", "query_start_loc", "ngram_context"), batch, strict=True))
+    hidden_states = torch.zeros(len(batch[0]), 4, dtype=torch.bfloat16)
+    want = module(hidden_states, *batch)
+    for prefetch in ((*batch,), (hidden_states, *batch), (None, *batch)):
+        module.start_prefetch(*prefetch)
+        np.testing.assert_array_equal(bits(module(*batch)), bits(want))
+    module.start_prefetch(**names)
+    np.testing.assert_array_equal(bits(module(hidden_states=hidden_states, **names)), bits(want))
+    module.start_prefetch(hidden_states, **names)
+    np.testing.assert_array_equal(bits(module(batch[0], **dict(list(names.items())[1:]))),
+                                  bits(want))
+
+
+def test_call_shapes_that_fit_neither_form_are_type_errors():
+    config = small_config()
+    module = NGramEmbeddingModule(config, 1, placement="cpu", weight_dtype="bfloat16")
+    input_ids, starts, context = packed(config, [[1, 2, 3]], [[0, 3]])
+    hidden = torch.zeros(3, 4)
+    cases = [
+        ((hidden, starts, context), {}, "input_ids must be an integer tensor, got a "
+                                        "torch.float32 tensor (hidden_states goes first"),
+        ((input_ids, input_ids, starts, context), {}, "hidden_states, the first of four "
+                                                      "arguments, must be a floating tensor"),
+        ((hidden, input_ids, starts, context, context), {}, "got 5 positional arguments"),
+        ((input_ids, starts), {}, "missing ngram_context"),
+        ((input_ids, starts), {"context": context}, "unexpected or repeated argument 'context'"),
+        ((input_ids, starts, context), {"input_ids": input_ids}, "repeated argument "
+                                                                 "'input_ids'"),
+        ((input_ids, starts, [[0, 3]]), {}, "ngram_context must be an integer tensor, got list"),
+    ]
+    for method in (module.forward, module.start_prefetch):
+        for args, kwargs, message in cases:
+            with pytest.raises(TypeError, match=re.escape(message)):
+                method(*args, **kwargs)
+
+
+@pytest.mark.parametrize("dtype_name", DTYPES)
+@SETTINGS
+@given(data=st.data())
+def test_stored_rows_dequantized_equal_the_lookup(dtype_name, data):
+    """``return_stored_rows``: the table's values as stored (float8 unscaled; NaNs stay NaN),
+    and ``dequantize`` of them is the module's own lookup, bit for bit, to bf16 and fp16."""
+    config, layer = data.draw(configs())
+    batch = packed(config, *data.draw(sequences(config)))
+    seed = data.draw(st.integers(0, 9))
+    module, weight, _ = loaded_module(config, layer, dtype_name, seed)
+    stored, _, _ = loaded_module(config, layer, dtype_name, seed, return_stored_rows=True)
+    rows = stored(*batch)
+    assert rows.dtype == getattr(torch, dtype_name) and rows.shape == module(*batch).shape
+    layout = nc.layer_layout(config, layer)
+    ids = reference.compute_ngram_ids(layout, *(t.numpy() for t in batch))
+    as_stored = weight[ids].reshape(len(ids), layout.num_heads * layout.head_dim)
+    nan = np.isnan(as_stored.astype(np.float32))
+    assert np.isnan(rows.float().numpy()[nan]).all()
+    np.testing.assert_array_equal(bits(rows)[~nan], bits(as_torch(as_stored))[~nan])
+    for dtype in (torch.bfloat16, torch.float16):
+        want = module.table.lookup(torch.from_numpy(ids), out_dtype=dtype)
+        got = stored.ngram_embedding.dequantize(rows, dtype)
+        assert got.dtype == dtype
+        np.testing.assert_array_equal(bits(got), bits(want))
+    np.testing.assert_array_equal(bits(stored.dequantize(rows, module.out_dtype)),
+                                  bits(module(*batch)))
+
+
+def test_dequantize_of_every_float8_code():
+    """All 256 float8 codes, a scale that is no bfloat16 value, rows in ``[T, H, head_dim]``."""
+    config = small_config(embedding_dim=16, heads_per_ngram=1, ngram_size=3)
+    layout = nc.layer_layout(config, 0)
+    codes = np.arange(layout.padded_rows * 8, dtype=np.uint64) % 256
+    weight = codes.astype(np.uint8).view(ml_dtypes.float8_e4m3fn).reshape(-1, 8)
+    module = NGramEmbeddingModule(config, 0, placement="cpu", weight_dtype="fp8",
+                                  return_stored_rows=True)
+    module.load_weights([("ngram_embedding.weight", as_torch(weight)),
+                         ("ngram_embedding.weight_scale", torch.tensor(1.3883328))])
+    assert layout.padded_rows >= 32  # every code in rows 0..31
+    rows = as_torch(weight[:32]).reshape(16, 2, 8)
+    ids = torch.arange(32).reshape(16, 2)
+    for dtype in (torch.bfloat16, torch.float16):
+        want = module.table.lookup(ids, out_dtype=dtype).reshape(16, 2, 8)
+        np.testing.assert_array_equal(bits(module.dequantize(rows, dtype)), bits(want))
+
+
+def test_dequantize_refuses_what_it_cannot_decode():
+    module = NGramEmbeddingModule(small_config(), 0, placement="cpu", weight_dtype="fp8",
+                                  return_stored_rows=True)
+    rows = torch.zeros(3, 12, dtype=torch.float8_e4m3fn)
+    with pytest.raises(TypeError, match="dtype must be float32, float16 or bfloat16"):
+        module.dequantize(rows, torch.float8_e4m3fn)
+    with pytest.raises(TypeError, match="stored rows .*torch.float8_e4m3fn.* got torch.float16"):
+        module.dequantize(rows.to(torch.float16), torch.bfloat16)
+    with pytest.raises(ValueError, match="whole rows of head_dim=3"):
+        module.dequantize(rows[:, :4], torch.bfloat16)
+    with pytest.raises(TypeError, match="rows must be a torch.Tensor"):
+        module.dequantize(np.zeros((3, 12), np.uint8), torch.bfloat16)
+    decoded = torch.ones(3, 12, dtype=torch.bfloat16)  # a default module's output: cast
+    assert module.dequantize(decoded, torch.float16).dtype == torch.float16
+    assert "return_stored_rows=True" in repr(module)
+
+
+def test_keep_staging_keeps_the_captured_sizes_buffers():
+    """Batch sizes given to ``keep_staging`` keep their prefetch staging buffers (a CUDA graph
+    holds their addresses) however many other sizes come; others are dropped."""
+    config = small_config()
+    module, _, _ = loaded_module(config, 1, "float32", placement="pinned")
+    module.keep_staging([3])
+    width = config.embedding_dim
+    buffers = module.table.prefetcher.buffers(HOST)
+    kept = buffers.get("rows", (3, width), np.float32)
+    other = buffers.get("rows", (4, width), np.float32)
+    for size in range(5, 5 + 2 * STAGING_SHAPES):
+        batch = packed(config, [[1] * size], [[0, 3]])
+        module.start_prefetch(*batch)
+        module(*batch)
+    assert buffers.get("rows", (3, width), np.float32) is kept
+    assert buffers.get("rows", (4, width), np.float32) is not other
 
 
 def test_load_weights_returns_the_reference_names():
@@ -478,6 +637,63 @@ def test_cuda_tensors_match_the_cpu(placement, dtype_name):
     restored = NGramEmbeddingModule(config, 2, placement=placement, weight_dtype=dtype_name)
     restored.load_state_dict(cpu.state_dict())
     np.testing.assert_array_equal(bits(restored(hidden_states, *cuda_batch)), bits(want))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("placement", ["gpu", "pinned"])
+def test_cuda_stored_rows_of_a_padded_batch_dequantize_to_the_cpu_rows(placement):
+    """On a device, vLLM 0.33's calls: a padded batch, start_prefetch without hidden_states,
+    stored float8 rows, then ``ngram_embedding.dequantize`` to bf16 and fp16."""
+    config = small_config(split_ngram_parts=5)
+    cpu, _, _ = loaded_module(config, 2, "float8_e4m3fn", seed=5)
+    module, _, _ = loaded_module(config, 2, "float8_e4m3fn", seed=5, placement=placement,
+                                 return_stored_rows=True)
+    batch = packed(config, [[1, 2, 3, 4, 3, 9], [], [3, 5]], [[0, 3], [7, 8], [3, 3]], 2)
+    padded_batch, appended = padded(batch, [4, 5, 3, 3])
+    ids = cpu.compute_ngram_ids(*appended)
+    cuda_batch = [t.cuda() for t in padded_batch]
+    module.start_prefetch(*cuda_batch)
+    rows = module(None, *cuda_batch)
+    assert rows.is_cuda and rows.dtype == torch.float8_e4m3fn
+    for dtype in (torch.bfloat16, torch.float16):
+        got = module.ngram_embedding.dequantize(rows, dtype)
+        assert got.is_cuda
+        np.testing.assert_array_equal(bits(got), bits(cpu.table.lookup(ids, out_dtype=dtype)))
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_of_more_batch_sizes_than_staging_shapes_replay():
+    """An engine captures more batch sizes than the staging buffers kept by default: with
+    ``keep_staging`` each graph's prefetch buffers stay its own, and every graph, replayed after
+    all were captured, gives the CPU module's rows of its new tokens."""
+    config = small_config()
+    cpu, _, _ = loaded_module(config, 1, "float8_e4m3fn", seed=3)
+    module, _, _ = loaded_module(config, 1, "float8_e4m3fn", seed=3, placement="pinned")
+    sizes = range(1, STAGING_SHAPES + 4)
+    module.keep_staging(sizes)
+    context = torch.tensor([[0, 3]], device="cuda")
+    graphs = []
+    for size in sizes:
+        tokens = torch.arange(size, device="cuda")
+        starts = torch.tensor([0, size], device="cuda")
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: compiles and allocates outside the capture
+            module.start_prefetch(tokens, starts, context)
+            module(tokens, starts, context)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            module.start_prefetch(tokens, starts, context)
+            out = module(tokens, starts, context)
+        graphs.append((graph, tokens, starts, out))
+    rng = np.random.default_rng(4)
+    for graph, tokens, starts, out in graphs:
+        tokens.copy_(torch.from_numpy(rng.integers(0, config.vocab_size, tokens.numel())))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = cpu(tokens.cpu(), starts.cpu(), context.cpu())
+        np.testing.assert_array_equal(bits(out), bits(want))
 
 
 def test_hot_rows_stay_current_through_every_load_path(dtype_name="float8_e4m3fn"):

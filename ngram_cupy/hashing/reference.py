@@ -14,7 +14,8 @@ from .layout import LayerLayout
 
 
 def compute_ngram_ids(layout: LayerLayout, input_ids, query_start_loc, ngram_context) -> np.ndarray:
-    """``[T, num_heads]`` int64 row ids, computed straight from the definition."""
+    """``[T, num_heads]`` int64 row ids, computed straight from the definition; tokens past
+    ``query_start_loc[R]`` (padding, SPEC 10.3) count as tokens of the last request."""
     history = token_histories(layout, input_ids, query_start_loc, ngram_context)
     # Wrapping int64 products and XORs are the same bits as uint64 ones.
     products = history.view(np.uint64) * layout.multipliers.view(np.uint64)
@@ -29,7 +30,8 @@ def compute_ngram_ids(layout: LayerLayout, input_ids, query_start_loc, ngram_con
 
 
 def advance_context(layout: LayerLayout, input_ids, query_start_loc, ngram_context) -> np.ndarray:
-    """Each request's next context: the last n-1 tokens of its context followed by its tokens."""
+    """Each request's next context: the last n-1 tokens of its context followed by its tokens
+    (padding past ``query_start_loc[R]`` is no request's)."""
     tokens = np.asarray(input_ids, dtype=np.int64)
     starts = np.asarray(query_start_loc, dtype=np.int64)
     context = np.asarray(ngram_context, dtype=np.int64)

@@ -40,11 +40,12 @@ def _ids_kernel(ngram_size: int, heads_per_ngram: int, parallel: bool,
 
     def kernel(tokens, query_start_loc, context, multipliers, sizes, magics, offsets, eos, out):
         num_tokens = tokens.shape[0] + (digest & 0)  # digest: part of the cache key only
+        last = query_start_loc.shape[0] - 2  # padded tokens (past q[R]) belong to request R-1
         for block in prange((num_tokens + block_size - 1) // block_size):
             first = block * block_size
-            request = np.searchsorted(query_start_loc, first, side="right") - 1
+            request = min(np.searchsorted(query_start_loc, first, side="right") - 1, last)
             for t in range(first, min(first + block_size, num_tokens)):
-                while t >= query_start_loc[request + 1]:
+                while request < last and t >= query_start_loc[request + 1]:
                     request += 1
                 write_token_ids(tokens, context, request, query_start_loc[request], t,
                                 ngram_size, heads_per_ngram, eos, multipliers, sizes, magics,

@@ -3,7 +3,9 @@
 NumPy arguments (or torch CPU tensors, viewed zero-copy) run the Numba CPU kernels; CuPy arrays,
 CUDA torch tensors and other CUDA arrays run the Numba CUDA kernels on the caller's stream.
 Results follow the inputs (``backends``): NumPy for NumPy, CuPy for CuPy, torch for torch, and a
-given ``out`` is what is returned.
+given ``out`` is what is returned. A batch padded to a CUDA-graph size (``input_ids`` longer than
+``query_start_loc[R]``, SPEC 10.3) gives its padded tokens vLLM's ids, those of tokens appended to
+the last request; ``advance_context`` ignores them.
 """
 
 from __future__ import annotations
@@ -48,8 +50,6 @@ def bind_batch(layout: LayerLayout, stream, input_ids, query_start_loc, ngram_co
     names = ("input_ids", "query_start_loc", "ngram_context")
     # Checked before making contiguous, which would turn a 0-d array into a 1-D one.
     num_tokens, num_requests = check_batch(layout, *(call[name] for name in names))
-    if call.side is not HOST and num_requests == 0 and num_tokens:
-        raise ValueError(f"query_start_loc holds no request but input_ids has {num_tokens} tokens")
     with call.on():
         arrays = tuple(call.side.contiguous(call[name]) for name in names)
     if call.side is HOST:
@@ -98,7 +98,8 @@ def batch_ids(layout: LayerLayout, batch: Batch, out):
 
 def advance_context(layout: LayerLayout, input_ids, query_start_loc, ngram_context,
                     out=None, *, stream=None):
-    """Each request's next ``[R, ngram_size-1]`` context: the last n-1 of context ++ tokens.
+    """Each request's next ``[R, ngram_size-1]`` context: the last n-1 of context ++ tokens
+    (padded tokens past ``query_start_loc[R]`` belong to no request and are ignored).
 
     ``out`` may be ``ngram_context`` itself (or its first R rows) to roll a persistent buffer in
     place. GPU arrays run one kernel on ``stream``, as in ``compute_ngram_ids``.
