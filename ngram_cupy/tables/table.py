@@ -262,6 +262,8 @@ class EmbeddingTable:
         """Refuse ids on a side that cannot read this table."""
         if self.storage.reads(side):
             return
+        if self.storage.refusal(side) is not None:
+            raise ValueError(self.storage.refusal(side))
         if side is HOST:
             raise ValueError("this table is in GPU memory: pass ids on the GPU (CuPy or CUDA "
                              "torch)")
@@ -342,6 +344,8 @@ class EmbeddingTable:
         """
         request = self._request(ids, out, out_dtype, stream)
         with request.call.on():
+            self.storage.will_read(request.ids, self.row_start,
+                                   cuda_stream() if request.side is DEVICE else None)
             self.prefetcher.issue(
                 request.side, request.call.stream, request.ids, request.shape,
                 public_dtype(request.side, request.out_format), request.out_format.code,
