@@ -99,15 +99,14 @@ class NGramEmbeddingModule(torch.nn.Module):
     (or ``load_state_dict``) has every shard, moved into the node's shared segment named by
     their content (the first process fills it, the others attach) and the private copy dropped;
     the rows are read-only from then on. ``weight_dtype``: the table's storage type (float32,
-    float16, bfloat16 or
-    float8_e4m3fn, as a torch dtype or a name); by default ``config.ple_embedding_dtype``, else
-    torch's default dtype, as the reference layer does. The table is allocated here and filled by
-    ``load_weights`` (or ``load_state_dict``); lookups give bfloat16 for float8 and bfloat16
-    tables, the storage type otherwise. ``hot_rows`` (sorted unique row ids, e.g. from
-    ``ngram-cupy stats --save-hot-rows``; placement ``"pinned"`` or ``"cpu"``) puts those rows
-    in a hot tier (GPU memory for a pinned table) that lookups read them from; every load path
-    keeps it current, and a caller who changes ``ngram_embedding.weight`` in place calls
-    ``refresh_hot_rows()`` afterwards.
+    float16, bfloat16 or float8_e4m3fn, as a torch dtype or a name); by default
+    ``config.ple_embedding_dtype``, else torch's default dtype, as the reference layer does. The
+    table is allocated here and filled by ``load_weights`` (or ``load_state_dict``); lookups
+    give bfloat16 for float8 and bfloat16 tables, the storage type otherwise. ``hot_rows``
+    (sorted unique row ids, e.g. from ``ngram-cupy stats --save-hot-rows``; placement
+    ``"pinned"`` or ``"cpu"``) puts those rows in a hot tier (GPU memory for a pinned table)
+    that lookups read them from; every load path keeps it current, and a caller who changes
+    ``ngram_embedding.weight`` in place calls ``refresh_hot_rows()`` afterwards.
     """
 
     def __init__(self, config: NGramConfig, layer: int, *, placement: str = "gpu",
