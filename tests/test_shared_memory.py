@@ -275,3 +275,41 @@ def test_a_killed_last_user_leaves_a_segment_the_next_attach_removes(checkpoint,
     assert len(sm.own_segments(shm_dir)) == 1  # nobody left to remove it
     sm.attach("another table", 4096, fill_with(1)).close()  # any next start cleans up
     assert os.listdir(shm_dir) == []
+
+
+# --- on a GPU -------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_a_shared_table_is_page_locked_and_read_by_the_gpu(weight, checkpoint):
+    import cupy
+
+    table = nc.load_ngram_embedding(checkpoint, CONFIG, 0, placement="shared",
+                                    hot_rows=np.arange(0, 5000, 7)).table
+    assert table.pinned
+    lookup_ids = ids(seed=5)
+    want = expected(weight, lookup_ids)
+    assert np.array_equal(cupy.asnumpy(table.lookup(cupy.asarray(lookup_ids))), want)
+    table.prefetch(cupy.asarray(lookup_ids))
+    assert np.array_equal(cupy.asnumpy(table.lookup(cupy.asarray(lookup_ids))), want)
+    assert table.counters["hot_rows"] > 0
+    table.close()
+
+
+@pytest.mark.gpu
+def test_mapped_tables_serve_gpu_ids_where_the_device_reads_pageable_memory(weight, checkpoint):
+    import cupy
+
+    from ngram_cupy.tables.storage import mapped
+
+    table = nc.load_ngram_embedding(checkpoint, CONFIG, 0, placement="mmap").table
+    lookup_ids = ids(seed=6)
+    if not mapped.gpu_reads_pageable():
+        with pytest.raises(ValueError, match="cudaDevAttrPageableMemoryAccess"):
+            table.lookup(cupy.asarray(lookup_ids))
+        return
+    want = expected(weight, lookup_ids)  # two files: the merged per-block gathers
+    assert np.array_equal(cupy.asnumpy(table.lookup(cupy.asarray(lookup_ids))), want)
+    table.prefetch(cupy.asarray(lookup_ids))
+    assert np.array_equal(cupy.asnumpy(table.lookup(cupy.asarray(lookup_ids))), want)
+    table.close()
