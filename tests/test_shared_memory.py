@@ -92,6 +92,7 @@ def test_attach_finds_the_segment_the_first_caller_filled(shm_dir):
     assert first.path == second.path and first.path.parent == shm_dir
     assert np.all(np.frombuffer(second.memory, np.uint8) == 7)
     first.close()
+    assert not first.attached and second.attached
     assert first.path.exists()  # second still holds it
     second.close()
     assert not first.path.exists()
