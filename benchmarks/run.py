@@ -30,6 +30,7 @@ def sections() -> list[Bench]:
     """Every section in report order (GPU sections import CuPy only when run)."""
     from . import sections_cpu as cpu
     from . import sections_gpu as gpu
+    from . import sections_shared as shared
     from . import sections_tiered as tiered
 
     return [
@@ -46,6 +47,10 @@ def sections() -> list[Bench]:
               gpu.bench_host_gpu),
         Bench("tiered-gpu", "gpu", "tiered lookups against pinned and all-GPU tables (0% hits, "
               "Zipf ids)", tiered.bench_tiered_gpu),
+        Bench("shared-cpu", "cpu", "4 processes share one 1 GiB fp8 table: fill, attach, "
+              "resident memory", shared.bench_shared_cpu),
+        Bench("hugepages-cpu", "cpu", "fp8 -> bf16 gather of 65,536 tokens: huge pages against "
+              "4 KiB pages", shared.bench_huge_pages_cpu),
         Bench("tiered-cpu", "cpu", "host bytes per held-out token with 0, 1e5, 1e6, 1e7 hot rows "
               "(counters)", tiered.bench_tiered_cpu),
     ]

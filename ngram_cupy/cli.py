@@ -266,8 +266,12 @@ def cmd_layout(args: argparse.Namespace) -> int:
         if dtype is None:
             raise UserError("a placement plan needs the table dtype: pass --dtype or set "
                             "ple_embedding_dtype in the config")
+        if args.processes_per_node < 1:
+            raise UserError(f"--processes-per-node must be at least 1, got "
+                            f"{args.processes_per_node}")
         plan = plan_placement(layouts_for(config, list(range(num_layers))),
-                              args.gpu_budget or 0, args.host_budget or 0, dtype=dtype)
+                              args.gpu_budget or 0, args.host_budget or 0, dtype=dtype,
+                              processes_per_node=args.processes_per_node)
         lines += [f"placement of {num_layers} layer table(s) as {dtype}, in layer order:",
                   plan.summary()]
     print("\n".join(lines))
@@ -440,6 +444,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="PLE layers to place (default: the config's ple_layer_ids, else 1)")
     layout.add_argument("--dtype", help="table storage dtype for the plan (default: the "
                         "config's ple_embedding_dtype)")
+    layout.add_argument("--processes-per-node", type=int, default=1, metavar="N",
+                        help="processes of a node holding the tables: above 1, host tables are "
+                        "one shared copy (placement 'shared') in the node's --host-budget")
     layout.set_defaults(run=cmd_layout)
 
     stats = commands.add_parser(

@@ -8,6 +8,7 @@ host memory per token.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -54,11 +55,13 @@ class LayerPlacement:
 
 @dataclass(frozen=True)
 class PlacementPlan:
-    """The placement of every table within a GPU and a host memory budget."""
+    """The placement of every table within a GPU and a host memory budget; with
+    ``processes_per_node > 1`` host tables are one shared copy per node (``"shared"``)."""
 
     layers: tuple[LayerPlacement, ...]
     gpu_budget_bytes: int
     host_budget_bytes: int
+    processes_per_node: int = 1
 
     def __getitem__(self, name) -> str:
         """Where the table called ``name`` goes."""
@@ -66,6 +69,15 @@ class PlacementPlan:
             if layer.name == str(name):
                 return layer.where
         raise KeyError(name)
+
+    def placement(self, name) -> str:
+        """The ``EmbeddingTable`` / ``load_ngram_embedding`` placement of the table called
+        ``name``: ``"gpu"``, ``"pinned"``, or ``"shared"`` for a host table of a node with
+        several processes; a ValueError for a table that fits nowhere."""
+        where = self[name]
+        if where == NONE:
+            raise ValueError(f"table {name} fits in neither budget")
+        return "gpu" if where == GPU else "shared" if self.processes_per_node > 1 else "pinned"
 
     def names(self, where: str) -> list[str]:
         """The tables placed in ``where`` (gpu, host or none), in order."""
@@ -99,7 +111,9 @@ class PlacementPlan:
             names = self.names(where)
             lines.append(f"  {where:<4}: {len(names)} tables, {format_bytes(self.bytes_in(where))}"
                          f" of a {format_bytes(budget)} budget"
-                         + (f" ({', '.join(names)})" if names else ""))
+                         + (f" ({', '.join(names)})" if names else "")
+                         + (f", one shared copy for {self.processes_per_node} processes"
+                            if where == HOST and names and self.processes_per_node > 1 else ""))
         tiered = [layer for layer in self.layers if layer.hot_rows]
         if tiered:
             lines.append(f"  hot rows: {len(tiered)} host tables, "
@@ -217,8 +231,14 @@ def _slope(a: Option, b: Option) -> float:
 
 
 def plan_placement(tables: Mapping | Iterable, gpu_budget_bytes: int, host_budget_bytes: int,
-                   dtype=None, hit_rates: Mapping | Sequence | None = None) -> PlacementPlan:
+                   dtype=None, hit_rates: Mapping | Sequence | None = None, *,
+                   processes_per_node: int = 1) -> PlacementPlan:
     """Place tables in GPU memory, pinned host memory, or nowhere.
+
+    ``processes_per_node``: processes of one node that each hold these tables (data-parallel
+    replicas, one per GPU); above 1, ``host_budget_bytes`` is the node's and its host tables go
+    to ``"shared"`` memory, one copy for them all (``PlacementPlan.placement``), where private
+    pinned copies would take that many times the memory.
 
     ``tables`` is a mapping of names to tables or a sequence of tables (see ``table_nbytes``);
     budgets are the bytes each memory may give to tables. Without ``hit_rates``: in order, in GPU
@@ -234,14 +254,20 @@ def plan_placement(tables: Mapping | Iterable, gpu_budget_bytes: int, host_budge
                          ("host_budget_bytes", host_budget_bytes)):
         if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or budget < 0:
             raise ValueError(f"{name} must be a non-negative integer, got {budget!r}")
+    if isinstance(processes_per_node, bool) or not isinstance(processes_per_node, int) \
+            or processes_per_node < 1:
+        raise ValueError(f"processes_per_node must be a positive integer, got "
+                         f"{processes_per_node!r}")
     if isinstance(tables, Mapping):
         named = [(str(name), table) for name, table in tables.items()]
     else:
         named = [(_default_name(table, i), table) for i, table in enumerate(tables)]
     if hit_rates is None:
-        return _plan_in_order(named, int(gpu_budget_bytes), int(host_budget_bytes), dtype)
-    return _plan_with_tiers(named, int(gpu_budget_bytes), int(host_budget_bytes), dtype,
-                            _curves(named, hit_rates))
+        plan = _plan_in_order(named, int(gpu_budget_bytes), int(host_budget_bytes), dtype)
+    else:
+        plan = _plan_with_tiers(named, int(gpu_budget_bytes), int(host_budget_bytes), dtype,
+                                _curves(named, hit_rates))
+    return dataclasses.replace(plan, processes_per_node=processes_per_node)
 
 
 def _curves(named: list[tuple[str, object]], hit_rates) -> list:

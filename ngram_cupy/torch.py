@@ -12,6 +12,7 @@ and CUDA tensors on the GPU, on torch's current stream.
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Iterable
 
 import numpy as np
@@ -91,8 +92,11 @@ def _storage_view(table: EmbeddingTable, dtype: torch.dtype) -> torch.Tensor:
     """A torch tensor sharing the table's rows (host or device memory), typed ``dtype``."""
     rows = table.host_view if table.host_view is not None else table.device_rows
     raw = rows.view(_BITS[dtype.itemsize])
-    tensor = torch.from_numpy(raw) if isinstance(raw, np.ndarray) else torch.from_dlpack(raw)
-    return tensor.view(dtype)
+    if isinstance(raw, np.ndarray):
+        with warnings.catch_warnings():  # a shared table's rows are read-only, and say so
+            warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+            return torch.from_numpy(raw).view(dtype)
+    return torch.from_dlpack(raw).view(dtype)
 
 
 class TableWeights(torch.nn.Module):
@@ -167,18 +171,22 @@ class TableWeights(torch.nn.Module):
 class NGramEmbeddingModule(torch.nn.Module):
     """Dense PLE layer ``layer`` of ``config``: ids of a packed batch, then their table rows.
 
-    ``placement``: ``"gpu"`` (device memory), ``"pinned"`` (host memory the GPU reads) or
-    ``"cpu"``. ``weight_dtype``: the table's storage type (float32, float16, bfloat16 or
-    float8_e4m3fn, as a torch dtype or a name); by default ``config.ple_embedding_dtype``, else
-    torch's default dtype, as the reference layer does. The table is allocated here and filled by
-    ``load_weights`` (or ``load_state_dict``); lookups give bfloat16 for float8 and bfloat16
-    tables, the storage type otherwise. ``hot_rows`` (sorted unique row ids, e.g. from
-    ``ngram-cupy stats --save-hot-rows``; placement ``"pinned"`` or ``"cpu"``) puts those rows
-    in a hot tier (GPU memory for a pinned table) that lookups read them from; every load path
-    keeps it current, and a caller who changes ``ngram_embedding.weight`` in place calls
-    ``refresh_hot_rows()`` afterwards. ``return_stored_rows=True``: ``forward`` returns the rows
-    as stored (float8 rows unscaled, as float8), for ``dequantize`` to decode, as vLLM 0.33's
-    layer does; formats vLLM decodes in the lookup (block-scaled) come back decoded.
+    ``placement``: ``"gpu"`` (device memory), ``"pinned"`` (host memory the GPU reads),
+    ``"cpu"``, or ``"shared"``: rows are loaded into private memory, then, once ``load_weights``
+    (or ``load_state_dict``) has every shard, moved into the node's shared segment named by
+    their content (the first process fills it, the others attach) and the private copy dropped;
+    the rows are read-only from then on. ``weight_dtype``: the table's storage type (float32,
+    float16, bfloat16 or float8_e4m3fn, as a torch dtype or a name); by default
+    ``config.ple_embedding_dtype``, else torch's default dtype, as the reference layer does. The
+    table is allocated here and filled by ``load_weights`` (or ``load_state_dict``); lookups
+    give bfloat16 for float8 and bfloat16 tables, the storage type otherwise. ``hot_rows``
+    (sorted unique row ids, e.g. from ``ngram-cupy stats --save-hot-rows``; placement
+    ``"pinned"`` or ``"cpu"``) puts those rows in a hot tier (GPU memory for a pinned table)
+    that lookups read them from; every load path keeps it current, and a caller who changes
+    ``ngram_embedding.weight`` in place calls ``refresh_hot_rows()`` afterwards.
+    ``return_stored_rows=True``: ``forward`` returns the rows as stored (float8 rows unscaled, as
+    float8), for ``dequantize`` to decode, as vLLM 0.33's layer does; formats vLLM decodes in the
+    lookup (block-scaled) come back decoded.
     """
 
     def __init__(self, config: NGramConfig, layer: int, *, placement: str = "gpu",
@@ -193,8 +201,11 @@ class NGramEmbeddingModule(torch.nn.Module):
         if weight_dtype is None:
             weight_dtype = config.ple_embedding_dtype or torch.get_default_dtype()
         layout = layer_layout(config, layer)
+        self._share_when_loaded = placement == "shared"
+        self._hot_rows = hot_rows
         table = EmbeddingTable.empty(layout.padded_rows, layout.head_dim, weight_dtype,
-                                     placement=placement, hot_rows=hot_rows)
+                                     placement="cpu" if self._share_when_loaded else placement,
+                                     hot_rows=hot_rows)
         self.layout = layout
         self.out_dtype = default_output(table.format).torch_dtype
         self.return_stored_rows = bool(return_stored_rows)
@@ -208,6 +219,7 @@ class NGramEmbeddingModule(torch.nn.Module):
         self.register_buffer("ngram_heads_offsets", torch.tensor(layout.head_offsets))
         self.ngram_embedding = TableWeights(table, table.format.torch_dtype)
         self.register_load_state_dict_pre_hook(NGramEmbeddingModule._check_state_dict)
+        self.register_load_state_dict_post_hook(NGramEmbeddingModule._share)
         self._loaded_shards: set[int] = set()
 
     @property
@@ -382,7 +394,22 @@ class NGramEmbeddingModule(torch.nn.Module):
             else:
                 raise ValueError(f"unexpected weight {name!r} for an n-gram embedding layer")
             loaded.add(name)
+        self._share()
         return loaded
+
+    def _share(self, *hook_args) -> None:
+        """For ``placement="shared"``, once every shard is loaded: the rows into the node's
+        segment of their content, the private copy dropped (also a ``load_state_dict`` hook)."""
+        if not self._share_when_loaded or self.missing_shards:
+            return
+        private = self.table
+        table = EmbeddingTable(private.host_view, private.scale, placement="shared",
+                               hot_rows=self._hot_rows)
+        self.embedding = self._embedding_over(table)
+        self.ngram_embedding.table = table
+        self.ngram_embedding.weight = _storage_view(table, self.ngram_embedding.weight.dtype)
+        self._share_when_loaded = False
+        private.close()
 
     def _check_state_dict(self, state_dict, prefix, *args) -> None:
         """Before ``load_state_dict`` copies anything, its hash buffers must match the layout."""

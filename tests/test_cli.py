@@ -342,7 +342,11 @@ def test_layout_command_with_budgets_prints_the_placement_plan(capsys):
     status, out, err = run(["layout", "--config", CONFIG, "--host-budget", "1TB", "--dtype",
                             "float32"], capsys)
     assert status == 0 and "host: 1 tables, 190.74 GiB" in out
-    for bad in (["--num-layers", 0], ["--dtype", "int4"]):
+    status, out, err = run(["layout", "--config", CONFIG, "--host-budget", "100GiB",
+                            "--num-layers", 2, "--processes-per-node", 8], capsys)
+    assert status == 0 and "host: 2 tables, 95.37 GiB" in out, err
+    assert "one shared copy for 8 processes" in out
+    for bad in (["--num-layers", 0], ["--dtype", "int4"], ["--processes-per-node", 0]):
         status, out, err = run(["layout", "--config", CONFIG, "--gpu-budget", "1G", *bad], capsys)
         assert status == 2 and out == "" and err.count("\n") == 1, err
 

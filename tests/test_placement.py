@@ -207,3 +207,19 @@ def test_curves_need_layouts(released_config):
         nc.plan_placement([100], 0, 100, hit_rates=[])
     with pytest.raises(ValueError, match="not planned"):
         nc.plan_placement({"a": 100}, 0, 100, hit_rates={"b": None})
+
+
+def test_host_tables_of_a_node_with_several_processes_are_shared():
+    GiB = 1 << 30
+    single = nc.plan_placement({"a": 2 * GiB, "b": 3 * GiB, "c": 9 * GiB}, 2 * GiB, 4 * GiB)
+    node = nc.plan_placement({"a": 2 * GiB, "b": 3 * GiB, "c": 9 * GiB}, 2 * GiB, 4 * GiB,
+                             processes_per_node=8)
+    assert [single.placement(n) for n in "ab"] == ["gpu", "pinned"]
+    assert [node.placement(n) for n in "ab"] == ["gpu", "shared"]
+    assert node.layers == single.layers  # one copy per node: the node's budget holds it once
+    assert "one shared copy for 8 processes" in node.summary()
+    with pytest.raises(ValueError, match="fits in neither budget"):
+        node.placement("c")
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="processes_per_node"):
+            nc.plan_placement([GiB], GiB, GiB, processes_per_node=bad)

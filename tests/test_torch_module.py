@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
 import tracemalloc
 
@@ -752,3 +753,37 @@ def test_cuda_hot_rows_stay_current_through_load_state_dict():
         module.load_state_dict(cpu.state_dict())
         np.testing.assert_array_equal(bits(module(None, *cuda_batch)), bits(cpu(None, *batch)))
     assert module.table.counters["hot_rows"] == 2 * int(np.isin(ids, hot).sum())
+
+
+def test_a_shared_module_moves_its_loaded_rows_into_one_segment(tmp_path, monkeypatch):
+    import tempfile
+
+    from ngram_cupy.tables import shared_memory
+
+    folder = tempfile.mkdtemp(prefix="ngram_cupy-test-",
+                              dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    monkeypatch.setenv(shared_memory.SHM_DIR_ENV, folder)
+    config = small_config()
+    first, weight, scale = loaded_module(config, 0, "float8_e4m3fn", placement="shared")
+    second, _, _ = loaded_module(config, 0, "float8_e4m3fn", placement="shared")
+    private, _, _ = loaded_module(config, 0, "float8_e4m3fn")
+    assert first.table.placement == second.table.placement == "shared"
+    assert first.table.storage.segment.created and not second.table.storage.segment.created
+    input_ids, starts, context = packed(config, [[5, 6, 7, 8], [9]], [[1, 2], [3, 4]])
+    want = private(None, input_ids, starts, context)
+    for module in (first, second):
+        assert np.array_equal(bits(module(None, input_ids, starts, context)), bits(want))
+        assert np.array_equal(bits(module.state_dict()["ngram_embedding.weight"]),
+                              bits(as_torch(weight)))
+    third = NGramEmbeddingModule(config, 0, placement="shared", weight_dtype="float8_e4m3fn")
+    third.load_state_dict(private.state_dict())
+    assert third.table.placement == "shared" and not third.table.storage.segment.created
+    assert np.array_equal(bits(third(None, input_ids, starts, context)), bits(want))
+    third.table.close()
+    with pytest.raises(ValueError, match="read-only"):
+        first.load_weights([("ngram_embedding.shard_0.weight",
+                             as_torch(weight[: split_rows(len(weight), 4, 0)[1]]))])
+    first.table.close()
+    second.table.close()
+    assert os.listdir(folder) == []
+    os.rmdir(folder)

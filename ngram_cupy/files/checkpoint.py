@@ -26,6 +26,7 @@ from ..runtime.backends import HOST, unwrap_torch
 from ..tables.formats import BY_SAFETENSORS, FORMATS, SCALE_FORMATS, find_format
 from ..tables.hot_rows import check_hot_rows
 from ..tables.mapped import MappedTable
+from ..tables.storage.shared import SharedStorage
 from ..tables.table import EmbeddingTable
 from .atomic import atomic_file
 from .safetensors_files import DTYPES, Checkpoint, write_checkpoint
@@ -41,7 +42,7 @@ _PLE_KEY = re.compile(
     r"|ngram_embedding\.(?:shard_\d+\.weight|weight_scale))$"
 )
 _LAYER_NUMBER = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
-PLACEMENTS = ("cpu", "gpu", "pinned", "host", "mmap")
+PLACEMENTS = ("cpu", "gpu", "pinned", "host", "shared", "mmap")
 
 
 def shard_key(prefix: str, index: int) -> str:
@@ -228,7 +229,9 @@ def load_ngram_embedding(
     index; ``prefix=None`` finds its tensors from the names (see :func:`find_prefix`). The hash
     buffers are checked against the derived layout, every shard's shape and dtype against the
     split, before any row is copied. Rows are copied shard by shard (peak extra memory: one
-    shard), or with ``placement="mmap"`` served straight from the mapped files. With
+    shard), or with ``placement="mmap"`` served straight from the mapped files; with
+    ``placement="shared"`` into one shared-memory segment per node, filled by the first process
+    and attached by the others (:func:`shared_key` names it). With
     ``world_size > 1`` only this rank's rows (:func:`split_rows`) are read. ``progress``: a
     tqdm bar (None: only on a terminal, and only if loading takes over a second).
     ``hot_rows``: sorted unique global row ids (``ngram-cupy stats --save-hot-rows``) to serve
@@ -271,6 +274,20 @@ def load_ngram_embedding(
             guard=checkpoint.check_mapped,
         )
         return NGramEmbedding(layout, table)
+    if placement == "shared" and row_stop > row_start:
+        fmt = find_format(DTYPES[dtype])
+
+        def fill(rows: np.ndarray) -> None:
+            for name, a, b, lo in pieces:
+                block = checkpoint.read(name, a, b).view(fmt.raw)
+                rows[lo - row_start : lo - row_start + b - a] = block
+
+        key = shared_key(checkpoint, prefix, [name for name, *_ in pieces], layer, row_start,
+                         row_stop, dtype)
+        storage = SharedStorage(key, row_stop - row_start, layout.head_dim, fmt, fill)
+        table = EmbeddingTable(storage, scale, row_start=row_start,
+                               total_rows=layout.padded_rows, hot_rows=hot_rows)
+        return NGramEmbedding(layout, table)
     table = EmbeddingTable.empty(
         row_stop - row_start, layout.head_dim, DTYPES[dtype], placement=placement, scale=scale,
         row_start=row_start, total_rows=layout.padded_rows, hot_rows=hot_rows,
@@ -285,6 +302,18 @@ def load_ngram_embedding(
             table.write_rows(lo, checkpoint.read(name, a, b))
             bar.update((b - a) * row_bytes)
     return NGramEmbedding(layout, table)
+
+
+def shared_key(checkpoint: Checkpoint, prefix: str, shards: Sequence[str], layer: int,
+               row_start: int, row_stop: int, dtype: str) -> str:
+    """What identifies a shared segment's rows: the files holding ``shards`` (real path, size,
+    modification time), the prefix and layer, the row range and the storage dtype."""
+    files = []
+    for path in sorted({checkpoint.info(name).path for name in shards}):
+        stat = os.stat(path)
+        files.append([os.path.realpath(path), stat.st_size, stat.st_mtime_ns])
+    return json.dumps({"files": files, "prefix": prefix, "layer": layer,
+                       "rows": [row_start, row_stop], "dtype": dtype})
 
 
 def _host_values(value, name: str) -> np.ndarray:

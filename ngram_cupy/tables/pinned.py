@@ -22,6 +22,7 @@ import numpy as np
 
 from ..runtime.backends import cupy_module
 from ..runtime.used_streams import UsedStreams
+from .host_memory import advise, anonymous_memory
 
 # cudaHostRegisterPortable | cudaHostRegisterMapped: every device and context may map it.
 _REGISTER_FLAGS = 0x01 | 0x02
@@ -91,16 +92,21 @@ def _registration_error(nbytes: int, error: Exception) -> RuntimeError:
 
 
 class PinnedBuffer:
-    """``nbytes`` of page-locked host memory, as a NumPy byte array and a GPU-visible address."""
+    """``nbytes`` of page-locked host memory, as a NumPy byte array and a GPU-visible address.
 
-    def __init__(self, nbytes: int, device: int | None = None):
+    ``memory``: an existing mapping of at least ``nbytes`` to page-lock (a shared-memory
+    segment), instead of new private memory (in huge pages, see ``host_memory``). Either way
+    it is advised ``MADV_DONTFORK``: a ``fork()`` does not copy (or share) locked pages.
+    """
+
+    def __init__(self, nbytes: int, device: int | None = None, memory: mmap.mmap | None = None,
+                 huge_pages: bool | None = None):
         if nbytes <= 0:
             raise ValueError(f"nbytes must be positive, got {nbytes}")
         self.nbytes = int(nbytes)
-        memory = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE)  # anonymous, this process
-        if hasattr(mmap, "MADV_HUGEPAGE"):  # fewer pages to lock and to map into the GPU
-            memory.madvise(mmap.MADV_HUGEPAGE)
-        self.array = np.frombuffer(memory, dtype=np.uint8)
+        if memory is None:  # anonymous, this process; huge pages: fewer pages to lock and map
+            memory = anonymous_memory(self.nbytes, huge_pages)
+        self.array = np.frombuffer(memory, dtype=np.uint8, count=self.nbytes)
         self.pointer = self.array.ctypes.data
         try:
             cupy = cupy_module()
@@ -113,6 +119,7 @@ class PinnedBuffer:
             cupy.cuda.runtime.hostRegister(self.pointer, self.nbytes, _REGISTER_FLAGS)
         except Exception as error:
             raise _registration_error(self.nbytes, error) from error
+        advise(memory, "MADV_DONTFORK")
         self._registration = Registration(self.pointer, memory)
         self._finalizer = weakref.finalize(self, _collected, self._registration)
         self._finalizer.atexit = False  # at exit the process's memory goes anyway

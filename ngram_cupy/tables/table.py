@@ -69,9 +69,11 @@ class EmbeddingTable:
     that turn ``ids[T, H]`` into ``[T, H * head_dim]`` dequantised vectors.
 
     ``weight``: the rows (NumPy, CuPy, torch or any DLPack array), or a ``storage.Storage``.
-    ``placement``: ``"cpu"`` (NumPy, Numba gather), ``"gpu"`` (device memory) or ``"pinned"``
+    ``placement``: ``"cpu"`` (NumPy, Numba gather), ``"gpu"`` (device memory), ``"pinned"``
     (``"host"``: page-locked host memory of exactly the table's size, read by the GPU over PCIe;
-    without a GPU, ordinary memory and the CPU gather). ``dtype`` names the storage type of
+    without a GPU, ordinary memory and the CPU gather) or ``"shared"`` (as ``"pinned"``, in one
+    read-only shared-memory segment per node, named by the rows' content: see
+    ``storage.shared``). ``dtype`` names the storage type of
     raw-bit weights (CuPy has no bfloat16 / float8). ``dedup=True`` makes GPU lookups fetch each
     distinct id once (worth it for large batches over PCIe; it waits for the GPU, so it is not
     graph-capturable). ``hot_rows`` (sorted unique int64 global row ids, e.g. from
@@ -170,7 +172,8 @@ class EmbeddingTable:
         """Whether the rows (the cold ones, under a hot tier) are in page-locked host memory the
         GPU reads."""
         storage = self.storage.cold if isinstance(self.storage, TieredStorage) else self.storage
-        return storage.placement == "pinned"
+        return storage.placement == "pinned" or (storage.placement == "shared"
+                                                 and storage.device_view is not None)
 
     @property
     def counters(self) -> dict[str, int]:
@@ -259,6 +262,8 @@ class EmbeddingTable:
         """Refuse ids on a side that cannot read this table."""
         if self.storage.reads(side):
             return
+        if self.storage.refusal(side) is not None:
+            raise ValueError(self.storage.refusal(side))
         if side is HOST:
             raise ValueError("this table is in GPU memory: pass ids on the GPU (CuPy or CUDA "
                              "torch)")
@@ -339,6 +344,8 @@ class EmbeddingTable:
         """
         request = self._request(ids, out, out_dtype, stream)
         with request.call.on():
+            self.storage.will_read(request.ids, self.row_start,
+                                   cuda_stream() if request.side is DEVICE else None)
             self.prefetcher.issue(
                 request.side, request.call.stream, request.ids, request.shape,
                 public_dtype(request.side, request.out_format), request.out_format.code,

@@ -6,9 +6,10 @@ owns the global geometry (``row_start``, ``total_rows``), the scale and the pref
 asks the storage for everything that depends on where the rows live.
 
 The interface (``Storage`` in ``base``; each placement is one module: ``cpu``, ``gpu``,
-``pinned``, ``mapped``, ``tiered``):
+``pinned``, ``shared``, ``mapped``, ``tiered``):
 
-- ``placement``: the storage's kind (``"cpu"``, ``"gpu"``, ``"pinned"``, ``"mmap"``, ...);
+- ``placement``: the storage's kind (``"cpu"``, ``"gpu"``, ``"pinned"``, ``"shared"``,
+  ``"mmap"``, ...);
   ``format``, ``num_rows``, ``head_dim``; ``nbytes`` (bytes of memory it holds).
 - ``reads(side) -> bool``: whether lookups with ids on ``side`` (``backends.HOST`` /
   ``backends.DEVICE``) can gather from it.
@@ -43,15 +44,17 @@ import numpy as np
 
 from ...runtime.backends import DEVICE, HOST, Backend, gpu_available
 from ..formats import Format
+from ..host_memory import anonymous_memory
 from .base import Gather, Storage
 from .cpu import CpuStorage
 from .gpu import GpuStorage
 from .pinned import PinnedStorage
+from .shared import SharedStorage, content_key
 
 __all__ = ["Gather", "Storage", "adopt", "allocate", "canonical_placement"]
 
 # Placement names; "host" is the old name of "pinned" (page-locked host memory).
-PLACEMENTS = ("cpu", "gpu", "pinned")
+PLACEMENTS = ("cpu", "gpu", "pinned", "shared")
 ALIASES = {"host": "pinned"}
 
 
@@ -73,15 +76,32 @@ def allocate(placement: str, num_rows: int, head_dim: int, fmt: Format) -> Stora
         if not gpu_available():
             raise RuntimeError("placement='gpu' needs CuPy and a CUDA device")
         return GpuStorage(DEVICE.empty(shape, fmt.raw), fmt)
+    if placement == "shared" and num_rows * head_dim:
+        raise ValueError("placement='shared' names its segment from the rows: pass the weight "
+                         "(EmbeddingTable(weight, placement='shared')) or load a checkpoint "
+                         "(load_ngram_embedding(..., placement='shared'))")
     if placement == "pinned" and gpu_available() and num_rows * head_dim > 0:
         return PinnedStorage(num_rows, head_dim, fmt)
-    return CpuStorage(np.empty(shape, fmt.dtype), fmt)
+    if num_rows * head_dim == 0:
+        return CpuStorage(np.empty(shape, fmt.dtype), fmt)
+    memory = anonymous_memory(num_rows * head_dim * fmt.itemsize)  # huge pages where offered
+    return CpuStorage(np.frombuffer(memory, fmt.dtype).reshape(shape), fmt)
 
 
 def adopt(placement: str, side: Backend, array, fmt: Format) -> Storage | None:
     """A storage over the caller's ``array`` itself (no copy) when the placement allows it:
-    C-contiguous host arrays for ``"cpu"``, C-contiguous device arrays for ``"gpu"``."""
+    C-contiguous host arrays for ``"cpu"``, C-contiguous device arrays for ``"gpu"``. For
+    ``"shared"``, the segment named by the rows' content hash (filled from ``array`` by the first
+    process, attached by the others)."""
     placement = canonical_placement(placement)
+    if placement == "shared" and array.size:
+        rows = array if side is HOST else array.get()
+        raw = np.ascontiguousarray(rows).view(fmt.raw)
+
+        def fill(destination: np.ndarray) -> None:
+            destination[...] = raw
+
+        return SharedStorage(content_key(raw, fmt), raw.shape[0], raw.shape[1], fmt, fill)
     if not array.flags.c_contiguous:
         return None
     if placement == "cpu" and side is HOST:

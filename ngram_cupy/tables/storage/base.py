@@ -61,6 +61,15 @@ class Storage:
         """Write the rows of ``job.ids`` into ``job.out``."""
         raise NotImplementedError
 
+    def refusal(self, side: Backend) -> str | None:
+        """Why ids on ``side`` cannot read this storage, when it has more to say than its
+        placement; None by default."""
+        return None
+
+    def will_read(self, ids, row_start: int, stream=None) -> None:
+        """A prefetch of ``ids`` (global, on the side of the lookup) is starting: nothing to
+        prepare by default (mapped files advise their pages)."""
+
     def used_on(self, stream) -> None:
         """Nothing to remember by default."""
 

@@ -4,18 +4,54 @@ The rows stay in the files (mapped with ``madvise(MADV_RANDOM)``, so a lookup fa
 pages it reads, without read-ahead); nothing is loaded up front. Shards can live in different
 files, so the rows are a sequence of contiguous blocks, each a read-only mapped view; the gather
 groups the ids by block and runs the CPU gather (``gather_numba``) on each.
+
+Where the GPU can read pageable host memory (``cudaDevAttrPageableMemoryAccess``: HMM or ATS),
+GPU lookups read the mapped pages too, with the UVA gather kernel (``gather_cupy``): no load, no
+pinned copy, the page cache shared by every process. A prefetch first advises the pages of its
+rows ``MADV_WILLNEED`` on a thread of its own (``page_prefetch``), on either side.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from ...runtime.backends import HOST, Backend
+from ...runtime.backends import DEVICE, HOST, Backend, cupy_module, gpu_available
 from .. import gather_numba
 from ..formats import Format
+from ..page_prefetch import PagePrefetcher
 from .base import Gather, Storage
+from .gpu import gather_device
+
+PAGEABLE_MEMORY_ACCESS = 88  # cudaDevAttrPageableMemoryAccess
+NO_PAGEABLE_ACCESS = (
+    "this table (placement='mmap') is read by the GPU only where the device reports "
+    "cudaDevAttrPageableMemoryAccess (HMM or ATS), and this one does not: pass NumPy / CPU ids, "
+    "or place it on 'gpu', 'pinned' or 'shared'")
+
+
+def gpu_reads_pageable(get_attribute: Callable[[int, int], int] | None = None,
+                       device: int | None = None) -> bool:
+    """Whether the GPU reads pageable host memory (mapped files included) at its host address:
+    ``cudaDevAttrPageableMemoryAccess`` of ``device`` (default: the current one), asked through
+    ``get_attribute(attribute, device)`` (default: CuPy's; no GPU: False)."""
+    if get_attribute is None:
+        if not gpu_available():
+            return False
+        runtime = cupy_module().cuda.runtime
+        get_attribute = runtime.deviceGetAttribute
+        device = runtime.getDevice() if device is None else device
+    return bool(get_attribute(PAGEABLE_MEMORY_ACCESS, 0 if device is None else int(device)))
+
+
+def device_block(rows: np.ndarray, raw) -> object:
+    """A CuPy array over a mapped host block at its host address (read through HMM / ATS)."""
+    cupy = cupy_module()
+    memory = cupy.cuda.UnownedMemory(rows.ctypes.data, rows.nbytes, rows,
+                                     cupy.cuda.runtime.getDevice())
+    return cupy.ndarray(rows.shape, raw, cupy.cuda.MemoryPointer(memory, 0))
 
 
 class MappedStorage(Storage):
@@ -23,22 +59,35 @@ class MappedStorage(Storage):
 
     ``blocks``: ``(first local row, raw-or-typed rows)`` pairs tiling the rows in order;
     ``guard``, called before every gather, raises if the files behind them changed (a read past
-    a shrunk file's end is a SIGBUS, not an exception).
+    a shrunk file's end is a SIGBUS, not an exception). ``pageable``: whether the GPU can read
+    the mapped pages (default: ``gpu_reads_pageable()``).
     """
 
     placement = "mmap"
     writable = False
 
     def __init__(self, blocks: Sequence[tuple[int, np.ndarray]], head_dim: int, fmt: Format,
-                 guard: Callable[[], None] | None = None):
+                 guard: Callable[[], None] | None = None, pageable: bool | None = None):
         super().__init__(sum(rows.shape[0] for _, rows in blocks), head_dim, fmt)
         self.guard = guard
         self.starts = np.array([start for start, _ in blocks], dtype=np.int64)
         self.blocks = [rows.view(fmt.raw) for _, rows in blocks]
+        self.pageable = gpu_reads_pageable() if pageable is None else bool(pageable)
+        self.device_blocks = None
+        self.pages = PagePrefetcher(self.blocks, self.starts, head_dim * fmt.itemsize,
+                                    self.num_rows)
 
     def reads(self, side: Backend) -> bool:
-        """Only CPU lookups: the GPU cannot read the mapped files."""
-        return side is HOST
+        """CPU lookups; GPU ones where the device reads pageable memory."""
+        return side is HOST or self.pageable
+
+    def refusal(self, side: Backend) -> str | None:
+        """Why GPU ids cannot read this table (the device attribute it lacks)."""
+        return None if self.reads(side) else NO_PAGEABLE_ACCESS
+
+    def will_read(self, ids, row_start: int, stream=None) -> None:
+        """Advise the pages of these rows ``MADV_WILLNEED``, off the caller's thread."""
+        self.pages.submit(ids, row_start, stream)
 
     def write_rows(self, local_start: int, rows) -> None:
         """Refused: the rows are the checkpoint's, mapped read-only."""
@@ -49,6 +98,9 @@ class MappedStorage(Storage):
         (a finished prefetch already in ``out``) only the heads whose id differs from it."""
         if self.guard is not None:
             self.guard()
+        if job.side is DEVICE:
+            self.gather_device(job)
+            return
         flat = job.ids.reshape(-1)
         rows = job.out.reshape(-1, self.head_dim)
         where = (np.arange(flat.size) if job.expected is None
@@ -69,3 +121,27 @@ class MappedStorage(Storage):
                 parallel=False if job.worker else None,
             )
             rows[where[lo:hi]] = gathered
+
+    def gather_device(self, job: Gather) -> None:
+        """The UVA gather over the mapped blocks: one block directly; several, each into a zeroed
+        buffer (ids of other blocks give zero rows), merged by OR of the bits, which is exact."""
+        if self.device_blocks is None:
+            self.device_blocks = [device_block(rows, self.format.raw) for rows in self.blocks]
+        if len(self.device_blocks) == 1:
+            gather_device(self.device_blocks[0], self.format.code, job)
+            return
+        cupy = cupy_module()
+        with job.stream:
+            merged = cupy.zeros_like(job.out)
+            part = cupy.empty_like(job.out)
+        for start, rows in zip(self.starts, self.device_blocks, strict=True):
+            gather_device(rows, self.format.code, dataclasses.replace(
+                job, out=part, row_start=job.row_start + int(start), expected=None, dedup=False))
+            with job.stream:
+                merged |= part
+        with job.stream:
+            job.out[...] = merged
+
+    def close(self) -> None:
+        """Stop the page prefetcher after the advice already asked for."""
+        self.pages.drain()

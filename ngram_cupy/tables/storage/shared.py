@@ -1,0 +1,93 @@
+"""Rows in a node-wide shared-memory segment (``shared_memory``): one copy for every process.
+
+The first process to ask for the rows fills the segment; the others map it. On a GPU each
+process page-locks its mapping (``cudaHostRegister``, as ``"pinned"`` does with private
+memory), so the GPU reads the rows over UVA and every GPU lookup, prefetch and hot tier works as
+over a pinned table; without a GPU the CPU gathers read the mapping. The rows are read-only:
+other processes read them too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+from collections.abc import Callable
+
+import numpy as np
+
+from ...runtime.backends import HOST, gpu_available
+from .. import shared_memory
+from ..formats import Format
+from ..pinned import PinnedBuffer
+from .base import Gather, Storage
+from .cpu import gather_host
+from .gpu import gather_device
+
+
+def content_key(rows: np.ndarray, fmt: Format) -> str:
+    """The segment key of rows given in memory: their format, shape and a hash of their bytes."""
+    digest = hashlib.blake2b(np.ascontiguousarray(rows).view(np.uint8).reshape(-1).data,
+                             digest_size=32).hexdigest()
+    return json.dumps({"content": digest, "format": fmt.name, "shape": list(rows.shape)})
+
+
+class SharedStorage(Storage):
+    """``[num_rows, head_dim]`` values of ``fmt`` in the shared segment of ``key``.
+
+    ``fill(rows)`` writes the raw rows (a writable NumPy ``[num_rows, head_dim]`` array of
+    ``fmt.raw``) when this process creates the segment; it is not called when it attaches.
+    """
+
+    placement = "shared"
+    writable = False
+
+    def __init__(self, key: str, num_rows: int, head_dim: int, fmt: Format,
+                 fill: Callable[[np.ndarray], None], *, huge_pages: bool | None = None,
+                 timeout: float | None = None):
+        super().__init__(num_rows, head_dim, fmt)
+        shape = (num_rows, head_dim)
+
+        def fill_memory(memory: mmap.mmap) -> None:
+            fill(np.frombuffer(memory, fmt.raw, count=num_rows * head_dim).reshape(shape))
+
+        key = json.dumps({"rows": key, "shape": list(shape), "format": fmt.name})
+        self.segment = shared_memory.attach(key, self.nbytes, fill_memory,
+                                            huge_pages=huge_pages, timeout=timeout)
+        try:
+            self.buffer = (PinnedBuffer(self.nbytes, memory=self.segment.memory)
+                           if gpu_available() else None)
+        except BaseException:
+            self.segment.close()
+            raise
+        view = np.frombuffer(self.segment.memory, fmt.dtype, count=num_rows * head_dim)
+        view.flags.writeable = False
+        self.host_view = view.reshape(shape)
+        if self.buffer is not None:
+            self.device_view = self.buffer.device_array(shape, fmt.raw)
+
+    def write_rows(self, local_start: int, rows) -> None:
+        """Refused: other processes read these rows."""
+        raise ValueError("a shared table's rows are read by every process on the node: they "
+                         "are read-only")
+
+    def gather(self, job: Gather) -> None:
+        """The CPU gather for host ids; the GPU gather through the mapped address otherwise."""
+        if job.side is HOST:
+            gather_host(self.host_view.view(self.format.raw), self.format.code, job)
+        else:
+            self.used_on(job.stream)
+            gather_device(self.device_view, self.format.code, job)
+
+    def used_on(self, stream) -> None:
+        """The registration is released only after the work of every stream that read it."""
+        if self.buffer is not None:
+            self.buffer.used_on(stream)
+
+    def close(self) -> None:
+        """Unregister (after the streams that read it) and detach: the last process to detach
+        removes the segment. The host view stays readable while it lives."""
+        if self.buffer is not None:
+            self.buffer.close()
+            self.device_view = None
+        self.segment.close()
