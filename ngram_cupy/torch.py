@@ -26,6 +26,7 @@ WEIGHT = "ngram_embedding.weight"
 SCALE = "ngram_embedding.weight_scale"
 # Value width in bytes -> the NumPy integer type that moves those bits to torch.
 _BITS = {1: np.uint8, 2: np.int16, 4: np.int32}
+_TORCH_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _SHARD = re.compile(r"ngram_embedding\.shard_(\d+)\.weight", re.ASCII)
 
 
@@ -124,6 +125,8 @@ class NGramEmbeddingModule(torch.nn.Module):
         self.ngram_embedding = TableWeights(table, table.format.torch_dtype)
         self.register_load_state_dict_pre_hook(NGramEmbeddingModule._check_state_dict)
         self._loaded_shards: set[int] = set()
+        self._scale_loaded = False
+        self.allow_missing_weights = False  # True: look rows up before every shard has arrived
 
     @property
     def table(self) -> EmbeddingTable:
@@ -131,10 +134,39 @@ class NGramEmbeddingModule(torch.nn.Module):
         return self.embedding.table
 
     @property
-    def missing_shards(self) -> list[int]:
-        """Indexes of checkpoint shards ``load_weights`` has not received yet."""
-        parts = self.layout.config.split_ngram_parts
-        return [i for i in range(parts) if i not in self._loaded_shards]
+    def missing_shards(self) -> list[int | str]:
+        """Indexes of checkpoint shards holding rows that ``load_weights`` has not received yet,
+        then ``"ngram_embedding.weight_scale"`` for a float8 table whose scale has not arrived."""
+        parts, rows = self.layout.config.split_ngram_parts, self.layout.padded_rows
+        holding_rows = (i for i in range(parts) if len(range(*split_rows(rows, parts, i))))
+        missing: list[int | str] = [i for i in holding_rows if i not in self._loaded_shards]
+        if hasattr(self.ngram_embedding, "weight_scale") and not self._scale_loaded:
+            missing.append(SCALE)
+        return missing
+
+    def _check_loaded(self) -> None:
+        """Refuse lookups of a partly loaded table (rows never loaded, or a float8 table without
+        its scale), unless ``allow_missing_weights``; a table never loaded is left alone."""
+        if self.allow_missing_weights or not (self._loaded_shards or self._scale_loaded):
+            return
+        missing = self.missing_shards
+        if missing:
+            shown = ", ".join(map(str, missing[:20])) + (", ..." if len(missing) > 20 else "")
+            raise ValueError(
+                f"layer {self.layout.layer} is partly loaded: missing {shown} (missing_shards); "
+                "load them, or set allow_missing_weights = True to look up what is there")
+
+    def __reduce__(self):
+        """Pickle and ``copy.deepcopy`` (a prefetcher's lock and the table's memory cannot be
+        copied as they are): the constructor's arguments, the state and what was loaded."""
+        weights = self.ngram_embedding.weight
+        arguments = dict(placement=self.table.placement, weight_dtype=weights.dtype,
+                         hot_rows=getattr(self.table.storage, "hot_rows", None))
+        loaded = (set(self._loaded_shards), self._scale_loaded, self.allow_missing_weights)
+        # As integer bits: torch cannot unpickle float8 tensors (torch 2.13: UntypedStorage).
+        state = {name: (value.view(_TORCH_BITS[value.element_size()]), value.dtype)
+                 for name, value in self.state_dict().items()}
+        return _rebuild, (self.layout.config, self.layout.layer, arguments, state, loaded)
 
     def refresh_hot_rows(self) -> None:
         """Copy the hot tier's rows again from the table (after an in-place weight change; the
@@ -146,6 +178,10 @@ class NGramEmbeddingModule(torch.nn.Module):
     @staticmethod
     def _batch(input_ids, query_start_loc, ngram_context):
         """The batch on the device of ``input_ids``, and the CUDA stream to run on (or None)."""
+        for name, value in (("input_ids", input_ids), ("query_start_loc", query_start_loc),
+                            ("ngram_context", ngram_context)):
+            if isinstance(value, torch.Tensor) and value.device.type == "meta":
+                raise ValueError(f"{name} is on the meta device: it holds no values to look up")
         input_ids = input_ids.reshape(-1)
         device = input_ids.device
         query_start_loc, ngram_context = query_start_loc.to(device), ngram_context.to(device)
@@ -173,6 +209,7 @@ class NGramEmbeddingModule(torch.nn.Module):
         ``start_prefetch`` this joins the prefetch and gathers again only heads whose ids
         changed, so a stale prefetch costs time, never correctness.
         """
+        self._check_loaded()
         input_ids, query_start_loc, ngram_context, stream = self._batch(
             input_ids, query_start_loc, ngram_context)
         width = self.layout.num_heads * self.layout.head_dim
@@ -188,6 +225,7 @@ class NGramEmbeddingModule(torch.nn.Module):
         reference layer."""
         if self.table.placement == "gpu":
             return
+        self._check_loaded()
         input_ids, query_start_loc, ngram_context, stream = self._batch(
             input_ids, query_start_loc, ngram_context)
         self.embedding.start_prefetch(input_ids, query_start_loc, ngram_context, stream=stream)
@@ -240,6 +278,7 @@ class NGramEmbeddingModule(torch.nn.Module):
             raise ValueError(f"{SCALE} must hold one floating value, got {value.dtype} of shape "
                              f"{tuple(value.shape)}")
         self.ngram_embedding.set_scale(value)
+        self._scale_loaded = True
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load ``(name, tensor)`` pairs named as in the checkpoint, relative to the layer.
@@ -255,6 +294,8 @@ class NGramEmbeddingModule(torch.nn.Module):
                 continue
             if not isinstance(value, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+            if value.device.type == "meta":
+                raise ValueError(f"{name} is on the meta device: it holds no values to load")
             if name in BUFFERS:
                 self._check_buffer(name, value)
             elif match := _SHARD.fullmatch(name):
@@ -272,15 +313,38 @@ class NGramEmbeddingModule(torch.nn.Module):
         return loaded
 
     def _check_state_dict(self, state_dict, prefix, *args) -> None:
-        """Before ``load_state_dict`` copies anything, its hash buffers must match the layout."""
+        """Before ``load_state_dict`` copies (or ``assign=True`` puts) anything in place: hash
+        buffers equal to the layout, the rows of the table's shape and storage dtype, a float8
+        scale finite and positive."""
+        for name in (*BUFFERS, WEIGHT, SCALE):
+            value = state_dict.get(prefix + name)
+            if isinstance(value, torch.Tensor) and value.device.type == "meta":
+                raise ValueError(f"{name} is on the meta device: it holds no values to load")
         for name in BUFFERS:
             if prefix + name in state_dict:
                 self._check_buffer(name, state_dict[prefix + name])
         if prefix + WEIGHT in state_dict:
+            self._check_rows(WEIGHT, state_dict[prefix + WEIGHT], self.layout.padded_rows)
+        scale = state_dict.get(prefix + SCALE)
+        if isinstance(scale, torch.Tensor) and hasattr(self.ngram_embedding, "weight_scale") \
+                and scale.numel() == 1 and scale.dtype.is_floating_point:
+            check_scale(SCALE, float(scale.detach().to("cpu", torch.float32).reshape(())))
+        if prefix + WEIGHT in state_dict:
             self._loaded_shards.update(range(self.layout.config.split_ngram_parts))
+        if prefix + SCALE in state_dict and hasattr(self.ngram_embedding, "weight_scale"):
+            self._scale_loaded = True
 
     def extra_repr(self) -> str:
         return (f"layer={self.layout.layer}, heads={self.layout.num_heads}, "
                 f"head_dim={self.layout.head_dim}, rows={self.layout.padded_rows}, "
                 f"weight_dtype={self.ngram_embedding.weight.dtype}, "
                 f"placement={self.table.placement!r}")
+
+
+def _rebuild(config: NGramConfig, layer: int, arguments: dict, state: dict,
+             loaded: tuple) -> NGramEmbeddingModule:
+    """An ``NGramEmbeddingModule`` from what ``__reduce__`` gave (pickle, ``copy.deepcopy``)."""
+    module = NGramEmbeddingModule(config, layer, **arguments)
+    module.load_state_dict({name: bits.view(dtype) for name, (bits, dtype) in state.items()})
+    module._loaded_shards, module._scale_loaded, module.allow_missing_weights = loaded
+    return module
