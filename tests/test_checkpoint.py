@@ -986,3 +986,15 @@ def test_ugly_unknown_safetensors_dtype_beside_the_buffers_names_the_tensor(tmp_
     with_dtype_code(path, ck.shard_key(PREFIX, shard), "X32")
     with pytest.raises(ValueError, match=rf"shard_{shard}\.weight has dtype X32"):
         nc.load_ngram_embedding(path, TINY, 0)
+
+
+def test_mmap_table_of_a_relative_path_survives_a_change_of_working_folder(tmp_path,
+                                                                          monkeypatch):
+    layout = nc.layer_layout(TINY, 0)
+    weight = tiny_weight(np.float32, seed=3)
+    nc.save_ngram_embedding(tmp_path / "one.safetensors", layout, weight)
+    monkeypatch.chdir(tmp_path)
+    table = nc.load_ngram_embedding("one.safetensors", TINY, 0, placement="mmap").table
+    monkeypatch.chdir(tmp_path.parent)
+    ids = all_ids(layout)
+    assert_same_bits(table.lookup(ids), expected_lookup(weight, ids))

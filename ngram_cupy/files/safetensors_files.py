@@ -239,6 +239,7 @@ class _OpenFile:
     fd: int
     stat: os.stat_result
     header: bytes  # the 8-byte length and the JSON header, as checked
+    absolute: str  # the path, absolute: the working folder may change while the file is mapped
 
 
 class Checkpoint:
@@ -265,7 +266,7 @@ class Checkpoint:
             if path in self._files:
                 os.close(fd)
                 raise ValueError(f"{path} is named twice among the checkpoint's files")
-            self._files[path] = _OpenFile(fd, stat, raw)
+            self._files[path] = _OpenFile(fd, stat, raw, os.path.abspath(path))
             for name, info in _tensor_infos(path, header, data_start, size).items():
                 if name in self.tensors:
                     raise ValueError(
@@ -359,7 +360,7 @@ class Checkpoint:
                               "size, header or modification time changed): the mmap table's "
                               "rows are no longer the checkpoint's; load it again")
             try:
-                named = os.stat(path)
+                named = os.stat(held.absolute)
             except FileNotFoundError:
                 named = None
             if named is None or (named.st_dev, named.st_ino) != (now.st_dev, now.st_ino):
