@@ -14,15 +14,23 @@ and that is kept beside them. ``open_tokens`` streams Parquet files and folders 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
 
+try:
+    import pyarrow as pa
+    import pyarrow.compute as pc
+except ImportError:  # as the text extra's hint: say which extra brings it
+    raise ModuleNotFoundError("ngram_cupy.arrow needs pyarrow: pip install 'ngram-cupy[arrow]'"
+                              ) from None
+
+from .hashing.config import NGramConfig
 from .hashing.layout import LayerLayout
 from .ids.ngram_ids import advance_context, compute_ngram_ids
 from .text import TextTokenizer, as_tokenizer, check_tokenizer
@@ -55,6 +63,36 @@ def id_column_names(layout: LayerLayout | Sequence[LayerLayout],
     if len(set(names)) != len(names):
         raise ValueError(f"layouts repeat a layer: {names}")
     return names
+
+
+def config_hash(config: NGramConfig) -> str:
+    """SHA-256 of the config's hash parameters (``to_hf`` as sorted JSON): files of ids made
+    with the same hash carry the same value."""
+    return hashlib.sha256(json.dumps(config.to_hf(), sort_keys=True).encode()).hexdigest()
+
+
+def ids_metadata(layout: LayerLayout | Sequence[LayerLayout], out_column: str | None = None,
+                 column: str = "tokens") -> dict[bytes, bytes]:
+    """Schema metadata for a file of ids: under ``ngram_cupy``, JSON naming the library version,
+    the config's hash (:func:`config_hash`) and hash parameters, the token column, and each id
+    column's PLE layer (and decoder layer, with ``ple_layer_ids``)."""
+    from . import __version__
+
+    layouts = as_layouts(layout)
+    config = layouts[0].config
+    ids = config.ple_layer_ids
+    layers = [{"column": name, "layer": item.layer,
+               **({} if ids is None else {"decoder_layer": ids[item.layer]})}
+              for name, item in zip(id_column_names(layout, out_column), layouts, strict=True)]
+    record = {"version": __version__, "config_hash": config_hash(config),
+              "config": config.to_hf(), "token_column": column, "layers": layers}
+    return {b"ngram_cupy": json.dumps(record, sort_keys=True).encode()}
+
+
+def out_of_vocabulary(tokens: np.ndarray, vocab_size: int) -> int:
+    """Tokens outside ``[0, vocab_size)``: hashed as the model hashes them (no error), but worth
+    counting, as they usually mean a tokenizer that does not match the config."""
+    return int(np.count_nonzero((tokens < 0) | (tokens >= vocab_size)))
 
 
 def check_token_type(column: str, arrow_type: pa.DataType) -> None:
@@ -212,9 +250,27 @@ def check_text_type(column: str, arrow_type: pa.DataType) -> None:
         raise TypeError(f"text column {column!r} must be string or large_string, got {arrow_type}")
 
 
-def token_list_array(encoded: Sequence[Sequence[int]]) -> pa.Array:
-    """A ``list<int32>`` array over lists of token ids."""
-    return pa.array(encoded, type=pa.list_(pa.int32()))
+class TextError(ValueError):
+    """A text row that cannot become tokens (invalid UTF-8, or a token id past int32), named by
+    column and row; the command line adds the file."""
+
+
+def token_list_array(encoded: Sequence[Sequence[int]], tokenizer: str = "tokenizer",
+                     first_row: int = 0) -> pa.Array:
+    """A ``list<int32>`` array over lists of token ids; a ``TextError`` naming the row and the
+    id when one does not fit (a custom tokenizer returning ids past int32)."""
+    try:
+        return pa.array(encoded, type=pa.list_(pa.int32()))
+    except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError):
+        limit = np.iinfo(np.int32)
+        for row, ids in enumerate(encoded):
+            for token in ids:
+                if not isinstance(token, (int, np.integer)) or not \
+                        limit.min <= token <= limit.max:
+                    raise TextError(f"{tokenizer} returned token id {token!r} for row "
+                                    f"{first_row + row} (0-based, in reading order): token ids "
+                                    "must be integers that fit in int32") from None
+        raise
 
 
 class TextTokens:
@@ -226,6 +282,7 @@ class TextTokens:
         self.tokenizer = as_tokenizer(tokenizer)
         self.text_column = text_column
         self.column = column
+        self.rows_seen = 0  # rows of the batches this step has tokenized, for error messages
 
     def output_schema(self, schema: pa.Schema) -> pa.Schema:
         """Check the text column and return ``schema`` with the token column appended."""
@@ -240,8 +297,26 @@ class TextTokens:
         texts = batch.column(self.text_column)
         if texts.null_count:
             raise ValueError(f"text column {self.text_column!r} has {texts.null_count} null rows")
-        tokens = token_list_array(self.tokenizer.encode_batch(texts.to_pylist()))
+        first, self.rows_seen = self.rows_seen, self.rows_seen + batch.num_rows
+        try:
+            strings = texts.to_pylist()
+        except UnicodeDecodeError as e:
+            row = next(i for i in range(len(texts)) if not _decodes(texts[i]))
+            raise TextError(f"text column {self.text_column!r}, row {first + row} (0-based, "
+                             f"in reading order): not valid UTF-8 ({e.reason} at byte {e.start})"
+                             ) from None
+        tokens = token_list_array(self.tokenizer.encode_batch(strings),
+                                  f"tokenizer {self.tokenizer.name}", first)
         return pa.RecordBatch.from_arrays([*batch.columns, tokens], schema=schema)
+
+
+def _decodes(text: pa.Scalar) -> bool:
+    """Whether one string scalar is valid UTF-8."""
+    try:
+        text.as_py()
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def text_tokens(layout: LayerLayout, column: str, text_column: str | None,

@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from fractions import Fraction
 from typing import Any
 
 from .files.atomic import atomic_file
@@ -28,6 +29,8 @@ DEFAULT_HOT_ROWS = (1_000, 10_000, 100_000, 1_000_000)  # as ngram_cupy.stats (n
 DEFAULT_BATCH_TOKENS = (256, 4_096, 65_536)
 EXIT_USAGE = 2
 EXIT_SIGINT = 130
+CACHE_ENV = "NGRAM_CUPY_CACHE_DIR"
+MAX_BYTES = (1 << 63) - 1
 _BYTE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
                "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
                "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
@@ -43,7 +46,13 @@ def parse_bytes(text: str) -> int:
     if not match or match.group(2).lower() not in _BYTE_UNITS:
         raise argparse.ArgumentTypeError(
             f"not a size: {text!r} (examples: 80GiB, 512G, 1.5TB, 4096)")
-    return int(float(match.group(1)) * _BYTE_UNITS[match.group(2).lower()])
+    number = match.group(1)
+    if len(number) > 40:  # Fraction of a 400-digit number is fine, but no memory is that big
+        raise argparse.ArgumentTypeError(f"not a size: {text[:40]!r}... is far too large")
+    size = int(Fraction(number) * _BYTE_UNITS[match.group(2).lower()])
+    if size > MAX_BYTES:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} is larger than 8 EiB")
+    return size
 
 
 def load_config(path: str) -> NGramConfig:
@@ -80,8 +89,9 @@ def check_files(source: Any, mapper: Any) -> None:
 
 
 def check_output(output: str, inputs: list[str]) -> None:
-    """Refuse, before anything is read or written, an OUTPUT that is a folder, lies in no folder,
-    or is (through links, relative paths or a folder) one of the files read."""
+    """Refuse, before anything is read or written, an OUTPUT that is a folder, lies in no folder
+    or in one this process cannot write, or is (through links, relative paths or a folder) one of
+    the files read."""
     if os.path.isdir(output) or output.endswith(os.sep):
         raise UserError(f"output is a directory: {output}")
     if os.path.exists(output) and not os.path.isfile(output):
@@ -90,6 +100,8 @@ def check_output(output: str, inputs: list[str]) -> None:
     folder = os.path.dirname(os.path.abspath(output))
     if not os.path.isdir(folder):
         raise UserError(f"output folder does not exist: {folder}")
+    if not os.access(folder, os.W_OK | os.X_OK):  # a read-only file system included (EROFS)
+        raise UserError(f"output folder is not writable: {folder}")
     real = os.path.realpath(output)
     for path in inputs:
         source = os.path.realpath(path)
@@ -182,7 +194,14 @@ def compile_kernels(layouts: list[LayerLayout], schema: Any, column: str, quiet:
 
 def cmd_ids(args: argparse.Namespace) -> int:
     """Stream INPUT through the id columns into OUTPUT (Parquet), atomically."""
-    from .arrow import NGramIds, open_tokens, token_slices
+    from .arrow import (
+        NGramIds,
+        TextError,
+        ids_metadata,
+        open_tokens,
+        out_of_vocabulary,
+        token_slices,
+    )
     from .files.pipeline import tokens_per_call, write_ids, writer_options
 
     check_output(args.output, [args.input])
@@ -195,30 +214,42 @@ def cmd_ids(args: argparse.Namespace) -> int:
                       id_type=args.id_type, **text_options(args))
     check_files(source, mapper)
     schema = mapper.output_schema(source.schema)
+    schema = schema.with_metadata({**(schema.metadata or {}), **ids_metadata(
+        layouts[0] if len(layouts) == 1 else layouts, args.out_column, args.column)})
     compiled = 0.0
     if args.device == "cpu":
         compiled = compile_kernels(layouts, schema, args.column, args.quiet)
-    rows = tokens = 0
+    rows = tokens = outside = 0
+    vocab_size = layouts[0].config.vocab_size
     start = time.perf_counter()  # after compiling: the rate counts the work, not the compiler
     with atomic_output(args.output) as tmp, progress_bar(source.num_rows, args.quiet,
                                                          "ids") as bar:
         def progress(batch: Any) -> None:
-            nonlocal rows, tokens
+            nonlocal rows, tokens, outside
             interrupts.check()  # a signal swallowed while compiling still stops the run
             rows += batch.num_rows
             tokens += token_count(batch, args.column)
+            outside += out_of_vocabulary(batch.column(args.column).flatten().to_numpy(),
+                                         vocab_size)
             bar.update(batch.num_rows)
             elapsed = max(time.perf_counter() - start, 1e-9)
             bar.set_postfix_str(f"{bar.format_sizeof(tokens / elapsed)} tokens/s", refresh=False)
 
         per_call = tokens_per_call(layouts[0].num_heads, mapper.id_dtype.itemsize)
-        write_ids(token_slices(source.batches(), args.column, per_call), mapper, tmp, schema,
-                  writer_options(schema, source.schema, args.compression), progress)
+        try:
+            write_ids(token_slices(source.batches(), args.column, per_call), mapper, tmp, schema,
+                      writer_options(schema, source.schema, args.compression), progress)
+        except TextError as e:
+            raise UserError(f"{args.input}: {e}") from None
     elapsed = time.perf_counter() - start
     if not args.quiet:
         ready = f"; kernels compiled in {compiled:.1f} s before" if compiled >= 0.5 else ""
         print(f"wrote {args.output}: {rows:,} rows, {tokens:,} tokens, {len(layouts)} layer(s) "
               f"in {elapsed:.2f} s ({tokens / max(elapsed, 1e-9) / 1e6:.1f} Mtokens/s{ready})")
+        if outside:
+            print(f"note: {outside:,} token(s) lie outside the vocabulary [0, {vocab_size:,}) "
+                  "(negative or too large); they are hashed as the model hashes them, but "
+                  "usually mean a tokenizer that does not match the config")
     return 0
 
 
@@ -327,7 +358,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     """Print hash statistics and held-out row reuse of INPUT (and plot them)."""
     import numpy as np
 
-    from .arrow import NGramIds, check_input_schema, open_tokens
+    from .arrow import NGramIds, TextError, check_input_schema, open_tokens
     from .stats import hottest_rows, ngram_stats, plot_stats, reuse_stats
 
     if args.plot is not None:
@@ -367,11 +398,15 @@ def cmd_stats(args: argparse.Namespace) -> int:
             yield batch if mapper.text is None else mapper.text(batch)
             bar.update(batch.num_rows)
 
-    with progress_bar(source.num_rows, args.quiet, "collisions") as bar:
-        stats, num_tokens = ngram_stats(tokenized(bar), layout, args.column, args.doc_id_column)
-    with progress_bar(source.num_rows, args.quiet, "row reuse") as bar:
-        reuse = reuse_stats(tokenized(bar), layout, args.column, args.doc_id_column,
-                            args.hot_rows, args.batch_tokens)
+    try:
+        with progress_bar(source.num_rows, args.quiet, "collisions") as bar:
+            stats, num_tokens = ngram_stats(tokenized(bar), layout, args.column,
+                                            args.doc_id_column)
+        with progress_bar(source.num_rows, args.quiet, "row reuse") as bar:
+            reuse = reuse_stats(tokenized(bar), layout, args.column, args.doc_id_column,
+                                args.hot_rows, args.batch_tokens)
+    except TextError as e:
+        raise UserError(f"{args.input}: {e}") from None
     print("\n".join(describe_stats(stats, num_tokens, layout) + describe_reuse(reuse)))
     if save_path is not None:
         rows = hottest_rows(reuse.all_counts(), save_k)
@@ -386,6 +421,49 @@ def cmd_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def kernel_cache_folder() -> str:
+    """Where compiled kernels are cached: ``$NGRAM_CUPY_CACHE_DIR``, else
+    ``~/.cache/ngram_cupy``."""
+    return os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache",
+                                                     "ngram_cupy")
+
+
+def describe_backend() -> list[str]:
+    """The library's version and the backends a run would use: CPU threads and Numba's
+    threading layer, CuPy and the GPU (or none), the kernel cache folder."""
+    import numba
+    import numpy as np
+
+    from . import __version__
+    from .runtime.cpu_threads import threading_layer
+
+    lines = [f"{PROG} {__version__} (Python {sys.version.split()[0]}, NumPy {np.__version__}, "
+             f"Numba {numba.__version__})",
+             f"CPU: {numba.get_num_threads()} threads of {os.cpu_count()} cores, Numba threading "
+             f"layer {threading_layer()}"]
+    try:
+        import cupy
+    except ImportError:
+        lines.append("GPU: none (CuPy is not installed: the cuda12 or cuda13 extra)")
+    else:
+        if gpu_available():
+            name = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
+            lines.append(f"GPU: {name} ({cupy.cuda.runtime.getDeviceCount()} device(s)), CuPy "
+                         f"{cupy.__version__}")
+        else:
+            lines.append(f"GPU: none (CuPy {cupy.__version__} sees no usable CUDA device)")
+    cache = kernel_cache_folder()
+    where = "set by " + CACHE_ENV if os.environ.get(CACHE_ENV) else "default; set " + CACHE_ENV
+    lines.append(f"kernel cache folder: {cache} ({where})")
+    return lines
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    """Print the version and the backends in use."""
+    print("\n".join(describe_backend()))
+    return 0
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse, but a usage mistake is one line on stderr (exit 2), like every user error."""
 
@@ -395,8 +473,12 @@ class OneLineParser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with the ``ids``, ``layout`` and ``stats`` commands."""
+    from . import __version__
+
     parser = OneLineParser(
         prog=PROG, description="Exact hashed n-gram (PLE) ids, table layouts and hash statistics.")
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}",
+                        help="print the version and exit (`ngram-cupy info`: the backends too)")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def common(sub: argparse.ArgumentParser) -> None:
@@ -418,14 +500,17 @@ def build_parser() -> argparse.ArgumentParser:
     ids = commands.add_parser("ids", help="write n-gram ids of a Parquet/Arrow token file",
                               description="Stream INPUT (Parquet file or folder, Arrow IPC) and "
                               "write it to OUTPUT (Parquet) with n-gram id columns.")
-    ids.add_argument("input", metavar="INPUT")
-    ids.add_argument("output", metavar="OUTPUT")
+    ids.add_argument("input", metavar="INPUT", help="Parquet file or folder of Parquet files, or "
+                     "an Arrow IPC file or stream, with a token (or text) column")
+    ids.add_argument("output", metavar="OUTPUT", help="Parquet file to write (replaced "
+                     "atomically): INPUT's columns plus the id columns")
     common(ids)
     ids.add_argument("--layers", type=int, nargs="+", default=[0], metavar="L",
                      help="PLE layers (0-based among the PLE layers; default 0); several give "
                      "one column each, named OUT_COLUMN_layerL")
     ids.add_argument("--out-column", help="id column name (default: ngram_ids)")
-    ids.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
+    ids.add_argument("--device", choices=["cpu", "gpu"], default="cpu",
+                     help="where the ids are computed (default cpu; gpu needs CuPy and a device)")
     ids.add_argument("--compression", default="zstd",
                      help="Parquet compression (zstd, snappy, none, ...; default zstd)")
     ids.add_argument("--id-type", choices=["auto", "int32", "int64"], default="auto",
@@ -454,7 +539,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Per head: distinct n-grams, rows touched, collisions. Held out (documents "
         "alternate between a profile and a measured part): the share of lookups the K hottest "
         "rows serve, distinct rows within batches, and rank-frequency slopes.")
-    stats.add_argument("input", metavar="INPUT")
+    stats.add_argument("input", metavar="INPUT", help="Parquet file or folder, or an Arrow IPC "
+                       "file or stream, with a token (or text) column")
     common(stats)
     stats.add_argument("--layer", type=int, default=0, help="PLE layer (default 0)")
     stats.add_argument("--hot-rows", type=int, nargs="+", metavar="K",
@@ -469,6 +555,11 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("--plot", metavar="PNG", help="also plot row loads, hot-row hit rates "
                        "and rank-frequency curves to this PNG")
     stats.set_defaults(run=cmd_stats)
+
+    info = commands.add_parser("info", help="print the version and the backends in use",
+                               description="The version, CPU threads and Numba's threading "
+                               "layer, CuPy and the GPU (or none), and the kernel cache folder.")
+    info.set_defaults(run=cmd_info)
     return parser
 
 
@@ -476,8 +567,9 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that mean bad input rather than a bug: reported in one line."""
     errors: tuple[type[BaseException], ...] = (UserError, ValueError, TypeError, OSError,
                                                ImportError)
-    if "pyarrow" in sys.modules:
-        errors += (sys.modules["pyarrow"].ArrowException,)
+    arrow_error = getattr(sys.modules.get("pyarrow"), "ArrowException", None)
+    if arrow_error is not None:  # pyarrow imported (and not blocked)
+        errors += (arrow_error,)
     return errors
 
 

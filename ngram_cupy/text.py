@@ -100,8 +100,15 @@ class HFTokenizer(TextTokenizer):
         """The id of the ``eos_token`` a ``tokenizer_config.json`` names, if any."""
         if not os.path.isfile(path):
             return None
-        with open(path, encoding="utf-8") as f:
-            eos = json.load(f).get("eos_token")
+        try:
+            with open(path, encoding="utf-8") as f:
+                config = json.load(f)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"tokenizer config {path} is not readable JSON: {e}") from None
+        if not isinstance(config, dict):
+            raise ValueError(f"tokenizer config {path} holds a JSON {type(config).__name__}, "
+                             "not an object")
+        eos = config.get("eos_token")
         if isinstance(eos, dict):
             eos = eos.get("content")
         return self._tokenizer.token_to_id(eos) if isinstance(eos, str) else None

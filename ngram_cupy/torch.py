@@ -29,6 +29,7 @@ WEIGHT = "ngram_embedding.weight"
 SCALE = "ngram_embedding.weight_scale"
 # Value width in bytes -> the NumPy integer type that moves those bits to torch.
 _BITS = {1: np.uint8, 2: np.int16, 4: np.int32}
+_TORCH_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _SHARD = re.compile(r"ngram_embedding\.shard_(\d+)\.weight", re.ASCII)
 BATCH = ("input_ids", "query_start_loc", "ngram_context")
 SEED_BATCH = ("hidden_states", *BATCH)
@@ -221,6 +222,8 @@ class NGramEmbeddingModule(torch.nn.Module):
         self.register_load_state_dict_pre_hook(NGramEmbeddingModule._check_state_dict)
         self.register_load_state_dict_post_hook(NGramEmbeddingModule._share)
         self._loaded_shards: set[int] = set()
+        self._scale_loaded = False
+        self.allow_missing_weights = False  # True: look rows up before every shard has arrived
 
     @property
     def table(self) -> EmbeddingTable:
@@ -228,10 +231,40 @@ class NGramEmbeddingModule(torch.nn.Module):
         return self.ngram_embedding.table
 
     @property
-    def missing_shards(self) -> list[int]:
-        """Indexes of checkpoint shards ``load_weights`` has not received yet."""
-        parts = self.layout.config.split_ngram_parts
-        return [i for i in range(parts) if i not in self._loaded_shards]
+    def missing_shards(self) -> list[int | str]:
+        """Indexes of checkpoint shards holding rows that ``load_weights`` has not received yet,
+        then ``"ngram_embedding.weight_scale"`` for a float8 table whose scale has not arrived."""
+        parts, rows = self.layout.config.split_ngram_parts, self.layout.padded_rows
+        holding_rows = (i for i in range(parts) if len(range(*split_rows(rows, parts, i))))
+        missing: list[int | str] = [i for i in holding_rows if i not in self._loaded_shards]
+        if hasattr(self.ngram_embedding, "weight_scale") and not self._scale_loaded:
+            missing.append(SCALE)
+        return missing
+
+    def _check_loaded(self) -> None:
+        """Refuse lookups of a partly loaded table (rows never loaded, or a float8 table without
+        its scale), unless ``allow_missing_weights``; a table never loaded is left alone."""
+        if self.allow_missing_weights or not (self._loaded_shards or self._scale_loaded):
+            return
+        missing = self.missing_shards
+        if missing:
+            shown = ", ".join(map(str, missing[:20])) + (", ..." if len(missing) > 20 else "")
+            raise ValueError(
+                f"layer {self.layout.layer} is partly loaded: missing {shown} (missing_shards); "
+                "load them, or set allow_missing_weights = True to look up what is there")
+
+    def __reduce__(self):
+        """Pickle and ``copy.deepcopy`` (a prefetcher's lock and the table's memory cannot be
+        copied as they are): the constructor's arguments, the state and what was loaded."""
+        weights = self.ngram_embedding.weight
+        arguments = dict(placement=self.table.placement, weight_dtype=weights.dtype,
+                         hot_rows=getattr(self.table.storage, "hot_rows", None),
+                         return_stored_rows=self.return_stored_rows)
+        loaded = (set(self._loaded_shards), self._scale_loaded, self.allow_missing_weights)
+        # As integer bits: torch cannot unpickle float8 tensors (torch 2.13: UntypedStorage).
+        state = {name: (value.view(_TORCH_BITS[value.element_size()]), value.dtype)
+                 for name, value in self.state_dict().items()}
+        return _rebuild, (self.layout.config, self.layout.layer, arguments, state, loaded)
 
     def _embedding_over(self, table: EmbeddingTable) -> NGramEmbedding:
         """The layer's lookups over ``table``, keeping the staging sizes kept so far. Stored rows
@@ -267,6 +300,10 @@ class NGramEmbeddingModule(torch.nn.Module):
     @staticmethod
     def _batch(input_ids, query_start_loc, ngram_context):
         """The batch on the device of ``input_ids``, and the CUDA stream to run on (or None)."""
+        for name, value in (("input_ids", input_ids), ("query_start_loc", query_start_loc),
+                            ("ngram_context", ngram_context)):
+            if isinstance(value, torch.Tensor) and value.device.type == "meta":
+                raise ValueError(f"{name} is on the meta device: it holds no values to look up")
         input_ids = input_ids.reshape(-1)
         device = input_ids.device
         query_start_loc, ngram_context = query_start_loc.to(device), ngram_context.to(device)
@@ -295,6 +332,7 @@ class NGramEmbeddingModule(torch.nn.Module):
         gathers again only heads whose ids changed, so a stale prefetch costs time, never
         correctness. ``input_ids`` may be padded past ``query_start_loc[-1]`` (SPEC 10.3).
         """
+        self._check_loaded()
         input_ids, query_start_loc, ngram_context, stream = self._batch(
             *batch_arguments("forward", args, kwargs))
         width = self.layout.num_heads * self.layout.head_dim
@@ -314,6 +352,7 @@ class NGramEmbeddingModule(torch.nn.Module):
         batch = batch_arguments("start_prefetch", args, kwargs)
         if self.table.placement == "gpu":
             return
+        self._check_loaded()
         input_ids, query_start_loc, ngram_context, stream = self._batch(*batch)
         self.embedding.start_prefetch(input_ids, query_start_loc, ngram_context, stream=stream)
 
@@ -365,6 +404,7 @@ class NGramEmbeddingModule(torch.nn.Module):
             raise ValueError(f"{SCALE} must hold one floating value, got {value.dtype} of shape "
                              f"{tuple(value.shape)}")
         self.ngram_embedding.set_scale(value)
+        self._scale_loaded = True
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load ``(name, tensor)`` pairs named as in the checkpoint, relative to the layer.
@@ -380,6 +420,8 @@ class NGramEmbeddingModule(torch.nn.Module):
                 continue
             if not isinstance(value, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+            if value.device.type == "meta":
+                raise ValueError(f"{name} is on the meta device: it holds no values to load")
             if name in BUFFERS:
                 self._check_buffer(name, value)
             elif match := _SHARD.fullmatch(name):
@@ -412,12 +454,26 @@ class NGramEmbeddingModule(torch.nn.Module):
         private.close()
 
     def _check_state_dict(self, state_dict, prefix, *args) -> None:
-        """Before ``load_state_dict`` copies anything, its hash buffers must match the layout."""
+        """Before ``load_state_dict`` copies (or ``assign=True`` puts) anything in place: hash
+        buffers equal to the layout, the rows of the table's shape and storage dtype, a float8
+        scale finite and positive."""
+        for name in (*BUFFERS, WEIGHT, SCALE):
+            value = state_dict.get(prefix + name)
+            if isinstance(value, torch.Tensor) and value.device.type == "meta":
+                raise ValueError(f"{name} is on the meta device: it holds no values to load")
         for name in BUFFERS:
             if prefix + name in state_dict:
                 self._check_buffer(name, state_dict[prefix + name])
         if prefix + WEIGHT in state_dict:
+            self._check_rows(WEIGHT, state_dict[prefix + WEIGHT], self.layout.padded_rows)
+        scale = state_dict.get(prefix + SCALE)
+        if isinstance(scale, torch.Tensor) and hasattr(self.ngram_embedding, "weight_scale") \
+                and scale.numel() == 1 and scale.dtype.is_floating_point:
+            check_scale(SCALE, float(scale.detach().to("cpu", torch.float32).reshape(())))
+        if prefix + WEIGHT in state_dict:
             self._loaded_shards.update(range(self.layout.config.split_ngram_parts))
+        if prefix + SCALE in state_dict and hasattr(self.ngram_embedding, "weight_scale"):
+            self._scale_loaded = True
 
     def extra_repr(self) -> str:
         return (f"layer={self.layout.layer}, heads={self.layout.num_heads}, "
@@ -425,3 +481,12 @@ class NGramEmbeddingModule(torch.nn.Module):
                 f"weight_dtype={self.ngram_embedding.weight.dtype}, "
                 f"placement={self.table.placement!r}"
                 f"{', return_stored_rows=True' if self.return_stored_rows else ''}")
+
+
+def _rebuild(config: NGramConfig, layer: int, arguments: dict, state: dict,
+             loaded: tuple) -> NGramEmbeddingModule:
+    """An ``NGramEmbeddingModule`` from what ``__reduce__`` gave (pickle, ``copy.deepcopy``)."""
+    module = NGramEmbeddingModule(config, layer, **arguments)
+    module.load_state_dict({name: bits.view(dtype) for name, (bits, dtype) in state.items()})
+    module._loaded_shards, module._scale_loaded, module.allow_missing_weights = loaded
+    return module

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -10,6 +11,7 @@ import time
 import pytest
 
 from ngram_cupy.files import atomic
+from ngram_cupy.runtime import interrupts
 
 
 def dead_pid() -> int:
@@ -81,3 +83,24 @@ def test_data_loss_a_fifo_target_is_never_replaced(tmp_path):
     with pytest.raises(FileExistsError, match="not a regular file"), atomic.atomic_file(fifo):
         pytest.fail("the block must not run")
     assert os.listdir(tmp_path) == ["pipe.safetensors"] and not os.path.isfile(fifo)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_litter_a_signal_just_after_the_temporary_appears_removes_it(tmp_path, monkeypatch,
+                                                                      signum):
+    """The CI race of test_cli's interrupted run: a watcher signals as soon as it sees the
+    temporary, and the handler runs before the name is handed back."""
+    real_open = os.open
+
+    def open_then_signal(path, *args, **kwargs):
+        fd = real_open(path, *args, **kwargs)
+        if os.path.basename(path).startswith(atomic.TEMP_PREFIX):
+            signal.raise_signal(signum)  # the handler raises here, as the file now exists
+        return fd
+
+    monkeypatch.setattr(os, "open", open_then_signal)
+    with pytest.raises(interrupts.Interrupted), interrupts.honoured(), \
+            atomic.atomic_file(tmp_path / "out.parquet"):
+        pytest.fail("the block must not run")
+    monkeypatch.undo()
+    assert os.listdir(tmp_path) == []

@@ -3,6 +3,7 @@ shard / rank arithmetic, all on real files (each error test plants exactly one d
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -337,7 +338,8 @@ def _recording(method, log):
 
 
 def test_mmap_serves_rows_from_the_file(tmp_path):
-    """Rows come from the mapping: a byte changed in the file shows up in the next lookup."""
+    """Rows come from the mapping: a byte changed in the file shows up in the next lookup (here
+    the write keeps the file's modification time, which the guard checks; see below)."""
     layout = nc.layer_layout(TINY, 0)
     weight = tiny_weight(np.float32)
     path = tmp_path / "one.safetensors"
@@ -345,9 +347,11 @@ def test_mmap_serves_rows_from_the_file(tmp_path):
     table = nc.load_ngram_embedding(path, TINY, 0, placement="mmap").table
     loaded = nc.load_ngram_embedding(path, TINY, 0).table
     info = Checkpoint.open(path).info(ck.shard_key(PREFIX, 2))
+    before = os.stat(path)
     with open(path, "r+b") as f:
         f.seek(info.begin)  # row 22 = first row of shard 2
         f.write(np.full(4, 7.0, np.float32).tobytes())
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
     ids = np.array([[22, 21, 23, 22]])
     assert table.lookup(ids)[0, :4].tolist() == [7.0] * 4
     assert_same_bits(table.lookup(ids)[:, 4:12], loaded.lookup(ids)[:, 4:12])
@@ -839,3 +843,158 @@ def test_save_refuses_what_its_config_json_could_not_load_or_would_lose(tmp_path
             nc.save_ngram_embedding(folder, TINY, 0, weight, SCALE)
         assert (folder / "config.json").read_text() == text
         assert sorted(p.name for p in folder.iterdir()) == ["config.json"]
+
+
+# --- third hostile trial: replaced files, changed mappings, dtypes, vLLM's checkpoints ------
+
+
+def all_ids(layout):
+    """Every row id once, as a [rows / 4, 4] batch."""
+    return np.arange(layout.padded_rows, dtype=np.int64).reshape(-1, 4)
+
+
+@pytest.mark.parametrize("placement", ["cpu", "mmap"])
+def test_silent_wrong_checkpoint_replaced_during_load_loads_the_old_one_whole(
+        tmp_path, monkeypatch, placement):
+    """The library's writer replaces the file (a longer header: every offset moves) after the
+    headers were read: the rows still come from the file those headers describe."""
+    layout = nc.layer_layout(TINY, 0)
+    old, new = tiny_weight(np.float32, seed=1), tiny_weight(np.float32, seed=2)
+    path = tmp_path / "one.safetensors"
+    nc.save_ngram_embedding(path, layout, old)
+    verify = ck.verify_buffers
+
+    def verify_then_replace(checkpoint, prefix, layout):
+        verify(checkpoint, prefix, layout)
+        nc.save_ngram_embedding(path, layout, new, prefix="model.layers.0.a.much.longer.prefix")
+
+    monkeypatch.setattr(ck, "verify_buffers", verify_then_replace)
+    table = nc.load_ngram_embedding(path, TINY, 0, placement=placement).table
+    ids = all_ids(layout)
+    if placement == "mmap":  # the mapping is the old file's, and the guard sees it is gone
+        assert_same_bits(table.storage.blocks[0].view(np.float32)[:4], old[:4])
+        with pytest.raises(OSError, match="one.safetensors was replaced"):
+            table.lookup(ids)
+    else:
+        assert_same_bits(table.lookup(ids), expected_lookup(old, ids))
+
+
+def rewrite_in_place(path, data: bytes) -> None:
+    """New contents for the same inode (no rename)."""
+    with open(path, "r+b") as f:
+        f.truncate(0)
+        f.write(data)
+
+
+@pytest.mark.parametrize("change", ["regrown", "longer header", "row rewritten", "replaced"])
+def test_silent_wrong_mmap_file_changed_under_the_table_is_refused(tmp_path, change):
+    layout = nc.layer_layout(TINY, 0)
+    path, other = tmp_path / "one.safetensors", tmp_path / "other.safetensors"
+    nc.save_ngram_embedding(path, layout, tiny_weight(np.float32, seed=1))
+    table = nc.load_ngram_embedding(path, TINY, 0, placement="mmap").table
+    ids = all_ids(layout)
+    table.lookup(ids)
+    size = path.stat().st_size
+    if change == "regrown":  # truncated then regrown to the same size: zeros everywhere
+        os.truncate(path, 0)
+        os.truncate(path, size)
+    elif change == "longer header":  # same inode, every row shifted
+        nc.save_ngram_embedding(other, layout, tiny_weight(np.float32, seed=1),
+                                prefix="model.layers.0.a.much.longer.prefix")
+        rewrite_in_place(path, other.read_bytes())
+    elif change == "row rewritten":  # same header and size, one row changed
+        info = Checkpoint.open(path).info(ck.shard_key(PREFIX, 0))
+        with open(path, "r+b") as f:
+            f.seek(info.begin)
+            f.write(np.full(4, 7.0, np.float32).tobytes())
+        os.utime(path, ns=(0, 10**18))  # a modification time the guard cannot have seen
+    else:  # the library's writer, by rename
+        nc.save_ngram_embedding(path, layout, tiny_weight(np.float32, seed=2))
+    assert path.stat().st_size >= size  # never the shrink the size check sees
+    with pytest.raises(OSError, match="one.safetensors was (written to|replaced)"):
+        table.lookup(ids)
+    with pytest.raises(OSError, match="one.safetensors was (written to|replaced)"):
+        table.prefetch(ids)
+        table.lookup(ids)
+
+
+def test_silent_wrong_bf16_rows_for_a_float8_config_are_refused_naming_both(tmp_path):
+    config = dataclasses.replace(TINY, ple_embedding_dtype="float8_e4m3fn")
+    layout = nc.layer_layout(config, 0)
+    weight = tiny_weight(ml_dtypes.bfloat16)
+    path = write(tmp_path, tiny_tensors(ml_dtypes.bfloat16))
+    with pytest.raises(ValueError, match="stores bfloat16 .BF16. table rows but the config's "
+                                         "ple_embedding_dtype is float8_e4m3fn"):
+        nc.load_ngram_embedding(path, config, 0)
+    ids = all_ids(layout)
+    for placement in ("cpu", "mmap"):
+        stored = nc.load_ngram_embedding(path, config, 0, placement=placement,
+                                         weight_dtype="stored").table
+        assert stored.dtype == ml_dtypes.bfloat16
+        assert_same_bits(stored.lookup(ids), expected_lookup(weight, ids))
+    with pytest.raises(ValueError, match="float8 need a scale"):
+        nc.load_ngram_embedding(path, config, 0, weight_dtype="float8_e4m3fn")
+
+
+def test_explicit_weight_dtype_converts_unscaled_rows(tmp_path):
+    weight = tiny_weight(ml_dtypes.bfloat16)
+    path = write(tmp_path, tiny_tensors(ml_dtypes.bfloat16))
+    table = nc.load_ngram_embedding(path, TINY, 0, weight_dtype="float32").table
+    assert table.dtype == np.float32
+    ids = all_ids(nc.layer_layout(TINY, 0))
+    assert_same_bits(table.lookup(ids), expected_lookup(weight.astype(np.float32), ids))
+    with pytest.raises(ValueError, match="mmap table serves the rows as stored"):
+        nc.load_ngram_embedding(path, TINY, 0, placement="mmap", weight_dtype="float32")
+    with pytest.raises(TypeError, match="weight_dtype must be one of"):
+        nc.load_ngram_embedding(path, TINY, 0, weight_dtype="int4")
+
+
+def test_vllm_checkpoint_without_its_empty_tail_shards_loads(tmp_path):
+    """64 rows in 30 parts of ceil(64 / 30) = 3: shards 22-29 hold no rows, and vLLM's writer
+    leaves them out."""
+    config = dataclasses.replace(TINY, split_ngram_parts=30)
+    layout = nc.layer_layout(config, 0)
+    weight = tiny_weight(np.float32, layout)
+    tensors = ck.ngram_tensors(layout, weight)
+    for index in range(22, 30):
+        assert tensors.pop(ck.shard_key(PREFIX, index)).shape[0] == 0
+    ids = all_ids(layout)
+    for placement in ("cpu", "mmap"):
+        table = nc.load_ngram_embedding(write(tmp_path, tensors), config, 0,
+                                        placement=placement).table
+        assert_same_bits(table.lookup(ids), expected_lookup(weight, ids))
+    del tensors[ck.shard_key(PREFIX, 21)]  # 1 row: not empty, so still missing
+    with pytest.raises(ValueError, match="1 of 30 table shards missing .*: indexes 21$"):
+        _load(tmp_path, tensors, config)
+
+
+def with_dtype_code(path, name: str, code: str) -> None:
+    """Rewrite one tensor's dtype code in a safetensors header (same length: nothing moves)."""
+    data = bytearray(path.read_bytes())
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + length])
+    assert len(code) == len(header[name]["dtype"])
+    header[name]["dtype"] = code
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    data[8:8 + length] = raw.ljust(length)
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("shard", [0, 3])
+def test_ugly_unknown_safetensors_dtype_beside_the_buffers_names_the_tensor(tmp_path, shard):
+    path = write(tmp_path, tiny_tensors())
+    with_dtype_code(path, ck.shard_key(PREFIX, shard), "X32")
+    with pytest.raises(ValueError, match=rf"shard_{shard}\.weight has dtype X32"):
+        nc.load_ngram_embedding(path, TINY, 0)
+
+
+def test_mmap_table_of_a_relative_path_survives_a_change_of_working_folder(tmp_path,
+                                                                          monkeypatch):
+    layout = nc.layer_layout(TINY, 0)
+    weight = tiny_weight(np.float32, seed=3)
+    nc.save_ngram_embedding(tmp_path / "one.safetensors", layout, weight)
+    monkeypatch.chdir(tmp_path)
+    table = nc.load_ngram_embedding("one.safetensors", TINY, 0, placement="mmap").table
+    monkeypatch.chdir(tmp_path.parent)
+    ids = all_ids(layout)
+    assert_same_bits(table.lookup(ids), expected_lookup(weight, ids))

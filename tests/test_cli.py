@@ -521,3 +521,151 @@ def test_ugly_usage_mistakes_are_one_line(capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "not a size" in err, err
+
+
+# --- third hostile trial and a newcomer's frictions (issue 23) ----------------------------------
+
+
+def test_ugly_a_400_digit_budget_is_one_line(capsys):
+    for budget in ("9" * 400, "9" * 30 + "TiB", f"{2**63}"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["layout", "--config", str(CONFIG), "--gpu-budget", budget])
+        captured = capsys.readouterr()
+        assert exit_.value.code == 2 and captured.out == "", captured
+        assert captured.err.startswith("ngram-cupy layout: error: argument --gpu-budget: not a "
+                                       "size") and captured.err.count("\n") == 1, captured.err
+    assert parse_bytes("0.5k") == 512 and parse_bytes(str(2**63 - 1)) == 2**63 - 1
+
+
+def unwritable(monkeypatch, folder: Path) -> None:
+    """``folder`` not writable: by its mode for an ordinary user; for root, who writes anyway,
+    as a read-only file system answers (EROFS)."""
+    if os.geteuid() != 0:
+        folder.chmod(0o555)
+        return
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, *a, **k: False if os.path.samefile(
+        path, folder) and mode & os.W_OK else real(path, mode, *a, **k))
+
+
+@pytest.mark.parametrize("folder", ["missing", "read-only"])
+def test_ugly_unwritable_output_folder_is_refused_before_compiling_or_running(
+        tmp_path, capsys, monkeypatch, folder):
+    import ngram_cupy.cli as cli
+    import ngram_cupy.stats as stats
+
+    out = tmp_path / "out"
+    if folder == "read-only":
+        out.mkdir()
+        unwritable(monkeypatch, out)
+    work = []
+    monkeypatch.setattr(cli, "compile_kernels", lambda *args: work.append("compile") or 0.0)
+    monkeypatch.setattr(stats, "ngram_stats", lambda *args: work.append("stats"))
+    small = ["--config", small_config(tmp_path), "--quiet"]
+    for command in (["ids", CORPUS, out / "ids.parquet"],
+                    ["stats", CORPUS, "--plot", out / "stats.png"],
+                    ["stats", CORPUS, "--save-hot-rows", 10, out / "hot.npy"]):
+        status, stdout, err = run([*command, *small], capsys)
+        assert_user_error(status, stdout, err, str(out))
+        assert ("not writable" if folder == "read-only" else "does not exist") in err
+    assert work == []
+
+
+def test_version_and_info(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out == f"ngram-cupy {nc.__version__}\n"
+    status, out, err = run(["info"], capsys)
+    assert status == 0, err
+    import numba
+
+    from ngram_cupy.runtime.cpu_threads import threading_layer
+
+    lines = out.splitlines()
+    assert lines[0].startswith(f"ngram-cupy {nc.__version__} (Python ")
+    assert lines[1] == (f"CPU: {numba.get_num_threads()} threads of {os.cpu_count()} cores, "
+                        f"Numba threading layer {threading_layer()}")
+    assert lines[2].startswith("GPU: ")
+    assert lines[3].startswith("kernel cache folder: ")
+
+
+def test_info_names_the_kernel_cache_folder(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("NGRAM_CUPY_CACHE_DIR", str(tmp_path / "kernels"))
+    assert run(["info"], capsys)[1].splitlines()[-1] == (
+        f"kernel cache folder: {tmp_path / 'kernels'} (set by NGRAM_CUPY_CACHE_DIR)")
+    monkeypatch.delenv("NGRAM_CUPY_CACHE_DIR")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert run(["info"], capsys)[1].splitlines()[-1] == (
+        f"kernel cache folder: {tmp_path / '.cache' / 'ngram_cupy'} (default; set "
+        "NGRAM_CUPY_CACHE_DIR)")
+
+
+def test_every_argument_has_help():
+    import argparse
+
+    from ngram_cupy.cli import build_parser
+
+    def arguments(parser):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    yield from arguments(sub)
+            elif not isinstance(action, argparse._HelpAction):
+                yield parser.prog, action
+
+    missing = [(prog, action.dest) for prog, action in arguments(build_parser())
+               if not action.help]
+    assert missing == []
+
+
+def test_output_records_layers_config_hash_and_version(tmp_path, capsys):
+    from ngram_cupy.arrow import config_hash
+
+    config = small_config(tmp_path)
+    source = tmp_path / "in.parquet"
+    pq.write_table(pq.read_table(CORPUS).slice(0, 5), source)
+    for layers, columns in (([0], ["ngram_ids"]), ([0, 2], ["ngram_ids_layer0",
+                                                            "ngram_ids_layer2"])):
+        out = tmp_path / f"{len(layers)}.parquet"
+        status, _, err = run(["ids", source, out, "--config", config, "--layers", *layers,
+                              "--quiet"], capsys)
+        assert status == 0, err
+        record = json.loads(pq.read_schema(out).metadata[b"ngram_cupy"])
+        loaded = nc.NGramConfig.from_hf(config)
+        assert record["version"] == nc.__version__
+        assert record["config_hash"] == config_hash(loaded)
+        assert nc.NGramConfig.from_hf(record["config"]) == loaded
+        assert record["token_column"] == "tokens"
+        assert record["layers"] == [{"column": c, "layer": layer}
+                                    for c, layer in zip(columns, layers, strict=True)]
+    other = nc.NGramConfig(**{**SMALL, "seed": 1})
+    assert config_hash(other) != config_hash(nc.NGramConfig.from_hf(config))
+
+
+def test_out_of_vocabulary_and_negative_tokens_are_hashed_and_counted(tmp_path, capsys):
+    config = small_config(tmp_path)
+    vocab = SMALL["vocab_size"]
+    tokens = [[1, -5, 2], [vocab, vocab + 7, 3], [4]]
+    source = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"tokens": pa.array(tokens, pa.list_(pa.int64()))}), source)
+    out = tmp_path / "ids.parquet"
+    status, stdout, err = run(["ids", source, out, "--config", config], capsys)
+    assert status == 0, err
+    assert f"note: 3 token(s) lie outside the vocabulary [0, {vocab:,})" in stdout
+    layout = nc.layer_layout(nc.NGramConfig.from_hf(config), 0)
+    table = pq.read_table(source)
+    np.testing.assert_array_equal(output_ids(out), whole_document_ids(layout, table, None))
+    pq.write_table(pa.table({"tokens": pa.array([[1, 2]], pa.list_(pa.int64()))}), source)
+    assert "note:" not in run(["ids", source, out, "--config", config], capsys)[1]
+
+
+def test_ugly_missing_pyarrow_gives_the_extra_to_install(tmp_path):
+    script = ("import sys; sys.modules['pyarrow'] = None\n"
+              "from ngram_cupy.cli import main\n"
+              f"sys.exit(main(['ids', {str(CORPUS)!r}, {str(tmp_path / 'o.parquet')!r}, "
+              f"'--config', {str(CONFIG)!r}]))")
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == ("ngram-cupy: error: ngram_cupy.arrow needs pyarrow: "
+                             "pip install 'ngram-cupy[arrow]'\n")

@@ -52,3 +52,8 @@ def test_readme_block(index, session):
     if first == "# cluster":
         pytest.skip(NEEDS[first])
     exec(compile(code, f"README.md python block {index}", "exec"), session)
+
+
+def test_the_blocks_write_nothing_into_the_working_folder(session):
+    """Run after the blocks: what they write goes to a temporary folder, not the repository."""
+    assert os.listdir(".") == ["data"]

@@ -221,3 +221,63 @@ def test_cli_stats_from_text_equal_stats_from_tokens(tmp_path, capsys):
                  "qwen3.6"]) == 0
     assert capsys.readouterr().out == from_tokens
     assert "row reuse, layer 0" in from_tokens
+
+
+# --- third hostile trial ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("content, words", [("[1, 2]", "holds a JSON list, not an object"),
+                                            ("{corrupt", "is not readable JSON")])
+def test_ugly_tokenizer_config_that_is_no_object_names_the_file(tmp_path, capsys, content,
+                                                                words):
+    word_level_tokenizer(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(content)
+    with pytest.raises(ValueError, match=f"tokenizer config .*tokenizer_config.json {words}"):
+        HFTokenizer(str(tmp_path))
+    table = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"text": ["the cat"]}), table)
+    code = main(["ids", str(table), str(tmp_path / "out.parquet"), "--config", str(CONFIG),
+                 "--text-column", "text", "--tokenizer", str(tmp_path), "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "tokenizer_config.json" in err, err
+
+
+def invalid_utf8_texts() -> pa.Array:
+    """Three strings, the third (row 2) not UTF-8: Arrow does not check, Parquet keeps it."""
+    data, offsets = b"okgoodbad\xff\xfe", np.array([0, 2, 6, 11], np.int32)
+    return pa.Array.from_buffers(pa.string(), 3, [None, pa.py_buffer(offsets.tobytes()),
+                                                  pa.py_buffer(data)])
+
+
+def test_ugly_invalid_utf8_names_file_column_and_row(tmp_path, capsys):
+    layout = nc.layer_layout(RELEASED, 0)
+    with pytest.raises(ValueError, match=r"text column 'text', row 2 .*not valid UTF-8"):
+        ngram_ids_batch(pa.table({"text": invalid_utf8_texts()}), layout, text_column="text",
+                        tokenizer="qwen3.5")
+    source = tmp_path / "in.parquet"
+    good = pa.array(["fine"] * 5)
+    pq.write_table(pa.table({"text": pa.concat_arrays([good, invalid_utf8_texts()])}), source)
+    for command in (["ids", source, tmp_path / "out.parquet"], ["stats", source]):
+        code = main([str(a) for a in command] + ["--config", str(CONFIG), "--text-column",
+                    "text", "--tokenizer", "qwen3.5", "--batch-rows", "3", "--quiet"])
+        err = capsys.readouterr().err
+        assert code == 2 and err.count("\n") == 1, err
+        assert f"{source}: text column 'text', row 7 " in err and "UTF-8" in err, err
+    assert not (tmp_path / "out.parquet").exists()
+
+
+def test_ugly_custom_tokenizer_ids_past_int32_name_the_row_and_id():
+    from ngram_cupy.text import TextTokenizer
+
+    class Huge(TextTokenizer):
+        name, vocab_size, eos_token_id = "huge", 8, None
+
+        def encode_batch(self, texts):
+            return [[1, 2] if i != 1 else [3, 2**40] for i, _ in enumerate(texts)]
+
+    config = nc.NGramConfig(vocab_size=8, eos_token_id=2, ngram_size=2, heads_per_ngram=1,
+                            ngram_vocab_size_base=50)
+    with pytest.raises(ValueError, match=r"tokenizer huge returned token id 1099511627776 for "
+                                         r"row 1 .*fit in int32"):
+        ngram_ids_batch(pa.table({"text": ["a", "b", "c"]}), nc.layer_layout(config, 0),
+                        text_column="text", tokenizer=Huge())

@@ -395,7 +395,7 @@ def test_load_weights_returns_the_reference_names():
     layout = nc.layer_layout(config, 1)
     weight = random_rows(layout.padded_rows, layout.head_dim, "float8_e4m3fn", 1)
     module = NGramEmbeddingModule(config, 1, placement="cpu", weight_dtype=torch.float8_e4m3fn)
-    assert module.missing_shards == [0, 1, 2]
+    assert module.missing_shards == [0, 1, 2, "ngram_embedding.weight_scale"]
     loaded = module.load_weights(checkpoint_weights(config, 1, weight, 0.375))
     assert loaded == {*BUFFER_NAMES, "ngram_embedding.weight", "ngram_embedding.weight_scale"}
     assert module.missing_shards == []
@@ -787,3 +787,105 @@ def test_a_shared_module_moves_its_loaded_rows_into_one_segment(tmp_path, monkey
     second.table.close()
     assert os.listdir(folder) == []
     os.rmdir(folder)
+
+
+# --- third hostile trial ---------------------------------------------------------------------
+
+
+def test_silent_wrong_fp8_shards_without_their_scale_are_refused_until_it_arrives():
+    """vLLM refuses a float8 table "missing its global scale"; rows at scale 1.0 are wrong."""
+    config = small_config()
+    layout = nc.layer_layout(config, 0)
+    weight = random_rows(layout.padded_rows, layout.head_dim, "float8_e4m3fn", 5)
+    module = NGramEmbeddingModule(config, 0, placement="cpu", weight_dtype="float8_e4m3fn")
+    module.load_weights(checkpoint_weights(config, 0, weight, None))
+    assert module.missing_shards == ["ngram_embedding.weight_scale"]
+    batch = packed(config, [[1, 2, 3, 4]], [[0, 3]])
+    for lookup in (module, module.start_prefetch):
+        with pytest.raises(ValueError, match="missing ngram_embedding.weight_scale"):
+            lookup(None, *batch)
+    module.load_weights([("ngram_embedding.weight_scale", torch.tensor(0.375))])
+    assert module.missing_shards == []
+    want = expected_rows(config, 0, weight, 0.375, *batch)
+    np.testing.assert_array_equal(bits(module(None, *batch)), want.view(np.int16))
+
+
+def test_forward_after_a_partial_load_is_refused_naming_the_missing_shards():
+    config = small_config()
+    layout = nc.layer_layout(config, 0)
+    weight = random_rows(layout.padded_rows, layout.head_dim, "bfloat16", 5)
+    module = NGramEmbeddingModule(config, 0, placement="cpu", weight_dtype="bfloat16")
+    batch = packed(config, [[1, 2, 3, 4]], [[0, 3]])
+    module(None, *batch)  # a table never loaded is not refused (its rows are zeros)
+    entries = [e for e in checkpoint_weights(config, 0, weight, None)
+               if e[0] not in ("ngram_embedding.shard_1.weight", "ngram_embedding.shard_3.weight")]
+    module.load_weights(entries)
+    assert module.missing_shards == [1, 3]
+    with pytest.raises(ValueError, match=r"layer 0 is partly loaded: missing 1, 3 "
+                                         r"\(missing_shards\)"):
+        module(None, *batch)
+    module.allow_missing_weights = True
+    assert module(None, *batch).shape == (4, layout.num_heads * layout.head_dim)
+
+
+def test_vllm_leaves_out_empty_shards_and_they_are_not_missing():
+    config = small_config(split_ngram_parts=15)  # 140 rows in parts of 10: shard 14 is empty
+    layout = nc.layer_layout(config, 0)
+    assert split_rows(layout.padded_rows, 15, 14) == (140, 140)
+    weight = random_rows(layout.padded_rows, layout.head_dim, "float16", 2)
+    module = NGramEmbeddingModule(config, 0, placement="cpu", weight_dtype="float16")
+    module.load_weights(e for e in checkpoint_weights(config, 0, weight, None)
+                        if e[0] != "ngram_embedding.shard_14.weight")
+    assert module.missing_shards == []
+    batch = packed(config, [[1, 2, 3, 4]], [[0, 3]])
+    np.testing.assert_array_equal(bits(module(None, *batch)),
+                                  bits(torch.from_numpy(expected_rows(config, 0, weight, None,
+                                                                      *batch))))
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_ugly_deepcopy_and_pickle_give_an_equal_independent_layer(how):
+    import copy
+    import pickle
+
+    config = small_config()
+    source, weight, _ = loaded_module(config, 0, "float8_e4m3fn", seed=8)
+    batch = packed(config, [[1, 2, 3, 4], [3, 5]], [[0, 3], [7, 8]])
+    source.start_prefetch(None, *batch)  # a prefetcher with its lock and worker in use
+    want = bits(source(None, *batch)).copy()
+    twin = copy.deepcopy(source) if how == "deepcopy" else pickle.loads(pickle.dumps(source))
+    np.testing.assert_array_equal(bits(twin(None, *batch)), want)
+    assert twin.missing_shards == [] and twin.table.scale == source.table.scale
+    assert twin.ngram_embedding.weight.data_ptr() == twin.table.host_view.ctypes.data
+    twin.ngram_embedding.weight.zero_()
+    np.testing.assert_array_equal(bits(source(None, *batch)), want)
+
+
+def test_ugly_load_state_dict_assign_of_a_wrong_dtype_changes_nothing():
+    config = small_config()
+    source, weight, _ = loaded_module(config, 0, "bfloat16", seed=9)
+    target, before, _ = loaded_module(config, 0, "bfloat16", seed=10)
+    state = {**source.state_dict(),
+             "ngram_embedding.weight": source.ngram_embedding.weight.float()}
+    with pytest.raises(TypeError, match="torch.float32 but the table stores torch.bfloat16"):
+        target.load_state_dict(state, assign=True)
+    assert target.ngram_embedding.weight.dtype == torch.bfloat16
+    assert target.ngram_embedding.weight.data_ptr() == target.table.host_view.ctypes.data
+    np.testing.assert_array_equal(bits(target.ngram_embedding.weight), before.view(np.int16))
+
+
+def test_ugly_meta_tensors_are_refused_by_name():
+    config = small_config()
+    module, _, _ = loaded_module(config, 0, "float32")
+    input_ids, starts, context = packed(config, [[1, 2, 3, 4]], [[0, 3]])
+    with pytest.raises(ValueError, match="input_ids is on the meta device"):
+        module(None, input_ids.to("meta"), starts, context)
+    with pytest.raises(ValueError, match="ngram_context is on the meta device"):
+        module(None, input_ids, starts, context.to("meta"))
+    rows = torch.empty(split_rows(module.layout.padded_rows, 4, 0)[1], 12, device="meta")
+    with pytest.raises(ValueError, match="shard_0.weight is on the meta device"):
+        module.load_weights([("ngram_embedding.shard_0.weight", rows)])
+    state = {**module.state_dict(),
+             "ngram_embedding.weight": module.ngram_embedding.weight.to("meta")}
+    with pytest.raises(ValueError, match="ngram_embedding.weight is on the meta device"):
+        module.load_state_dict(state, assign=True)

@@ -71,19 +71,22 @@ def remove_stale_temporaries(folder: str | os.PathLike) -> list[str]:
     return removed
 
 
-def new_temporary(final: str | os.PathLike) -> str:
-    """A fresh, empty temporary beside ``final`` (one file system, so the rename is atomic),
-    readable as the umask allows any new file (``mkstemp``'s 0600 would stick to the output)."""
+def temporary_name(final: str | os.PathLike) -> str:
+    """A name for a temporary beside ``final`` (one file system, so the rename is atomic) that
+    only this process would pick: the host, the pid and a random token."""
     final = Path(final)
-    prefix = f"{TEMP_PREFIX}{host_tag()}-{os.getpid()}-"
-    while True:
-        name = f"{prefix}{secrets.token_hex(4)}-{final.name}"
-        path = final.parent / name.encode()[:_NAME_MAX].decode(errors="ignore")
-        try:
-            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
-        except FileExistsError:
-            continue
-        return str(path)
+    name = f"{TEMP_PREFIX}{host_tag()}-{os.getpid()}-{secrets.token_hex(4)}-{final.name}"
+    return str(final.parent / name.encode()[:_NAME_MAX].decode(errors="ignore"))
+
+
+def create_empty(path: str) -> bool:
+    """Create ``path`` empty, readable as the umask allows any new file (``mkstemp``'s 0600
+    would stick to the output); False when it exists already."""
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+    except FileExistsError:
+        return False
+    return True
 
 
 def usual_mode() -> int:
@@ -114,8 +117,12 @@ def atomic_file(path: str | os.PathLike) -> Iterator[str]:
         raise FileExistsError(errno.EEXIST, "output exists and is not a regular file (a device, "
                               "FIFO or socket would be replaced)", str(final))
     remove_stale_temporaries(folder)
-    temporary = new_temporary(final)
+    # Named before it exists and created inside the try: a signal that lands just after the
+    # file appears (when a watcher sees it) still removes it. Only this process picks the name.
+    temporary = temporary_name(final)
     try:
+        while not create_empty(temporary):
+            temporary = temporary_name(final)
         yield temporary
         os.chmod(temporary, usual_mode())
         os.replace(temporary, final)

@@ -23,7 +23,14 @@ from ..embedding import NGramEmbedding
 from ..hashing.config import MAX_SPLIT_PARTS, NGramConfig
 from ..hashing.layout import LayerLayout, check_layout, layer_layout, split_rows
 from ..runtime.backends import HOST, unwrap_torch
-from ..tables.formats import BY_SAFETENSORS, FORMATS, SCALE_FORMATS, find_format
+from ..tables.formats import (
+    BY_SAFETENSORS,
+    FORMATS,
+    SCALE_FORMATS,
+    Format,
+    find_format,
+    storage_format,
+)
 from ..tables.hot_rows import check_hot_rows
 from ..tables.mapped import MappedTable
 from ..tables.storage.shared import SharedStorage
@@ -152,7 +159,8 @@ def verify_buffers(checkpoint: Checkpoint, prefix: str, layout: LayerLayout) -> 
 
 def table_shards(checkpoint: Checkpoint, prefix: str, layout: LayerLayout) -> tuple[str, list]:
     """Check every shard's presence, index, shape and dtype from the headers alone; return the
-    table's safetensors dtype and the shard names by index."""
+    table's safetensors dtype and the shard names by index (None for an empty shard the
+    checkpoint leaves out, as vLLM's writer does for the zero-row tail shards)."""
     parts = layout.config.split_ngram_parts
     found: dict[int, str] = {}
     for name in checkpoint.tensors:
@@ -164,26 +172,30 @@ def table_shards(checkpoint: Checkpoint, prefix: str, layout: LayerLayout) -> tu
             f"{found[past[0]]}: shard index {past[0]} is at or past "
             f"split_ngram_parts={parts}"
         )
-    missing = [i for i in range(parts) if i not in found]
+    bounds = [split_rows(layout.padded_rows, parts, index) for index in range(parts)]
+    missing = [i for i, (start, stop) in enumerate(bounds) if i not in found and stop > start]
     if missing:
         shown = ", ".join(map(str, missing[:20])) + (", ..." if len(missing) > 20 else "")
         raise ValueError(
             f"{len(missing)} of {parts} table shards missing under {prefix}: indexes {shown}"
         )
-    names = [found[i] for i in range(parts)]
-    dtype = checkpoint.info(names[0]).dtype
+    names = [found.get(i) for i in range(parts)]
+    first = found[min(found)]
+    dtype = checkpoint.info(first).dtype
     if dtype not in TABLE_DTYPES:
-        raise ValueError(f"{names[0]} has dtype {dtype}; tables are {', '.join(TABLE_DTYPES)}")
+        raise ValueError(f"{first} has dtype {dtype}; tables are {', '.join(TABLE_DTYPES)}")
     for index, name in enumerate(names):
+        if name is None:
+            continue
         info = checkpoint.info(name)
-        start, stop = split_rows(layout.padded_rows, parts, index)
+        start, stop = bounds[index]
         if info.shape != (stop - start, layout.head_dim):
             raise ValueError(
                 f"{name} has shape {info.shape} but shard {index} of {layout.padded_rows} rows "
                 f"in {parts} parts must be {(stop - start, layout.head_dim)}"
             )
         if info.dtype != dtype:
-            raise ValueError(f"{name} has dtype {info.dtype} but {names[0]} has {dtype}")
+            raise ValueError(f"{name} has dtype {info.dtype} but {first} has {dtype}")
     return dtype, names
 
 
@@ -221,6 +233,7 @@ def load_ngram_embedding(
     world_size: int = 1,
     progress: bool | None = None,
     hot_rows=None,
+    weight_dtype=None,
 ):
     """Load one PLE layer from a safetensors checkpoint into a ready ``NGramEmbedding``.
 
@@ -236,6 +249,10 @@ def load_ngram_embedding(
     tqdm bar (None: only on a terminal, and only if loading takes over a second).
     ``hot_rows``: sorted unique global row ids (``ngram-cupy stats --save-hot-rows``) to serve
     from a hot tier (see ``EmbeddingTable``); a rank keeps those among its own rows.
+    ``weight_dtype``: the table's storage type. By default the checkpoint's rows must be of the
+    config's ``ple_embedding_dtype`` when it names one (bf16 rows for a float8 config are refused,
+    naming both: they would load at twice the memory); ``"stored"`` takes whatever the checkpoint
+    holds; a dtype converts unscaled rows (float32, float16, bfloat16) to it while loading.
     """
     if not isinstance(config, NGramConfig):
         raise TypeError(f"config must be an NGramConfig, got {type(config).__name__}")
@@ -260,6 +277,7 @@ def load_ngram_embedding(
         prefix = find_prefix(checkpoint.tensors, config, layer)
     verify_buffers(checkpoint, prefix, layout)
     dtype, shards = table_shards(checkpoint, prefix, layout)
+    target = loaded_format(BY_SAFETENSORS[dtype], config, weight_dtype, placement)
     scale = read_scale(checkpoint, prefix, dtype)
     pieces = [  # (shard name, rows [a, b) of the shard, their first global row)
         (shards[index], lo - first, hi - first, lo)
@@ -275,21 +293,22 @@ def load_ngram_embedding(
         )
         return NGramEmbedding(layout, table)
     if placement == "shared" and row_stop > row_start:
-        fmt = find_format(DTYPES[dtype])
 
         def fill(rows: np.ndarray) -> None:
             for name, a, b, lo in pieces:
-                block = checkpoint.read(name, a, b).view(fmt.raw)
-                rows[lo - row_start : lo - row_start + b - a] = block
+                block = checkpoint.read(name, a, b)
+                if block.dtype != target.dtype:  # exact to float32, then rounded once
+                    block = block.astype(np.float32).astype(target.dtype)
+                rows[lo - row_start : lo - row_start + b - a] = block.view(target.raw)
 
         key = shared_key(checkpoint, prefix, [name for name, *_ in pieces], layer, row_start,
-                         row_stop, dtype)
-        storage = SharedStorage(key, row_stop - row_start, layout.head_dim, fmt, fill)
+                         row_stop, target.name)
+        storage = SharedStorage(key, row_stop - row_start, layout.head_dim, target, fill)
         table = EmbeddingTable(storage, scale, row_start=row_start,
                                total_rows=layout.padded_rows, hot_rows=hot_rows)
         return NGramEmbedding(layout, table)
     table = EmbeddingTable.empty(
-        row_stop - row_start, layout.head_dim, DTYPES[dtype], placement=placement, scale=scale,
+        row_stop - row_start, layout.head_dim, target.dtype, placement=placement, scale=scale,
         row_start=row_start, total_rows=layout.padded_rows, hot_rows=hot_rows,
     )
     row_bytes = layout.head_dim * DTYPES[dtype].itemsize
@@ -299,7 +318,10 @@ def load_ngram_embedding(
         delay=1.0 if progress is None else 0.0,
     ) as bar:
         for name, a, b, lo in pieces:
-            table.write_rows(lo, checkpoint.read(name, a, b))
+            rows = checkpoint.read(name, a, b)
+            if rows.dtype != target.dtype:  # exact to float32, then rounded once
+                rows = rows.astype(np.float32).astype(target.dtype)
+            table.write_rows(lo, rows)
             bar.update((b - a) * row_bytes)
     return NGramEmbedding(layout, table)
 
@@ -314,6 +336,33 @@ def shared_key(checkpoint: Checkpoint, prefix: str, shards: Sequence[str], layer
         files.append([os.path.realpath(path), stat.st_size, stat.st_mtime_ns])
     return json.dumps({"files": files, "prefix": prefix, "layer": layer,
                        "rows": [row_start, row_stop], "dtype": dtype})
+
+
+def loaded_format(stored: Format, config: NGramConfig, weight_dtype, placement: str) -> Format:
+    """The format a table stored as ``stored`` is loaded in (see ``load_ngram_embedding``'s
+    ``weight_dtype``): a ValueError naming both dtypes for a silent mismatch with the config."""
+    if isinstance(weight_dtype, str) and weight_dtype == "stored":
+        return stored
+    if weight_dtype is None:
+        declared = find_format(config.ple_embedding_dtype or stored.dtype)
+        if declared is not None and declared.code != stored.code:
+            convert = ("" if declared.scaled or stored.scaled
+                       else f", or weight_dtype='{declared.name}' to convert them")
+            raise ValueError(
+                f"the checkpoint stores {stored.name} ({stored.safetensors}) table rows but the "
+                f"config's ple_embedding_dtype is {declared.name}: pass weight_dtype='stored' to "
+                f"load them as {stored.name}{convert}")
+        return stored
+    wanted = storage_format(weight_dtype, "weight_dtype")
+    if wanted.code == stored.code:
+        return stored
+    if wanted.scaled or stored.scaled:
+        raise ValueError(f"weight_dtype={wanted.name} would convert {stored.name} rows, but "
+                         "conversions to or from float8 need a scale: load them as stored")
+    if placement == "mmap":
+        raise ValueError(f"weight_dtype={wanted.name} would convert {stored.name} rows, but an "
+                         "mmap table serves the rows as stored")
+    return wanted
 
 
 def _host_values(value, name: str) -> np.ndarray:

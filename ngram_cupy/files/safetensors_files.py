@@ -1,12 +1,11 @@
 """Safetensors checkpoints as one name space over one or many files: read memory-mapped, written
 atomically.
 
-Data is read through the ``safetensors`` package, one row range at a time. Its NumPy loader
-cannot build ``F8_E4M3`` tensors, and builds ``BF16`` only in some releases, so those are read
-from the file's own layout instead: an 8-byte little-endian header length, a JSON header giving
-each tensor's dtype, shape and byte range, then the raw bytes, viewed with the ``ml_dtypes``
-type. The same layout gives the zero-copy ``mmap`` views the ``mmap`` table placement serves
-rows from.
+Data is read one row range at a time from the file's own layout (the ``safetensors`` NumPy loader
+cannot build ``F8_E4M3`` tensors, and builds ``BF16`` only in some releases): an 8-byte
+little-endian header length, a JSON header giving each tensor's dtype, shape and byte range, then
+the raw bytes, viewed with the NumPy or ``ml_dtypes`` type. The same layout gives the zero-copy
+``mmap`` views the ``mmap`` table placement serves rows from.
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from ..tables.formats import BY_SAFETENSORS
@@ -53,11 +51,6 @@ DTYPES: dict[str, np.dtype] = {
     "F64": np.dtype(np.float64),
     **{code: fmt.dtype for code, fmt in BY_SAFETENSORS.items()},
 }
-# Dtypes whose NumPy type comes from ml_dtypes: the safetensors NumPy loader cannot build
-# F8_E4M3 (and BF16 only in some releases), so these are read from the file's bytes instead.
-_MAPPED_ONLY = frozenset(code for code, fmt in BY_SAFETENSORS.items()
-                         if not issubclass(fmt.dtype.type, np.floating))
-
 
 @dataclass(frozen=True)
 class TensorInfo:
@@ -71,26 +64,51 @@ class TensorInfo:
     end: int
 
 
-def _header(path: str) -> tuple[dict, int, int]:
-    """The JSON header of one safetensors file, where its data starts, and the file's size."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        length = int.from_bytes(f.read(8), "little")
-        if size < 8 or length > size - 8:
-            raise ValueError(f"{path} is not a safetensors file (bad header length)")
-        try:
-            header = json.loads(f.read(length))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{path} is not a safetensors file: {e}") from None
+def _pread(fd: int, count: int, offset: int) -> bytes:
+    """``count`` bytes at ``offset`` of an open file (fewer only at its end)."""
+    chunks = []
+    while count > 0:
+        chunk = os.pread(fd, count, offset)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        count, offset = count - len(chunk), offset + len(chunk)
+    return b"".join(chunks)
+
+
+def _header(fd: int, path: str) -> tuple[bytes, dict, int, int]:
+    """The raw header bytes (length and JSON) of one open safetensors file, the JSON, where its
+    data starts, and the file's size."""
+    size = os.fstat(fd).st_size
+    prefix = _pread(fd, 8, 0)
+    length = int.from_bytes(prefix, "little")
+    if size < 8 or length > size - 8:
+        raise ValueError(f"{path} is not a safetensors file (bad header length)")
+    raw = _pread(fd, length, 8)
+    try:
+        header = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not a safetensors file: {e}") from None
     if not isinstance(header, dict):
         raise ValueError(f"{path} is not a safetensors file (header is not a JSON object)")
-    return header, 8 + length, size
+    return prefix + raw, header, 8 + length, size
+
+
+@contextlib.contextmanager
+def _opened(path: str):
+    """A read-only descriptor of ``path``, closed on leaving."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
 
 
 def read_metadata(path: str | os.PathLike) -> dict:
     """The ``__metadata__`` strings of one safetensors file (empty when it has none)."""
     path = os.fspath(path)
-    metadata = _header(path)[0].get("__metadata__") or {}
+    with _opened(path) as fd:
+        metadata = _header(fd, path)[1].get("__metadata__") or {}
     if not isinstance(metadata, dict):
         raise ValueError(f"{path}: __metadata__ is not a JSON object")
     return metadata
@@ -99,7 +117,12 @@ def read_metadata(path: str | os.PathLike) -> dict:
 def read_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
     """The tensors of one safetensors file, from its header alone (no tensor data is read)."""
     path = os.fspath(path)
-    header, data_start, size = _header(path)
+    with _opened(path) as fd:
+        return _tensor_infos(path, *_header(fd, path)[1:])
+
+
+def _tensor_infos(path: str, header: dict, data_start: int, size: int) -> dict[str, TensorInfo]:
+    """The checked tensor entries of one file's parsed header."""
     infos = {}
     for name, entry in header.items():
         if name == "__metadata__":
@@ -208,17 +231,43 @@ def _generation_files(index: Path, weight_map: dict[str, str],
     return paths
 
 
+@dataclass(frozen=True)
+class _OpenFile:
+    """A checkpoint file held open since its header was read: rows are read and mapped through
+    this descriptor, so a file replaced under the same name meanwhile is never mixed in."""
+
+    fd: int
+    stat: os.stat_result
+    header: bytes  # the 8-byte length and the JSON header, as checked
+    absolute: str  # the path, absolute: the working folder may change while the file is mapped
+
+
 class Checkpoint:
     """The tensors of one or several safetensors files, by name; data is read only on demand.
 
+    Each file stays open from the moment its header is read: every row comes from that same
+    file, so a checkpoint replaced while it is read loads whole (the old one) or not at all.
     ``random_access=True`` advises the kernel (``madvise(MADV_RANDOM)``) that mapped views are
     read row by row, so a lookup does not pull in read-ahead it will never use.
     """
 
     def __init__(self, paths: Iterable[str | os.PathLike], random_access: bool = False):
         self.tensors: dict[str, TensorInfo] = {}
-        for path in paths:
-            for name, info in read_header(path).items():
+        self._files: dict[str, _OpenFile] = {}
+        weakref.finalize(self, _close_all, self._files)
+        for path in map(os.fspath, paths):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                stat = os.fstat(fd)
+                raw, header, data_start, size = _header(fd, path)
+            except BaseException:
+                os.close(fd)
+                raise
+            if path in self._files:
+                os.close(fd)
+                raise ValueError(f"{path} is named twice among the checkpoint's files")
+            self._files[path] = _OpenFile(fd, stat, raw, os.path.abspath(path))
+            for name, info in _tensor_infos(path, header, data_start, size).items():
                 if name in self.tensors:
                     raise ValueError(
                         f"tensor {name} appears in both {self.tensors[name].path} and {path}"
@@ -226,9 +275,6 @@ class Checkpoint:
                 self.tensors[name] = info
         self.random_access = random_access
         self._mappings: dict[str, mmap.mmap] = {}
-        # Per mapped file: an open descriptor and its size when mapped, for check_mapped.
-        self._mapped_files: dict[str, tuple[int, int]] = {}
-        weakref.finalize(self, _close_all, self._mapped_files)
 
     @classmethod
     def open(cls, path, random_access: bool = False) -> Checkpoint:
@@ -248,22 +294,26 @@ class Checkpoint:
     def read(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
         """Rows ``[start, stop)`` of a tensor (all of a 0-d one) as a NumPy array.
 
-        Read through ``safetensors``, or for BF16 and F8_E4M3 straight from the bytes the header
-        locates. Either way only those rows' bytes are read, into a fresh array: nothing stays
-        mapped, so loading a table shard by shard holds one shard at a time.
+        Only those rows' bytes are read, from the file whose header located them, into a fresh
+        array: nothing stays mapped, so loading a table shard by shard holds one shard at a time.
         """
         info = self.info(name)
         if info.dtype not in DTYPES:
             raise ValueError(f"tensor {name} has dtype {info.dtype}, which is not supported")
-        if info.dtype in _MAPPED_ONLY:
-            return _read_rows(info, start, stop)
-        with safe_open(info.path, framework="numpy") as f:
-            if not info.shape:
-                return f.get_tensor(name)
-            stop = info.shape[0] if stop is None else stop
-            if stop <= start:
-                return np.empty((0, *info.shape[1:]), dtype=DTYPES[info.dtype])
-            return f.get_slice(name)[start:stop]
+        dtype = DTYPES[info.dtype]
+        rows, row_shape = (info.shape[0], info.shape[1:]) if info.shape else (1, ())
+        stop = rows if stop is None else min(stop, rows)
+        start = min(start, stop)
+        row_bytes = math.prod(row_shape) * dtype.itemsize
+        data = np.empty((stop - start) * row_bytes, dtype=np.uint8)
+        offset, view = info.begin + start * row_bytes, memoryview(data)
+        while view.nbytes:
+            count = os.preadv(self._files[info.path].fd, [view], offset)
+            if count == 0:
+                raise ValueError(f"{info.path}: tensor {name} ends past the end of the file "
+                                 "(truncated while reading?)")
+            view, offset = view[count:], offset + count
+        return data.view(dtype).reshape((stop - start, *row_shape) if info.shape else ())
 
     def view(self, name: str) -> np.ndarray:
         """A zero-copy, read-only view of a tensor in its mapped file."""
@@ -280,53 +330,51 @@ class Checkpoint:
         )
 
     def _mapping(self, path: str) -> mmap.mmap:
-        """The read-only mapping of one file, made once and kept while views of it live."""
+        """The read-only mapping of one file (of the descriptor its header was read through),
+        made once and kept while views of it live."""
         if path not in self._mappings:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                stat = os.fstat(fd)
-                mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
-            except BaseException:
-                os.close(fd)
-                raise
+            mapping = mmap.mmap(self._files[path].fd, 0, access=mmap.ACCESS_READ)
             if self.random_access and hasattr(mapping, "madvise"):
                 mapping.madvise(mmap.MADV_RANDOM)
             self._mappings[path] = mapping
-            self._mapped_files[path] = (fd, stat.st_size)
         return self._mappings[path]
 
     def check_mapped(self) -> None:
-        """Raise an ``OSError`` if a mapped file shrank since it was mapped: reading a page past
-        its new end would kill the process (SIGBUS). One ``fstat`` per file, cheap enough to run
-        before every lookup (a file truncated during the lookup itself remains a race)."""
-        for path, (fd, size) in self._mapped_files.items():
-            now = os.fstat(fd).st_size
-            if now < size:
+        """Raise an ``OSError`` if a mapped file changed since its header was read: shrunk
+        (reading a page past its new end would kill the process, SIGBUS), written in place
+        (its header, size, modification time), or replaced or removed under its name (another
+        inode there). An ``fstat``, a ``stat`` and a header read per file, cheap enough to run
+        before every lookup (a file changed during the lookup itself remains a race)."""
+        for path in self._mappings:
+            held = self._files[path]
+            now = os.fstat(held.fd)
+            if now.st_size < held.stat.st_size:
                 raise OSError(
                     errno.ESTALE,
-                    f"{path} shrank from {size} to {now} bytes since it was mapped: the "
-                    "checkpoint was truncated under the mmap table; load it again",
+                    f"{path} shrank from {held.stat.st_size} to {now.st_size} bytes since it "
+                    "was mapped: the checkpoint was truncated under the mmap table; load it again",
                 )
+            if (now.st_size, now.st_mtime_ns) != (held.stat.st_size, held.stat.st_mtime_ns) \
+                    or _pread(held.fd, len(held.header), 0) != held.header:
+                raise OSError(errno.ESTALE, f"{path} was written to since it was mapped (its "
+                              "size, header or modification time changed): the mmap table's "
+                              "rows are no longer the checkpoint's; load it again")
+            try:
+                named = os.stat(held.absolute)
+            except FileNotFoundError:
+                named = None
+            if named is None or (named.st_dev, named.st_ino) != (now.st_dev, now.st_ino):
+                how = "removed" if named is None else "replaced"
+                raise OSError(errno.ESTALE, f"{path} was {how} since it was mapped: the mmap "
+                              "table serves a checkpoint that is gone; load it again")
 
 
-def _close_all(mapped_files: dict[str, tuple[int, int]]) -> None:
-    """Close the descriptors kept for :meth:`Checkpoint.check_mapped`."""
-    for fd, _ in mapped_files.values():
+def _close_all(files: dict[str, _OpenFile]) -> None:
+    """Close the descriptors a :class:`Checkpoint` holds."""
+    for held in files.values():
         with contextlib.suppress(OSError):
-            os.close(fd)
-    mapped_files.clear()
-
-
-def _read_rows(info: TensorInfo, start: int, stop: int | None) -> np.ndarray:
-    """Rows ``[start, stop)`` of a tensor (all of a 0-d one) read from its file's bytes."""
-    dtype = DTYPES[info.dtype]
-    rows, row_shape = (info.shape[0], info.shape[1:]) if info.shape else (1, ())
-    stop = rows if stop is None else min(stop, rows)
-    start = min(start, stop)
-    row_bytes = math.prod(row_shape) * dtype.itemsize
-    data = np.fromfile(info.path, dtype=np.uint8, count=(stop - start) * row_bytes,
-                       offset=info.begin + start * row_bytes)
-    return data.view(dtype).reshape((stop - start, *row_shape) if info.shape else ())
+            os.close(held.fd)
+    files.clear()
 
 
 def write_checkpoint(

@@ -74,10 +74,12 @@ def compute_ngram_ids(layout: LayerLayout, input_ids, query_start_loc, ngram_con
 
     ``input_ids[T]`` holds the requests' tokens back to back, ``query_start_loc[R+1]`` where each
     starts, and ``ngram_context[R' >= R, ngram_size-1]`` the tokens before each request (oldest
-    first; all EOS for a fresh sequence). Bit-exact with the reference model on any input.
-    GPU arrays run one kernel on ``stream`` (default: torch's current stream for torch inputs,
-    else CuPy's current stream; a CuPy or torch stream), with no host synchronisation; there
-    ``query_start_loc`` is trusted, not checked.
+    first; all EOS for a fresh sequence). Bit-exact with the reference model on any input:
+    tokens outside ``[0, vocab_size)`` (negative ones included) are hashed as the model hashes
+    them, not refused (``ngram-cupy ids`` counts them in its summary). GPU arrays run one kernel
+    on ``stream`` (default: torch's current stream for torch inputs, else CuPy's current stream;
+    a CuPy or torch stream), with no host synchronisation; there ``query_start_loc`` is trusted,
+    not checked.
     """
     batch = bind_batch(layout, stream, input_ids, query_start_loc, ngram_context, out=out)
     return batch.call.result(batch_ids(layout, batch, output(
