@@ -1,0 +1,108 @@
+"""Per-token Engram arithmetic (SPEC section 11) shared by the Numba CPU and CUDA kernels.
+
+What differs from Qwen4Exp lives here: compressed sources through the token map, the walk back
+by absolute position with a lookback window (newest first) before the chunk, dead tokens and the
+sequence start as the barrier, and all layers' ids of a token in one row. Request search and the
+floor modulo are Qwen4Exp's (``arithmetic``). Every function is ``inline_jitable``: plain Python
+under the CUDA simulator, inlined when compiled.
+
+An absent dead mask or lookback is an array of length 0: it reads as no dead token, and as
+unknown (-1) lookback entries.
+"""
+
+from __future__ import annotations
+
+from numba import int64, uint64
+
+from ..runtime.jitable import inline_jitable
+from .arithmetic import floor_mod
+
+# The source of a dead token (an image span, say): it blocks itself and everything older.
+DEAD = -1
+
+
+@inline_jitable
+def compressed_id(token_map, token, pad):
+    """``token_map[token]``; the pad id for any token outside the map (an unknown -1 lookback
+    entry, or a bad id on the GPU, where ids are not checked), so nothing reads past the map."""
+    if token >= 0 and token < token_map.shape[0]:
+        return int64(token_map[token])
+    return int64(pad)
+
+
+@inline_jitable
+def engram_source(tokens, dead, lookback, lookback_dead, token_map, pad, request, chunk_start,
+                  t, shift, position):
+    """The compressed id (or DEAD) ``shift`` places behind token ``t``, at absolute
+    ``position``, in a chunk that begins at position ``chunk_start``: the batch's token when
+    the position is in the chunk, else the request's lookback entry (newest first), else the pad
+    id (unknown, or beyond the window)."""
+    if position >= chunk_start:
+        index = t - shift
+        if index < 0:
+            index = 0
+        if dead.shape[0] != 0 and dead[index] != 0:
+            return int64(DEAD)
+        return compressed_id(token_map, int64(tokens[index]), pad)
+    column = chunk_start - 1 - position
+    if column >= lookback.shape[1] or request >= lookback.shape[0]:
+        return int64(pad)
+    token = int64(lookback[request, column])
+    if token < 0:
+        return int64(pad)
+    if lookback_dead.shape[0] != 0 and lookback_dead[request, column] != 0:
+        return int64(DEAD)
+    return compressed_id(token_map, token, pad)
+
+
+@inline_jitable
+def write_engram_ids(tokens, positions, dead, lookback, lookback_dead, token_map, pad, request,
+                     chunk_start, t, ngram_size, heads_per_ngram, num_layers, multipliers, sizes,
+                     magics, offsets, out, row):
+    """Write the ``L * H`` ids of token ``t`` into ``out[row]``, layer after layer.
+
+    Walking back ``s = 0..n-1`` places, a dead source or a position before 0 blocks it and every
+    older one (they read the pad id); order ``s + 1`` hashes ``XOR_{j<=s} v_j * m[layer, j]``
+    (wrapping) into its heads.
+    """
+    position = int64(positions[t])
+    heads = (ngram_size - 1) * heads_per_ngram
+    for layer in range(num_layers):
+        rolling = uint64(0)
+        blocked = False
+        head = 0
+        for shift in range(ngram_size):
+            behind = position - shift
+            source = engram_source(tokens, dead, lookback, lookback_dead, token_map, pad,
+                                   request, chunk_start, t, shift, behind)
+            blocked |= behind < 0 or source == DEAD
+            value = int64(pad) if blocked else source
+            rolling ^= uint64(value) * uint64(multipliers[layer, shift])
+            if shift > 0:
+                signed = int64(rolling)
+                for _ in range(heads_per_ngram):
+                    reduced = floor_mod(signed, uint64(sizes[layer, head]),
+                                        uint64(magics[layer, head]))
+                    out[row, layer * heads + head] = reduced + offsets[layer, head]
+                    head += 1
+
+
+@inline_jitable
+def roll_lookback_row(values, lookback, request, start, end, fill, out):
+    """``out[request]``: the ``out.shape[1]`` newest of ``lookback[request]`` (newest first)
+    followed by ``values[start:end]``, newest first; ``fill`` where neither reaches (no
+    ``lookback``: an array of length 0).
+
+    Safe in place (``out`` aliasing ``lookback``): columns are written oldest first, and each
+    reads an older-or-equal column ``column - count`` of the row, not yet written.
+    """
+    width = out.shape[1]
+    count = end - start
+    for newest in range(width):
+        column = width - 1 - newest
+        if column < count:
+            out[request, column] = values[end - 1 - column]
+        elif lookback.shape[0] > request:
+            out[request, column] = lookback[request, column - count]
+        else:
+            out[request, column] = fill
