@@ -19,6 +19,7 @@ from ..hashing.engram import roll_lookback_row, write_engram_ids
 from ..hashing.engram_layout import EngramLayout
 from ..runtime.backends import cupy_module
 from ..runtime.cuda_launch import NumbaKernel
+from .engram_numba import flat_rows
 from .ids_cuda import ADVANCE_BLOCK, staging_shape
 
 
@@ -116,5 +117,5 @@ def engram_ids_cuda(layout: EngramLayout, tokens, positions, query_start_loc, de
     """Write ids of checked, contiguous CuPy arrays into ``out`` (``[T, L, H]``) on ``stream``."""
     token_map, params = device_constants(layout, out.device.id)
     launch_engram_ids(layout, tokens, positions, query_start_loc, dead, lookback, lookback_dead,
-                      token_map, params, out.reshape(out.shape[0], -1), stream)
+                      token_map, params, flat_rows(layout, out), stream)
     return out

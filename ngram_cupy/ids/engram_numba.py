@@ -18,6 +18,11 @@ from .ids_numba import BLOCK, PARALLEL_BUSY_MIN_TOKENS, PARALLEL_MIN_TOKENS
 ENGRAM_DIGEST = source_digest(arithmetic, engram)
 
 
+def flat_rows(layout, out):
+    """``out[T, L, H]`` viewed as ``[T, L * H]``: one row per token, as the kernels write it."""
+    return out.reshape(out.shape[0], layout.num_layers * layout.num_heads)
+
+
 @cache
 def _engram_kernel(ngram_size: int, heads_per_ngram: int, num_layers: int, parallel: bool,
                    digest: int = ENGRAM_DIGEST):
@@ -59,7 +64,7 @@ def engram_ids_numba(layout, tokens, positions, query_start_loc, dead, lookback,
                                 threaded)
         kernel(tokens, positions, query_start_loc, dead, lookback, lookback_dead,
                layout.token_map, np.int64(layout.pad_id), layout.multipliers, layout.head_sizes,
-               layout.head_magics, layout.head_offsets, out.reshape(out.shape[0], -1))
+               layout.head_magics, layout.head_offsets, flat_rows(layout, out))
     return out
 
 
