@@ -95,7 +95,6 @@ def check_engram_layout(layout) -> EngramLayout:
     return layout
 
 
-@cache
 def engram_layout(config: EngramConfig, token_map: TokenMap) -> EngramLayout:
     """The exact layout of every Engram layer of ``config`` over ``token_map``'s compressed ids
     (cached); the map's CV must be the config's."""
@@ -104,6 +103,12 @@ def engram_layout(config: EngramConfig, token_map: TokenMap) -> EngramLayout:
     if not isinstance(token_map, TokenMap):
         raise TypeError(f"token_map must be a TokenMap (from ngram_cupy.engram_token_map), got "
                         f"{type(token_map).__name__}")
+    return _engram_layout(config, token_map)
+
+
+@cache
+def _engram_layout(config: EngramConfig, token_map: TokenMap) -> EngramLayout:
+    """``engram_layout`` of checked arguments, once per pair."""
     if token_map.size != config.engram_compressed_vocab_size:
         raise ValueError(
             f"the tokenizer's compressed vocabulary has {token_map.size} ids but the config's "
@@ -120,9 +125,9 @@ def engram_layout(config: EngramConfig, token_map: TokenMap) -> EngramLayout:
         config=config,
         token_map=token_map.ids,
         pad_id=int(token_map.ids[config.engram_pad_token_id]),
-        multipliers=_readonly(engram_multipliers(config.engram_layer_ids, config.
-                                                 engram_max_ngram_size,
-                                                 config.engram_compressed_vocab_size)),
+        multipliers=_readonly(engram_multipliers(
+            config.engram_layer_ids, config.engram_max_ngram_size,
+            config.engram_compressed_vocab_size)),
         head_sizes=_readonly(sizes),
         head_offsets=_readonly(offsets),
         head_magics=_readonly(magics),
