@@ -17,43 +17,6 @@ from numba import int64, uint64
 from ..runtime.jitable import inline_jitable
 from .arithmetic import floor_mod
 
-# The source of a dead token (an image span, say): it blocks itself and everything older.
-DEAD = -1
-
-
-@inline_jitable
-def compressed_id(token_map, token, pad):
-    """``token_map[token]``; the pad id for any token outside the map (an unknown -1 lookback
-    entry, or a bad id on the GPU, where ids are not checked), so nothing reads past the map."""
-    if token >= 0 and token < token_map.shape[0]:
-        return int64(token_map[token])
-    return int64(pad)
-
-
-@inline_jitable
-def engram_source(tokens, dead, lookback, lookback_dead, token_map, pad, request, chunk_start,
-                  t, shift, position):
-    """The compressed id (or DEAD) ``shift`` places behind token ``t``, at absolute
-    ``position``, in a chunk that begins at position ``chunk_start``: the batch's token when
-    the position is in the chunk, else the request's lookback entry (newest first), else the pad
-    id (unknown, or beyond the window)."""
-    if position >= chunk_start:
-        index = t - shift
-        if index < 0:
-            index = 0
-        if dead.shape[0] != 0 and dead[index] != 0:
-            return int64(DEAD)
-        return compressed_id(token_map, int64(tokens[index]), pad)
-    column = chunk_start - 1 - position
-    if column >= lookback.shape[1] or request >= lookback.shape[0]:
-        return int64(pad)
-    token = int64(lookback[request, column])
-    if token < 0:
-        return int64(pad)
-    if lookback_dead.shape[0] != 0 and lookback_dead[request, column] != 0:
-        return int64(DEAD)
-    return compressed_id(token_map, token, pad)
-
 
 @inline_jitable
 def write_engram_ids(tokens, positions, dead, lookback, lookback_dead, token_map, pad, request,
@@ -61,21 +24,43 @@ def write_engram_ids(tokens, positions, dead, lookback, lookback_dead, token_map
                      magics, offsets, out, row):
     """Write the ``L * H`` ids of token ``t`` into ``out[row]``, layer after layer.
 
-    Walking back ``s = 0..n-1`` places, a dead source or a position before 0 blocks it and every
-    older one (they read the pad id); order ``s + 1`` hashes ``XOR_{j<=s} v_j * m[layer, j]``
-    (wrapping) into its heads.
+    Walking back ``s = 0..n-1`` places to absolute position ``p - s``: the batch's token when
+    that lies in the chunk (which begins at position ``chunk_start``), else the request's
+    lookback entry (newest first), else (unknown, or beyond the window) the pad id. A dead
+    source or a position before 0 blocks it and every older one: they read the pad id. A token
+    outside the map reads the pad id too (GPU inputs are not checked), so nothing reads past
+    the map. Order ``s + 1`` hashes ``XOR_{j<=s} v_j * m[layer, j]`` (wrapping) into its heads.
+    One exit and no helper taking arrays: Numba then keeps no array reference counts in the
+    loop (a branchy helper cost 10x).
     """
     position = int64(positions[t])
     heads = (ngram_size - 1) * heads_per_ngram
+    vocab = token_map.shape[0]
     for layer in range(num_layers):
         rolling = uint64(0)
         blocked = False
         head = 0
         for shift in range(ngram_size):
             behind = position - shift
-            source = engram_source(tokens, dead, lookback, lookback_dead, token_map, pad,
-                                   request, chunk_start, t, shift, behind)
-            blocked |= behind < 0 or source == DEAD
+            token = int64(-1)
+            is_dead = False
+            if behind >= chunk_start:
+                index = t - shift
+                if index < 0:
+                    index = 0
+                token = int64(tokens[index])
+                if dead.shape[0] != 0:
+                    is_dead = dead[index] != 0
+            else:
+                column = chunk_start - 1 - behind
+                if column < lookback.shape[1] and request < lookback.shape[0]:
+                    token = int64(lookback[request, column])
+                    if token >= 0 and lookback_dead.shape[0] != 0:
+                        is_dead = lookback_dead[request, column] != 0
+            source = int64(pad)
+            if token >= 0 and token < vocab:
+                source = int64(token_map[token])
+            blocked |= behind < 0 or is_dead
             value = int64(pad) if blocked else source
             rolling ^= uint64(value) * uint64(multipliers[layer, shift])
             if shift > 0:
