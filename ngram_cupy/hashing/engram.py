@@ -21,7 +21,7 @@ from .arithmetic import floor_mod
 @inline_jitable
 def write_engram_ids(tokens, positions, dead, lookback, lookback_dead, token_map, pad, request,
                      chunk_start, t, ngram_size, heads_per_ngram, num_layers, multipliers, sizes,
-                     magics, offsets, out, row):
+                     magics, offsets, values, out, row):
     """Write the ``L * H`` ids of token ``t`` into ``out[row]``, layer after layer.
 
     Walking back ``s = 0..n-1`` places to absolute position ``p - s``: the batch's token when
@@ -29,47 +29,48 @@ def write_engram_ids(tokens, positions, dead, lookback, lookback_dead, token_map
     lookback entry (newest first), else (unknown, or beyond the window) the pad id. A dead
     source or a position before 0 blocks it and every older one: they read the pad id. A token
     outside the map reads the pad id too (GPU inputs are not checked), so nothing reads past
-    the map. Order ``s + 1`` hashes ``XOR_{j<=s} v_j * m[layer, j]`` (wrapping) into its heads.
-    One exit and no helper taking arrays: Numba then keeps no array reference counts in the
-    loop (a branchy helper cost 10x).
+    the map. The walk is the same for every layer: it fills ``values[0..n-1]`` (the caller's
+    scratch) once. Then order ``s + 1`` of each layer hashes ``XOR_{j<=s} v_j * m[layer, j]``
+    (wrapping) into its heads. One exit and no helper taking arrays: Numba then keeps no array
+    reference counts in the loop (a branchy helper cost 5x).
     """
     position = int64(positions[t])
-    heads = (ngram_size - 1) * heads_per_ngram
     vocab = token_map.shape[0]
+    blocked = False
+    for shift in range(ngram_size):
+        behind = position - shift
+        token = int64(-1)
+        is_dead = False
+        if behind >= chunk_start:
+            index = t - shift
+            if index < 0:
+                index = 0
+            token = int64(tokens[index])
+            if dead.shape[0] != 0:
+                is_dead = dead[index] != 0
+        else:
+            column = chunk_start - 1 - behind
+            if column < lookback.shape[1] and request < lookback.shape[0]:
+                token = int64(lookback[request, column])
+                if token >= 0 and lookback_dead.shape[0] != 0:
+                    is_dead = lookback_dead[request, column] != 0
+        source = int64(pad)
+        if token >= 0 and token < vocab:
+            source = int64(token_map[token])
+        blocked |= behind < 0 or is_dead
+        values[shift] = int64(pad) if blocked else source
+    heads = (ngram_size - 1) * heads_per_ngram
     for layer in range(num_layers):
-        rolling = uint64(0)
-        blocked = False
+        rolling = uint64(values[0]) * uint64(multipliers[layer, 0])
         head = 0
-        for shift in range(ngram_size):
-            behind = position - shift
-            token = int64(-1)
-            is_dead = False
-            if behind >= chunk_start:
-                index = t - shift
-                if index < 0:
-                    index = 0
-                token = int64(tokens[index])
-                if dead.shape[0] != 0:
-                    is_dead = dead[index] != 0
-            else:
-                column = chunk_start - 1 - behind
-                if column < lookback.shape[1] and request < lookback.shape[0]:
-                    token = int64(lookback[request, column])
-                    if token >= 0 and lookback_dead.shape[0] != 0:
-                        is_dead = lookback_dead[request, column] != 0
-            source = int64(pad)
-            if token >= 0 and token < vocab:
-                source = int64(token_map[token])
-            blocked |= behind < 0 or is_dead
-            value = int64(pad) if blocked else source
-            rolling ^= uint64(value) * uint64(multipliers[layer, shift])
-            if shift > 0:
-                signed = int64(rolling)
-                for _ in range(heads_per_ngram):
-                    reduced = floor_mod(signed, uint64(sizes[layer, head]),
-                                        uint64(magics[layer, head]))
-                    out[row, layer * heads + head] = reduced + offsets[layer, head]
-                    head += 1
+        for shift in range(1, ngram_size):
+            rolling ^= uint64(values[shift]) * uint64(multipliers[layer, shift])
+            signed = int64(rolling)
+            for _ in range(heads_per_ngram):
+                reduced = floor_mod(signed, uint64(sizes[layer, head]),
+                                    uint64(magics[layer, head]))
+                out[row, layer * heads + head] = reduced + offsets[layer, head]
+                head += 1
 
 
 @inline_jitable

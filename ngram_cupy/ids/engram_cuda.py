@@ -45,6 +45,7 @@ def engram_kernel(ngram_size: int, heads_per_ngram: int, num_layers: int,
     def engram_ids_kernel(tokens, positions, query_start_loc, dead, lookback, lookback_dead,
                           token_map, pad, params, out):
         staged = cuda.shared.array(shape, int64)
+        values = cuda.local.array(ngram_size, int64)  # the token's walk
         lane = cuda.threadIdx.x
         first = cuda.blockIdx.x * block
         num_tokens = tokens.shape[0]
@@ -54,8 +55,8 @@ def engram_kernel(ngram_size: int, heads_per_ngram: int, num_layers: int,
             start = clamp(int64(query_start_loc[request]), int64(0), int64(num_tokens - 1))
             write_engram_ids(tokens, positions, dead, lookback, lookback_dead, token_map, pad,
                              request, int64(positions[start]), t, ngram_size, heads_per_ngram,
-                             num_layers, params[0], params[1], params[2], params[3], staged,
-                             lane)
+                             num_layers, params[0], params[1], params[2], params[3], values,
+                             staged, lane)
         cuda.syncthreads()
         count = clamp(num_tokens - first, 0, block) * width
         for flat in range(lane, count, block):

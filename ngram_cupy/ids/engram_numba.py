@@ -36,13 +36,14 @@ def _engram_kernel(ngram_size: int, heads_per_ngram: int, num_layers: int, paral
         for block in prange((num_tokens + block_size - 1) // block_size):
             first = block * block_size
             request = np.searchsorted(query_start_loc, first, side="right") - 1
+            values = np.empty(ngram_size, dtype=np.int64)  # one token's walk, reused
             for t in range(first, min(first + block_size, num_tokens)):
                 while t >= query_start_loc[request + 1]:
                     request += 1
                 chunk_start = positions[query_start_loc[request]]
                 write_engram_ids(tokens, positions, dead, lookback, lookback_dead, token_map,
                                  pad, request, chunk_start, t, ngram_size, heads_per_ngram,
-                                 num_layers, multipliers, sizes, magics, offsets, out, t)
+                                 num_layers, multipliers, sizes, magics, offsets, values, out, t)
 
     return njit(cache=True, nogil=True, parallel=parallel)(kernel)
 
