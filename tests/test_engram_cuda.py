@@ -146,3 +146,40 @@ def test_engram_kernel_ptx_is_division_free():
     assert "mul.hi.u64" in code  # the reciprocal modulo
     assert not test_ids_cuda.DIVISION_64.findall(code)
     assert "bar.sync" in code and "st.shared.u64" in code
+
+
+# ---------------------------------------------------------------- on a GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", engram_cases.SHAPES, ids=str)
+@pytest.mark.parametrize("num_tokens, num_requests", [(0, 1), (1, 1), (300, 64), (70_001, 9)])
+def test_gpu_equals_cpu(shape, num_tokens, num_requests):
+    import cupy
+
+    rng = np.random.default_rng(num_tokens)
+    layout = engram_cases.small_layout(rng, shape)
+    batch = engram_cases.random_batch(rng, layout, num_tokens, num_requests)
+    device = {name: cupy.asarray(value) for name, value in batch.items()}
+    ids = nc.compute_engram_ids(layout, **device)
+    assert isinstance(ids, cupy.ndarray) and ids.dtype == np.int32
+    np.testing.assert_array_equal(ids.get(), nc.compute_engram_ids(layout, **batch))
+    for values, old in (("input_ids", "lookback_token_ids"), ("dead_mask", "lookback_dead_mask")):
+        rolled = nc.advance_engram_lookback(layout, device[values], device["query_start_loc"],
+                                            device[old])
+        np.testing.assert_array_equal(rolled.get(), nc.advance_engram_lookback(
+            layout, batch[values], batch["query_start_loc"], batch[old]))
+
+
+@pytest.mark.gpu
+def test_gpu_torch_in_torch_out_on_a_side_stream():
+    torch = pytest.importorskip("torch")
+    layout, case = engram_cases.load_golden("synthetic")
+    args, expected = engram_cases.golden_batch(case["batches"][0])
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        tensors = {name: torch.from_numpy(value).cuda() for name, value in args.items()}
+        ids = nc.compute_engram_ids(layout, **tensors)
+    assert ids.is_cuda and ids.dtype == torch.int32
+    stream.synchronize()
+    np.testing.assert_array_equal(ids.cpu().numpy(), expected)
