@@ -27,6 +27,7 @@ _EXPORTS = {
     "engram_layout": "hashing.engram_layout",
     "engram_token_map": "hashing.token_map",
     "layer_layout": "hashing.layout",
+    "load_engram_embedding": "files.engram_checkpoint",
     "load_ngram_embedding": "files.checkpoint",
     "plan_placement": "placement",
     "save_ngram_embedding": "files.checkpoint",
@@ -49,6 +50,7 @@ __all__ = [
     "engram_layout",
     "engram_token_map",
     "layer_layout",
+    "load_engram_embedding",
     "load_ngram_embedding",
     "plan_placement",
     "save_ngram_embedding",
@@ -69,6 +71,7 @@ if TYPE_CHECKING:
     from .distributed import ShardedLookup
     from .embedding import EngramEmbedding, NGramEmbedding
     from .files.checkpoint import load_ngram_embedding, save_ngram_embedding
+    from .files.engram_checkpoint import load_engram_embedding
     from .hashing.config import NGramConfig
     from .hashing.engram_config import EngramConfig
     from .hashing.engram_layout import EngramLayout, engram_layout
