@@ -129,7 +129,7 @@ def test_chunked_equals_whole(seed, shape, data):
 def test_dead_token_blocks_itself_and_older_history():
     """A dead token hashes as pad with everything older; newer tokens stop at it."""
     rng = np.random.default_rng(5)
-    layout = engram_cases.small_layout(rng, (3, 2, 1))
+    layout = engram_cases.small_layout(rng, (3, 2, 3))
     tokens = rng.integers(0, layout.vocab_size, 6)
     dead = np.zeros(6, bool)
     dead[2] = True
@@ -145,7 +145,7 @@ def test_dead_token_blocks_itself_and_older_history():
 
 def test_lookback_continues_a_sequence_and_unknown_reads_pad():
     rng = np.random.default_rng(6)
-    layout = engram_cases.small_layout(rng, (4, 1, 2))
+    layout = engram_cases.small_layout(rng, (4, 2, 2))
     tokens = rng.integers(0, layout.vocab_size, 12)
     whole = nc.compute_engram_ids(layout, tokens, np.arange(12), [0, 12])
     lookback = tokens[7:4:-1][None, :]  # positions 7, 6, 5: newest first
@@ -175,7 +175,7 @@ def test_torch_in_torch_out_and_out_argument():
 
 def test_advance_lookback_matches_the_reference():
     rng = np.random.default_rng(8)
-    layout = engram_cases.small_layout(rng, (4, 3, 2))
+    layout = engram_cases.small_layout(rng, (4, 2, 2))
     batch = engram_cases.random_batch(rng, layout, 20, 5)
     starts = batch["query_start_loc"]
     for values, old in ((batch["input_ids"], batch["lookback_token_ids"]),
