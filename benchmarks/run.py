@@ -36,6 +36,8 @@ def sections() -> list[Bench]:
     return [
         Bench("ids-cpu", "cpu", "ids 1x4096, 32x512, 256x1, 1x1,048,576 tokens under four loads",
               cpu.bench_ids_cpu),
+        Bench("engram-ids-cpu", "cpu", "Engram ids of 3 layers, 1,048,576 tokens, against "
+              "Qwen4Exp ids under four loads", cpu.bench_engram_ids_cpu),
         Bench("ids-gpu", "gpu", "GPU ids kernel and decode-step latency", gpu.bench_ids_gpu),
         Bench("parquet-e2e", "cpu", "`ngram-cupy ids` on data/ against pyarrow read + write",
               cpu.bench_parquet_e2e),

@@ -62,6 +62,49 @@ def bench_ids_cpu(quick: bool) -> Section:
     return section
 
 
+def engram_bench_layout() -> nc.EngramLayout:
+    """A DeepSeek-sized Engram layout: 3 layers of trigrams x 8 heads (16 ids per layer, as the
+    released Qwen4Exp layer) over a 129,280-id map onto 99,092 compressed ids (the map's values
+    do not change the speed; DeepSeek's tokenizer is not needed)."""
+    from ngram_cupy.hashing.token_map import TokenMap
+
+    ids = (np.arange(129_280) % 99_092).astype(np.int32)
+    config = nc.EngramConfig([2, 14, 26], 3, 8, 64, 600_000, [9_700_000] * 3, 99_092, 1)
+    return nc.engram_layout(config, TokenMap(ids, 99_092, "benchmark"))
+
+
+def bench_engram_ids_cpu(quick: bool) -> Section:
+    """Engram ids of every layer in one call against one thread, and per layer against the
+    Qwen4Exp ids of the same tokens (timed in alternation), in each condition."""
+    layout = engram_bench_layout()
+    qwen = nc.layer_layout(RELEASED, 0)
+    num_tokens = (1 << 18) if quick else (1 << 20)
+    tokens, starts, context = released_batch(1, num_tokens)
+    engram_tokens = tokens % layout.vocab_size
+    positions = np.arange(num_tokens, dtype=np.int64)
+    out = np.empty((num_tokens, layout.num_layers, layout.num_heads), dtype=np.int32)
+    qwen_out = np.empty((num_tokens, qwen.num_heads), dtype=np.int64)
+    engram = partial(nc.compute_engram_ids, layout, engram_tokens, positions, starts, out=out)
+    qwen_ids = partial(nc.compute_ngram_ids, qwen, tokens, starts, context, out=qwen_out)
+    layers = layout.num_layers
+    section = Section(f"Engram ids, CPU (Numba): {layers} layers x {layout.num_heads} ids per "
+                      f"token in one call, against Qwen4Exp ids (released layer 0, "
+                      f"{qwen.num_heads} ids)", "cpu")
+    for condition, load in conditions():
+        with load():
+            fast, single, ratio = paired(engram, one_thread(engram))
+            _, qwen_seconds, over_qwen = paired(engram, qwen_ids)
+            per_layer = layers / over_qwen  # Qwen4Exp seconds over Engram seconds per layer
+            layer_rate = layers * num_tokens / fast / 1e6
+            section.rows.append(Row(
+                case=f"1 x {num_tokens:,} tokens, {layers} layers", seconds=fast,
+                one_thread=single, ratio=ratio, condition=condition, tokens=num_tokens,
+                rate=f"{num_tokens / fast / 1e6:.1f} Mtoken/s ({layer_rate:.1f} per layer)",
+                notes=f"per layer {per_layer:.2f}x the Qwen4Exp ids' Mtoken/s "
+                      f"({num_tokens / qwen_seconds / 1e6:.1f} Mtoken/s)"))
+    return section
+
+
 def bench_gather_cpu(quick: bool) -> Section:
     """Numba fp8 -> bf16 gather of the released row shape: the default call against one thread
     in each condition; idle, against NumPy ``table[ids]`` and the copy floor of the output."""

@@ -12,14 +12,22 @@ from typing import TYPE_CHECKING, Any
 # Each public name and the module that defines it.
 _EXPORTS = {
     "EmbeddingTable": "tables.table",
+    "EngramConfig": "hashing.engram_config",
+    "EngramEmbedding": "embedding",
+    "EngramLayout": "hashing.engram_layout",
     "LayerLayout": "hashing.layout",
     "NGramConfig": "hashing.config",
     "NGramEmbedding": "embedding",
     "PlacementPlan": "placement",
     "ShardedLookup": "distributed",
     "advance_context": "ids.ngram_ids",
+    "advance_engram_lookback": "ids.engram_ids",
+    "compute_engram_ids": "ids.engram_ids",
     "compute_ngram_ids": "ids.ngram_ids",
+    "engram_layout": "hashing.engram_layout",
+    "engram_token_map": "hashing.token_map",
     "layer_layout": "hashing.layout",
+    "load_engram_embedding": "files.engram_checkpoint",
     "load_ngram_embedding": "files.checkpoint",
     "plan_placement": "placement",
     "save_ngram_embedding": "files.checkpoint",
@@ -27,14 +35,22 @@ _EXPORTS = {
 
 __all__ = [
     "EmbeddingTable",
+    "EngramConfig",
+    "EngramEmbedding",
+    "EngramLayout",
     "LayerLayout",
     "NGramConfig",
     "NGramEmbedding",
     "PlacementPlan",
     "ShardedLookup",
     "advance_context",
+    "advance_engram_lookback",
+    "compute_engram_ids",
     "compute_ngram_ids",
+    "engram_layout",
+    "engram_token_map",
     "layer_layout",
+    "load_engram_embedding",
     "load_ngram_embedding",
     "plan_placement",
     "save_ngram_embedding",
@@ -53,10 +69,15 @@ def _package_version() -> str:
 
 if TYPE_CHECKING:
     from .distributed import ShardedLookup
-    from .embedding import NGramEmbedding
+    from .embedding import EngramEmbedding, NGramEmbedding
     from .files.checkpoint import load_ngram_embedding, save_ngram_embedding
+    from .files.engram_checkpoint import load_engram_embedding
     from .hashing.config import NGramConfig
+    from .hashing.engram_config import EngramConfig
+    from .hashing.engram_layout import EngramLayout, engram_layout
     from .hashing.layout import LayerLayout, layer_layout
+    from .hashing.token_map import engram_token_map
+    from .ids.engram_ids import advance_engram_lookback, compute_engram_ids
     from .ids.ngram_ids import advance_context, compute_ngram_ids
     from .placement import PlacementPlan, plan_placement
     from .tables.table import EmbeddingTable

@@ -194,6 +194,8 @@ def compile_kernels(layouts: list[LayerLayout], schema: Any, column: str, quiet:
 
 def cmd_ids(args: argparse.Namespace) -> int:
     """Stream INPUT through the id columns into OUTPUT (Parquet), atomically."""
+    if args.scheme == "engram":
+        return cmd_engram_ids(args)
     from .arrow import (
         NGramIds,
         TextError,
@@ -253,6 +255,96 @@ def cmd_ids(args: argparse.Namespace) -> int:
     return 0
 
 
+def load_engram(args: argparse.Namespace, need_tokenizer: bool):
+    """``(EngramConfig, EngramLayout or None)`` from ``--config`` and ``--tokenizer``."""
+    from .hashing.engram_config import EngramConfig
+    from .hashing.engram_layout import engram_layout
+    from .hashing.token_map import engram_token_map
+
+    try:
+        config = EngramConfig.from_hf(args.config)
+    except (ValueError, TypeError) as e:
+        raise UserError(f"bad config {args.config}: {e}") from None
+    if args.tokenizer is None:
+        if need_tokenizer:
+            raise UserError("--scheme engram needs --tokenizer (the model's tokenizer.json: its "
+                            "compressed token map)")
+        return config, None
+    return config, engram_layout(config, engram_token_map(args.tokenizer))
+
+
+def cmd_engram_ids(args: argparse.Namespace) -> int:
+    """``ids --scheme engram``: every row a whole sequence, ``[T, L, H]`` int32 ids per row."""
+    from .arrow import TextTokens, open_tokens
+    from .files.engram_parquet import EngramIds, write_engram_ids
+
+    if args.doc_id_column is not None:
+        raise UserError("--doc-id-column is not supported with --scheme engram (every row is "
+                        "one whole sequence)")
+    check_output(args.output, [args.input])
+    _, layout = load_engram(args, need_tokenizer=True)
+    check_device(args.device)
+    source = open_tokens(args.input, args.batch_rows)
+    check_output_is_not_read(args.output, source)
+    text = None if args.text_column is None else TextTokens(args.tokenizer, args.text_column,
+                                                            args.column)
+    to_device = None
+    if args.device == "gpu":
+        import cupy
+
+        to_device = cupy.asarray
+    mapper = EngramIds(layout, args.column, args.out_column or "engram_ids", text, to_device)
+    check_files(source, mapper)
+    mapper.output_schema(source.schema)
+    rows = tokens = 0
+    start = time.perf_counter()
+    with atomic_output(args.output) as tmp, progress_bar(source.num_rows, args.quiet,
+                                                         "engram ids") as bar:
+        def progress(batch: Any) -> None:
+            nonlocal rows, tokens
+            interrupts.check()
+            rows += batch.num_rows
+            tokens += token_count(batch, args.column)
+            bar.update(batch.num_rows)
+
+        write_engram_ids(source.batches(), mapper, tmp, source.schema, args.compression,
+                         progress)
+    if not args.quiet:
+        elapsed = time.perf_counter() - start
+        print(f"wrote {args.output}: {rows:,} rows, {tokens:,} tokens, Engram layers "
+              f"{list(layout.layer_ids)} in {elapsed:.2f} s")
+    return 0
+
+
+def describe_engram_layout(config, layout) -> list[str]:
+    """The Engram hash parameters, every layer's multipliers, head sizes and table bytes."""
+    from .hashing.engram_layout import engram_multipliers
+
+    multipliers = engram_multipliers(config.engram_layer_ids, config.engram_max_ngram_size,
+                                     config.engram_compressed_vocab_size)
+    pad = ("pad id: pass --tokenizer" if layout is None else
+           f"pad token {config.engram_pad_token_id} -> compressed id {layout.pad_id}")
+    lines = [f"Engram layers {list(config.engram_layer_ids)}: compressed vocab "
+             f"{config.engram_compressed_vocab_size:,}, orders 2..{config.engram_max_ngram_size}"
+             f" x {config.engram_n_heads} heads = {config.num_heads} heads per layer; {pad}"]
+    for index, (layer_id, sizes) in enumerate(zip(config.engram_layer_ids, config.head_sizes(),
+                                                  strict=True)):
+        rows = config.engram_num_embeddings[index]
+        lines += [f"layer {layer_id} (Engram layer {index}): multipliers "
+                  + " ".join(str(int(m)) for m in multipliers[index]),
+                  f"{'head':>4} {'order':>5} {'size':>15} {'offset':>15}"]
+        offset = 0
+        for h, size in enumerate(sizes):
+            lines.append(f"{h:>4} {h // config.engram_n_heads + 2:>5} {size:>15,} {offset:>15,}")
+            offset += size
+        lines.append(f"rows {rows:,} ({offset:,} hashed); head_dim {config.engram_head_dim}; "
+                     f"table bytes:")
+        for fmt in FORMATS:
+            nbytes = rows * config.engram_head_dim * fmt.itemsize
+            lines.append(f"  {fmt.name:<14} {nbytes:>18,} B  {nbytes / (1 << 30):9.1f} GiB")
+    return lines
+
+
 def describe_layout(layout: LayerLayout) -> list[str]:
     """Human-readable lines: the hash parameters, every head's size and offset, table bytes."""
     config = layout.config
@@ -283,6 +375,9 @@ def describe_layout(layout: LayerLayout) -> list[str]:
 
 def cmd_layout(args: argparse.Namespace) -> int:
     """Print one layer's hash layout and table sizes, and with budgets the placement plan."""
+    if args.scheme == "engram":
+        print("\n".join(describe_engram_layout(*load_engram(args, need_tokenizer=False))))
+        return 0
     from .placement import plan_placement
 
     config = load_config(args.config)
@@ -508,7 +603,10 @@ def build_parser() -> argparse.ArgumentParser:
     ids.add_argument("--layers", type=int, nargs="+", default=[0], metavar="L",
                      help="PLE layers (0-based among the PLE layers; default 0); several give "
                      "one column each, named OUT_COLUMN_layerL")
-    ids.add_argument("--out-column", help="id column name (default: ngram_ids)")
+    ids.add_argument("--scheme", choices=["qwen4exp", "engram"], default="qwen4exp",
+                     help="hash family: qwen4exp (PLE, default) or engram (DeepSeek V4.1: all "
+                     "layers, rows are whole sequences, needs --tokenizer tokenizer.json)")
+    ids.add_argument("--out-column", help="id column name (default: ngram_ids; engram_ids)")
     ids.add_argument("--device", choices=["cpu", "gpu"], default="cpu",
                      help="where the ids are computed (default cpu; gpu needs CuPy and a device)")
     ids.add_argument("--compression", default="zstd",
@@ -521,6 +619,10 @@ def build_parser() -> argparse.ArgumentParser:
     layout = commands.add_parser("layout", help="print a layer's hash layout and table sizes")
     layout.add_argument("--config", required=True, help="model config.json")
     layout.add_argument("--layer", type=int, default=0, help="PLE layer (default 0)")
+    layout.add_argument("--scheme", choices=["qwen4exp", "engram"], default="qwen4exp",
+                        help="hash family (engram: every Engram layer of the config)")
+    layout.add_argument("--tokenizer", metavar="PATH", help="--scheme engram: the model's "
+                        "tokenizer.json, for the pad id and a check of the compressed vocab")
     layout.add_argument("--gpu-budget", type=parse_bytes, metavar="BYTES",
                         help="GPU memory for tables (80GiB, 80G: binary; 80GB: decimal)")
     layout.add_argument("--host-budget", type=parse_bytes, metavar="BYTES",

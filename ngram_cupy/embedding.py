@@ -1,4 +1,7 @@
-"""One per-layer n-gram embedding: ids of a packed batch, then their table rows.
+"""Per-layer n-gram embeddings: ids of a packed batch, then their table rows.
+
+``NGramEmbedding`` is one Qwen4Exp PLE layer; ``EngramEmbedding`` all DeepSeek Engram layers of
+a model, whose ids come for every layer at once.
 
 Mirrors the reference model's module: ``forward`` returns ``[T, num_heads * head_dim]`` vectors and
 ``prefetch`` (``start_prefetch``) begins the table gather early, during the preceding decoder
@@ -10,7 +13,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from .hashing.engram_layout import EngramLayout, check_engram_layout
 from .hashing.layout import LayerLayout, check_layout
+from .ids.engram_ids import compute_engram_ids
 from .ids.ngram_ids import Batch, batch_ids, bind_batch, compute_ngram_ids
 from .runtime.backends import DEVICE, Backend
 from .runtime.checks import check_integer, check_out
@@ -133,3 +138,73 @@ class NGramEmbedding:
 
     def __repr__(self) -> str:
         return f"NGramEmbedding(layer={self.layout.layer}, table={self.table!r})"
+
+
+class EngramEmbedding:
+    """The Engram layers of one model: ``layout`` hashes tokens into rows of ``tables[i]``, the
+    table of Engram layer ``i`` (``layout.layer_ids[i]``; any ``EmbeddingTable`` dtype and
+    placement, possibly a row shard).
+
+    A step is ``start_step`` (ids of every layer in one launch, then every layer's rows
+    prefetched: GPU side streams, CPU workers), then ``forward(i)`` per layer as the decoder
+    reaches it, which joins that layer's prefetch.
+    """
+
+    def __init__(self, layout: EngramLayout, tables):
+        check_engram_layout(layout)
+        tables = list(tables)
+        if len(tables) != layout.num_layers:
+            raise ValueError(f"tables must hold one table per Engram layer "
+                             f"({layout.num_layers}), got {len(tables)}")
+        for i, table in enumerate(tables):
+            if not isinstance(table, EmbeddingTable):
+                raise TypeError(f"tables[{i}] must be an EmbeddingTable, got "
+                                f"{type(table).__name__}")
+            if table.total_rows != layout.rows_per_layer[i]:
+                raise ValueError(f"tables[{i}].total_rows={table.total_rows} must equal "
+                                 f"engram_num_embeddings[{i}]={layout.rows_per_layer[i]}")
+            if table.head_dim != layout.head_dim:
+                raise ValueError(f"tables[{i}].head_dim={table.head_dim} must equal "
+                                 f"engram_head_dim={layout.head_dim}")
+        self.layout = layout
+        self.tables = tables
+        self._ids = None
+
+    def compute_ids(self, input_ids, positions, query_start_loc, lookback_token_ids=None,
+                    dead_mask=None, lookback_dead_mask=None, out=None, *, stream=None):
+        """The ``[T, L, H]`` int32 ids of a packed batch (``compute_engram_ids``)."""
+        return compute_engram_ids(self.layout, input_ids, positions, query_start_loc,
+                                  lookback_token_ids, dead_mask, lookback_dead_mask, out,
+                                  stream=stream)
+
+    def start_step(self, input_ids, positions, query_start_loc, lookback_token_ids=None,
+                   dead_mask=None, lookback_dead_mask=None, *, out_dtype=None, stream=None):
+        """Compute the step's ids for all layers, start gathering every layer's rows, and
+        return the ids (``forward`` uses them until the next step)."""
+        ids = self.compute_ids(input_ids, positions, query_start_loc, lookback_token_ids,
+                               dead_mask, lookback_dead_mask, stream=stream)
+        for layer, table in enumerate(self.tables):
+            table.prefetch(ids[:, layer], out_dtype=out_dtype, stream=stream)
+        self._ids = ids
+        return ids
+
+    def forward(self, layer: int, ids=None, out=None, out_dtype=None, stream=None):
+        """``[T, H * head_dim]`` rows of Engram layer ``layer`` (0-based among the Engram
+        layers) for ``ids[T, L, H]``, by default the ids of the last ``start_step``."""
+        layer = check_integer("layer", layer)
+        if not 0 <= layer < self.layout.num_layers:
+            raise ValueError(f"layer must lie in [0, {self.layout.num_layers}), got {layer}")
+        ids = self._ids if ids is None else ids
+        if ids is None:
+            raise ValueError("no ids: call start_step first, or pass ids")
+        if ids.ndim != 3 or tuple(ids.shape[1:]) != (self.layout.num_layers,
+                                                    self.layout.num_heads):
+            raise ValueError(f"ids must have shape [T, {self.layout.num_layers}, "
+                             f"{self.layout.num_heads}], got {tuple(ids.shape)}")
+        return self.tables[layer].lookup(ids[:, layer], out=out, out_dtype=out_dtype,
+                                         stream=stream)
+
+    __call__ = forward
+
+    def __repr__(self) -> str:
+        return f"EngramEmbedding(layers={list(self.layout.layer_ids)}, tables={self.tables!r})"

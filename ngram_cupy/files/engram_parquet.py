@@ -1,0 +1,87 @@
+"""Engram ids of token (or text) files: each row one whole sequence from position 0, written as a
+``list<fixed_size_list<fixed_size_list<int32, H>, L>>`` column (``[T, L, H]`` per row), as the
+``ngram-cupy ids --scheme engram`` command streams them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ..arrow import TextTokens, check_token_type, field_of
+from ..hashing.engram_layout import EngramLayout, check_engram_layout
+from ..ids.engram_ids import compute_engram_ids
+from .pipeline import open_output, writer_options
+
+
+def row_positions(offsets: np.ndarray) -> np.ndarray:
+    """Each token's position within its row: ``0..len-1`` per row of the token offsets."""
+    lengths = np.diff(offsets)
+    return np.arange(offsets[-1] - offsets[0], dtype=np.int64) - np.repeat(
+        offsets[:-1] - offsets[0], lengths)
+
+
+class EngramIds:
+    """A batch mapper: each batch gains the Engram ids of its token column, every row hashed as
+    a fresh sequence (no lookback). ``text`` first encodes a text column into ``column``."""
+
+    def __init__(self, layout: EngramLayout, column: str = "tokens",
+                 out_column: str = "engram_ids", text: TextTokens | None = None,
+                 to_device: Callable | None = None):
+        self.layout = check_engram_layout(layout)
+        self.column, self.out_column, self.text = column, out_column, text
+        self.to_device = to_device
+
+    def id_type(self) -> pa.DataType:
+        """``fixed_size_list<fixed_size_list<int32, H>, L>``: one token's ids."""
+        layout = self.layout
+        return pa.list_(pa.list_(pa.int32(), layout.num_heads), layout.num_layers)
+
+    def output_schema(self, schema: pa.Schema) -> pa.Schema:
+        """The input's schema (with the token column from text) and the id column."""
+        if self.text is not None:
+            schema = self.text.output_schema(schema)
+        check_token_type(self.column, field_of(schema, self.column, "token").type)
+        if self.out_column in schema.names:
+            raise ValueError(f"id column {self.out_column!r} already exists in the input")
+        return schema.append(pa.field(self.out_column, pa.list_(self.id_type()),
+                                      nullable=False))
+
+    def __call__(self, batch: pa.RecordBatch) -> pa.RecordBatch:
+        """``batch`` with its rows' ids appended."""
+        schema = self.output_schema(batch.schema)
+        if self.text is not None:
+            batch = self.text(batch)
+        tokens = batch.column(self.column)
+        if tokens.null_count:
+            raise ValueError(f"token column {self.column!r} has {tokens.null_count} null rows")
+        offsets = tokens.offsets.to_numpy().astype(np.int64)
+        values = tokens.values.to_numpy()[offsets[0] : offsets[-1]]
+        starts = offsets - offsets[0]
+        args = (values, row_positions(offsets), starts)
+        if self.to_device is None:
+            ids = compute_engram_ids(self.layout, *args)
+        else:
+            ids = compute_engram_ids(self.layout, *map(self.to_device, args)).get()
+        per_token = pa.FixedSizeListArray.from_arrays(
+            pa.FixedSizeListArray.from_arrays(pa.array(ids.reshape(-1)), self.layout.num_heads),
+            self.layout.num_layers)
+        column = pa.ListArray.from_arrays(pa.array(starts.astype(np.int32)), per_token)
+        return pa.RecordBatch.from_arrays([*batch.columns, column], schema=schema)
+
+
+def write_engram_ids(batches: Iterable[pa.RecordBatch], mapper: EngramIds, path: str,
+                     input_schema: pa.Schema, compression: str = "zstd",
+                     progress: Callable[[pa.RecordBatch], None] | None = None) -> None:
+    """Write every batch with its ids to the Parquet file ``path`` (``progress`` sees each
+    written batch)."""
+    schema = mapper.output_schema(input_schema)
+    with open_output(path) as sink, pq.ParquetWriter(
+            sink, schema, **writer_options(schema, input_schema, compression)) as writer:
+        for batch in batches:
+            mapped = mapper(batch)
+            writer.write_batch(mapped)
+            if progress is not None:
+                progress(mapped)

@@ -1,0 +1,175 @@
+"""The Engram compressed token map (SPEC section 11): token id -> id of its normalised text.
+
+Building it decodes every id of the tokenizer once (about a second for 129,280 ids), so the map
+is cached on disk under ``NGRAM_CUPY_CACHE_DIR`` (default ``~/.cache/ngram_cupy``), keyed by the
+SHA-256 of the tokenizer's JSON and written atomically. The ``tokenizers`` package (the ``text``
+extra) is needed to build it, not to read it back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..files.atomic import atomic_file
+
+# Bumped whenever the normalisation changes, so no stale map is ever read back.
+FORMAT_VERSION = 1
+# A private-use character standing for a token that is exactly one space, so Strip keeps it.
+SPACE_SENTINEL = "\ue000"
+REPLACEMENT_CHARACTER = "\ufffd"
+
+
+@dataclass(frozen=True, eq=False)
+class TokenMap:
+    """``ids[token]``: the compressed id (int32, read-only) of every tokenizer id; ``size``: CV,
+    the number of compressed ids; ``digest``: SHA-256 of the tokenizer JSON it was built from."""
+
+    ids: np.ndarray
+    size: int
+    digest: str
+
+    @property
+    def vocab_size(self) -> int:
+        """Ids of the tokenizer (added tokens included)."""
+        return int(self.ids.shape[0])
+
+    def __repr__(self) -> str:
+        return f"TokenMap(vocab_size={self.vocab_size}, size={self.size})"
+
+
+def cache_dir() -> Path:
+    """Where token maps are cached: ``$NGRAM_CUPY_CACHE_DIR`` or ``~/.cache/ngram_cupy``."""
+    configured = os.environ.get("NGRAM_CUPY_CACHE_DIR")
+    return Path(configured) if configured else Path.home() / ".cache" / "ngram_cupy"
+
+
+def normalizer():
+    """SPEC 11's normalisation as one ``tokenizers`` normalizer sequence."""
+    from tokenizers import Regex, normalizers
+
+    return normalizers.Sequence([
+        normalizers.NFKC(),
+        normalizers.NFD(),
+        normalizers.StripAccents(),
+        normalizers.Lowercase(),
+        normalizers.Replace(Regex(r"[ \t\r\n]+"), " "),
+        normalizers.Replace(Regex(r"^ $"), SPACE_SENTINEL),
+        normalizers.Strip(),
+        normalizers.Replace(SPACE_SENTINEL, " "),
+    ])
+
+
+def token_key(text: str, raw_token: str | None, normalise) -> str:
+    """The key a token's decoded ``text`` is numbered by: its raw token string when the text
+    holds a partial UTF-8 byte (U+FFFD), else the normalised text (the text if that is empty)."""
+    if REPLACEMENT_CHARACTER in text:
+        return raw_token
+    normalised = normalise(text)
+    return normalised if normalised else text
+
+
+def build_token_map(tokenizer) -> np.ndarray:
+    """``int32 [vocab]`` compressed ids of a ``tokenizers.Tokenizer``: its keys numbered in
+    first-seen order (every id decoded alone, special tokens kept)."""
+    vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+    texts = tokenizer.decode_batch([[token] for token in range(vocab)],
+                                   skip_special_tokens=False)
+    normalise = normalizer().normalize_str
+    numbers: dict[str, int] = {}
+    ids = np.empty(vocab, dtype=np.int32)
+    for token, text in enumerate(texts):
+        key = token_key(text, tokenizer.id_to_token(token), normalise)
+        ids[token] = numbers.setdefault(key, len(numbers))
+    return ids
+
+
+def _tokenizer_class():
+    """``tokenizers.Tokenizer``, or an error saying how to install it."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise ModuleNotFoundError(
+            "engram_token_map needs the tokenizers package: pip install 'ngram-cupy[text]'"
+        ) from None
+    return Tokenizer
+
+
+def _tokenizer_source(source: Any) -> tuple[str, Callable[[], Any]]:
+    """``(sha256 of the tokenizer JSON, a function returning the tokenizers.Tokenizer)`` for a
+    file, a folder or a tokenizer: a file is parsed only when its map is not cached."""
+    if not isinstance(source, (str, os.PathLike)):
+        backend = getattr(source, "backend_tokenizer", source)  # a transformers tokenizer
+        if isinstance(backend, _tokenizer_class()):
+            return hashlib.sha256(backend.to_str().encode()).hexdigest(), lambda: backend
+        raise TypeError(f"tokenizer must be a tokenizer.json path, a folder holding one, or a "
+                        f"tokenizers.Tokenizer, got {type(source).__name__}")
+    path = os.fspath(source)
+    file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        raise ValueError(f"tokenizer: no such file: {file}")
+    data = Path(file).read_bytes()
+
+    def parse():
+        tokenizer_class = _tokenizer_class()
+        try:
+            return tokenizer_class.from_str(data.decode("utf-8"))
+        except Exception as e:  # the Rust library raises a bare Exception for a malformed file
+            raise ValueError(f"tokenizer {file!r} is not a valid tokenizer.json: {e}") from None
+
+    return hashlib.sha256(data).hexdigest(), parse
+
+
+def _is_first_seen_numbering(ids: np.ndarray) -> bool:
+    """Whether ``ids`` numbers keys in first-seen order: each id at most one above all before."""
+    if ids.ndim != 1 or ids.dtype != np.int32 or ids.size == 0 or ids[0] != 0:
+        return False
+    running = np.maximum.accumulate(ids)
+    return bool(np.all(ids >= 0) and np.all(np.diff(running) <= 1))
+
+
+def _read_cached(path: Path) -> np.ndarray | None:
+    """A cached map, or None when absent or unreadable (it is then built again)."""
+    try:
+        ids = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError):
+        return None
+    return ids if _is_first_seen_numbering(ids) else None
+
+
+def _write_cached(path: Path, ids: np.ndarray) -> None:
+    """Write the map atomically; a cache that cannot be written is skipped, never an error."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_file(path) as temporary, open(temporary, "wb") as f:
+            np.save(f, ids, allow_pickle=False)
+    except OSError:
+        pass
+
+
+_maps: dict[str, TokenMap] = {}
+_maps_lock = threading.Lock()
+
+
+def engram_token_map(tokenizer) -> TokenMap:
+    """The compressed token map of a tokenizer (a ``tokenizer.json`` path, a folder holding
+    one, or a ``tokenizers.Tokenizer``), from the disk cache when it holds it."""
+    digest, parse = _tokenizer_source(tokenizer)
+    with _maps_lock:
+        if digest in _maps:
+            return _maps[digest]
+        path = cache_dir() / f"engram-token-map-v{FORMAT_VERSION}-{digest}.npy"
+        ids = _read_cached(path)
+        if ids is None:
+            ids = build_token_map(parse())
+            _write_cached(path, ids)
+        ids.flags.writeable = False
+        _maps[digest] = TokenMap(ids, int(ids.max()) + 1 if ids.size else 0, digest)
+        return _maps[digest]
