@@ -1,4 +1,5 @@
-"""The ``ngram-cupy`` command line: n-gram ids of token or text files, table layouts, statistics.
+"""The ``ngram-cupy`` command line: n-gram ids of token or text files, table layouts, statistics,
+and GPU kernels built ahead into the kernel cache.
 
 User mistakes (missing files, a wrong column, a bad config) print one line on stderr and exit
 with status 2; an interrupted run exits with 130 (SIGINT) or 143 (SIGTERM) and leaves no output.
@@ -382,6 +383,99 @@ def cmd_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def parse_arches(text: str) -> list[tuple[int, int]]:
+    """Compute capabilities from ``sm_80,sm_90`` (``sm_XY``: major X, minor Y)."""
+    arches = []
+    for part in text.split(","):
+        match = re.fullmatch(r"\s*sm_(\d+)(\d)\s*", part)
+        if not match:
+            raise argparse.ArgumentTypeError(
+                f"not a GPU architecture: {part!r} (examples: sm_80, sm_90, sm_80,sm_90)")
+        arches.append((int(match.group(1)), int(match.group(2))))
+    return list(dict.fromkeys(arches))
+
+
+def load_schemes(names: list[str]) -> list:
+    """The schemes named (``released``) or read from model config files."""
+    from .ids.kernel_set import SCHEMES, scheme_from_config
+
+    schemes = []
+    for name in names:
+        if name in SCHEMES:
+            schemes.append(SCHEMES[name])
+        elif os.path.exists(name):
+            try:
+                schemes.append(scheme_from_config(name))
+            except (ValueError, TypeError) as e:
+                raise UserError(f"bad config {name}: {e}") from None
+        else:
+            raise UserError(f"--scheme {name}: neither a scheme ({', '.join(SCHEMES)}) nor a "
+                            f"model config file")
+    return schemes
+
+
+def build_variant(names: tuple[str, ...], only: str | None, index: int,
+                  cc: tuple[int, int]) -> tuple[int, bool, float]:
+    """Build variant ``index`` of the schemes ``names`` for ``cc`` into the kernel cache (in
+    this process or a worker); ``(index, whether it was compiled, seconds)``."""
+    from .runtime.kernel_cache import KERNELS
+
+    variant = selected_variants(names, only)[index]
+    builds, start = KERNELS.builds, time.perf_counter()
+    variant.build(cc)
+    return index, KERNELS.builds > builds, time.perf_counter() - start
+
+
+def selected_variants(names: tuple[str, ...], only: str | None) -> list:
+    """The kernel variants of the schemes ``names`` whose name contains ``only``."""
+    from .ids.kernel_set import kernel_variants
+
+    return [v for v in kernel_variants(load_schemes(list(names)))
+            if only is None or only in v.name]
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    """Build every GPU kernel of the schemes for the architectures into the kernel cache."""
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    from .runtime.kernel_cache import cache_dir
+
+    names = tuple(args.scheme)
+    variants = selected_variants(names, args.only)
+    if not variants:
+        raise UserError(f"--only {args.only!r} matches no kernel")
+    if args.jobs < 1:
+        raise UserError(f"--jobs must be at least 1, got {args.jobs}")
+    jobs = [(names, args.only, index, cc) for cc in args.arch for index in range(len(variants))]
+    start = time.perf_counter()
+    built = 0
+
+    def report(job, result) -> None:
+        nonlocal built
+        index, compiled, seconds = result
+        built += compiled
+        if not args.quiet:
+            print(f"sm_{job[3][0]}{job[3][1]} {variants[index].name}: "
+                  f"{'compiled' if compiled else 'cached'} in {seconds:.2f} s", flush=True)
+
+    if args.jobs == 1 or len(jobs) == 1:
+        for job in jobs:
+            interrupts.check()
+            report(job, build_variant(*job))
+    else:
+        # spawn: a forked Numba/LLVM is not safe to compile in
+        with ProcessPoolExecutor(min(args.jobs, len(jobs)), mp_context=get_context("spawn")) \
+                as pool:
+            for job, result in zip(jobs, pool.map(build_variant, *zip(*jobs, strict=True)),
+                                   strict=True):
+                report(job, result)
+    arches = ", ".join(f"sm_{major}{minor}" for major, minor in args.arch)
+    print(f"{len(jobs)} kernel builds for {arches}: {built} compiled, {len(jobs) - built} "
+          f"cached, in {time.perf_counter() - start:.1f} s (cache: {cache_dir()})")
+    return 0
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse, but a usage mistake is one line on stderr (exit 2), like every user error."""
 
@@ -390,7 +484,7 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser with the ``ids``, ``layout`` and ``stats`` commands."""
+    """The argument parser with the ``ids``, ``layout``, ``stats`` and ``compile`` commands."""
     parser = OneLineParser(
         prog=PROG, description="Exact hashed n-gram (PLE) ids, table layouts and hash statistics.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -462,6 +556,22 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("--plot", metavar="PNG", help="also plot row loads, hot-row hit rates "
                        "and rank-frequency curves to this PNG")
     stats.set_defaults(run=cmd_stats)
+
+    build = commands.add_parser(
+        "compile", help="build the GPU kernels into the kernel cache ahead of time (no GPU "
+        "needed)", description="Compile every GPU kernel the library launches for the schemes "
+        "(model shapes) and architectures into the kernel cache (NGRAM_CUPY_CACHE_DIR), so "
+        "that a process's first GPU call loads them instead of compiling.")
+    build.add_argument("--arch", type=parse_arches, default=[(8, 0), (9, 0)],
+                       metavar="sm_XY[,sm_XY...]", help="GPU architectures (default sm_80,sm_90)")
+    build.add_argument("--scheme", nargs="+", default=["released"], metavar="SCHEME",
+                       help="model shapes: 'released' (the released model) or model config "
+                       "files (default: released)")
+    build.add_argument("--only", metavar="TEXT", help="only the kernels whose name contains TEXT")
+    build.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1),
+                       help="compiler processes (default: the CPUs, at most 8)")
+    build.add_argument("--quiet", action="store_true", help="only the summary line")
+    build.set_defaults(run=cmd_compile)
     return parser
 
 
