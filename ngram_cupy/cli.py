@@ -418,12 +418,12 @@ def build_variant(names: tuple[str, ...], only: str | None, index: int,
                   cc: tuple[int, int]) -> tuple[int, bool, float]:
     """Build variant ``index`` of the schemes ``names`` for ``cc`` into the kernel cache (in
     this process or a worker); ``(index, whether it was compiled, seconds)``."""
-    from .runtime.kernel_cache import KERNELS
+    from .runtime import kernel_cache
 
     variant = selected_variants(names, only)[index]
-    builds, start = KERNELS.builds, time.perf_counter()
+    builds, start = kernel_cache.KERNELS.builds, time.perf_counter()
     variant.build(cc)
-    return index, KERNELS.builds > builds, time.perf_counter() - start
+    return index, kernel_cache.KERNELS.builds > builds, time.perf_counter() - start
 
 
 def selected_variants(names: tuple[str, ...], only: str | None) -> list:

@@ -25,8 +25,9 @@ from typing import Any
 import numpy as np
 from numba import config, cuda, from_dtype, types
 
+from . import kernel_cache
 from .backends import cupy_module
-from .kernel_cache import KERNELS, entry_key, function_digest, numba_versions
+from .kernel_cache import entry_key, function_digest, numba_versions
 
 _ENTRY = re.compile(r"\.entry\s+([\w$.]+)\s*\(")
 # Launches noted instead of run (``recorded_launches``): how ``ngram-cupy compile`` learns the
@@ -209,8 +210,9 @@ class NumbaKernel:
                 ptx = cuda.compile_ptx(self.py_func, signature, cc=cc)[0]
             return {"ptx": ptx, "image": assemble(ptx, cc)}
 
-        return KERNELS.fetch(key, build, lambda fields: isinstance(fields.get("ptx"), str)
-                             and isinstance(fields.get("image"), bytes))
+        return kernel_cache.KERNELS.fetch(
+            key, build, lambda fields: isinstance(fields.get("ptx"), str)
+            and isinstance(fields.get("image"), bytes))
 
     def _load(self, args: tuple, device) -> Any:
         """Load the kernel (compiled or from the kernel cache) on ``device``; its parameters

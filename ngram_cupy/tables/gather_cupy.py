@@ -18,9 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..runtime import nvrtc
+from ..runtime import kernel_cache, nvrtc
 from ..runtime.backends import cupy_module
-from ..runtime.kernel_cache import KERNELS, entry_key
+from ..runtime.kernel_cache import entry_key
 from .dequant import FORMATS, OUTPUT_CODES
 
 # kernels/ at the top of a source checkout; installed wheels carry it as ngram_cupy/kernels.
@@ -74,8 +74,9 @@ def module_build(arch: str) -> dict[str, str | bytes]:
                                              NVRTC_OPTIONS)
         return {"image": image, "names": json.dumps(lowered)}
 
-    return KERNELS.fetch(key, build, lambda fields: isinstance(fields.get("image"), bytes)
-                         and isinstance(fields.get("names"), str))
+    return kernel_cache.KERNELS.fetch(
+        key, build, lambda fields: isinstance(fields.get("image"), bytes)
+        and isinstance(fields.get("names"), str))
 
 
 @cache
