@@ -413,7 +413,9 @@ def test_torch_cuda_tensors_on_a_torch_stream_and_dlpack_out():
         ids = nc.compute_ngram_ids(layout, *tensors, stream=stream)
         as_torch = torch.from_dlpack(ids)
         rolled = torch.from_dlpack(nc.advance_context(layout, *tensors, stream=stream))
-    assert as_torch.data_ptr() == ids.data.ptr and as_torch.device.type == "cuda"
+    # torch in, torch out: ``ids`` is a tensor (``.data`` is a tensor too, without ``.ptr``)
+    assert isinstance(ids, torch.Tensor) and ids.device.type == "cuda"
+    assert as_torch.data_ptr() == ids.data_ptr()
     stream.synchronize()
     np.testing.assert_array_equal(as_torch.cpu().numpy(),
                                   nc.compute_ngram_ids(layout, tokens, starts, context))
@@ -429,7 +431,7 @@ def test_torch_cuda_out_is_written_in_place():
     out = torch.full((256, layout.num_heads), -1, dtype=torch.int64, device="cuda")
     ids = nc.compute_ngram_ids(layout, *(torch.from_numpy(a).cuda() for a in (tokens, starts,
                                                                            context)), out=out)
-    assert ids.data.ptr == out.data_ptr()
+    assert ids is out and ids.data_ptr() == out.data_ptr()
     torch.cuda.synchronize()
     np.testing.assert_array_equal(out.cpu().numpy(),
                                   nc.compute_ngram_ids(layout, tokens, starts, context))

@@ -16,7 +16,7 @@ from conftest import HAS_GPU
 import ngram_cupy as nc
 from ngram_cupy.tables import gather_numba
 from ngram_cupy.tables.dequant import reference_lookup
-from ngram_cupy.tables.pinned import PinnedBuffer
+from ngram_cupy.tables.pinned import PinnedBuffer, release_deferred
 from ngram_cupy.tables.prefetch import Pending
 
 SCALE = 0.75
@@ -383,7 +383,9 @@ def test_close_releases_the_registration(weight):
     buffer = PinnedBuffer(1 << 20)
     assert buffer.registered
     pointer = buffer.pointer
-    del buffer  # garbage collection releases it too
+    del buffer  # garbage collection queues its release (no CUDA call inside a collection)
+    gc.collect()
+    assert release_deferred() == 0  # the queue drains at the next safe point
     with pytest.raises(cupy.cuda.runtime.CUDARuntimeError):
         cupy.cuda.runtime.hostUnregister(pointer)
 
@@ -401,8 +403,11 @@ def test_torch_stream_and_tensors(weight):
         host.prefetch(ids, stream=stream)
         assert host.lookup(ids, out=out, stream=stream) is out
     stream.synchronize()
+    resident = gpu.lookup(ids)  # torch ids: a torch tensor, not a CuPy array
+    assert isinstance(resident, torch.Tensor) and resident.dtype == torch.bfloat16
+    torch.cuda.synchronize()
     np.testing.assert_array_equal(out.view(torch.int16).cpu().numpy(),
-                                  gpu.lookup(ids).get().view(np.int16))
+                                  resident.view(torch.int16).cpu().numpy())
 
 
 

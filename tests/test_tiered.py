@@ -417,6 +417,23 @@ def test_prefetch_through_the_tier():
                                              + sum(expected_counts(differs, hot, 0, 500)))
 
 
+@pytest.mark.parametrize("prefetch_dtype, reads", [(np.float32, 1), (None, 2)])
+def test_a_prefetch_of_another_output_type_is_discarded_and_counted(prefetch_dtype, reads):
+    """A lookup uses a prefetch of its own output type (unchanged ids: nothing read again);
+    a prefetch of the default type (bfloat16 here) read as float32 is gathered and counted,
+    then discarded, and the lookup reads every row again."""
+    rng = np.random.default_rng(21)
+    weight = random_bits(rng, 300, 8, ml_dtypes.bfloat16)
+    hot = np.unique(rng.integers(0, 300, 60))
+    tiered, plain = tiered_and_plain(weight, hot)
+    ids = adversarial_ids(rng, hot, 0, 300, (50, 3))
+    tiered.prefetch(ids, out_dtype=prefetch_dtype)
+    got = tiered.lookup(ids, out_dtype=np.float32)
+    np.testing.assert_array_equal(got, plain.lookup(ids, out_dtype=np.float32))
+    hot_read, cold_read = expected_counts(ids, hot, 0, 300)
+    assert tiered.counters == {"hot_rows": reads * hot_read, "cold_rows": reads * cold_read}
+
+
 class FakeStream:
     """A CuPy-like stream: records its waits, and whether it is capturing a graph."""
 
@@ -510,7 +527,7 @@ def test_gpu_tiered_lookup_equals_the_cpu_one(dtype, out_dtype):
                                   want.view(f"u{want.itemsize}"))
     hot_read, cold_read = expected_counts(ids, hot, 0, 4096)
     assert tiered.counters == {"hot_rows": hot_read, "cold_rows": cold_read}
-    tiered.prefetch(cupy.asarray(ids))
+    tiered.prefetch(cupy.asarray(ids), out_dtype=out_dtype)  # else the lookup discards it
     again = tiered.lookup(cupy.asarray(ids), out_dtype=out_dtype)
     np.testing.assert_array_equal(cupy.asnumpy(again), cupy.asnumpy(got))
     assert tiered.counters == {"hot_rows": 2 * hot_read, "cold_rows": 2 * cold_read}
