@@ -135,3 +135,40 @@ def test_a_collected_pinned_buffer_is_released_later_without_cuda_calls(monkeypa
     assert pinned.release_deferred() == 1 and log == []  # still capturing: kept queued
     stream.capturing = False
     assert pinned.release_deferred() == 0 and log == ["synchronize s", 0x2000]
+
+
+def test_one_failed_unregister_does_not_stop_the_other_releases(monkeypatch):
+    """A registration whose cudaHostUnregister fails is dropped with a warning; the others
+    queued with it are released, and the queue (which every new pinned buffer drains first)
+    is empty, so later pinned allocations are not stopped by it."""
+    log = []
+
+    def unregister(pointer):
+        if pointer == 0x2000:
+            raise RuntimeError("cudaErrorHostMemoryNotRegistered")
+        log.append(pointer)
+
+    monkeypatch.setattr(pinned, "host_unregister", unregister)
+    monkeypatch.setattr(pinned, "_deferred", [])
+    for pointer in (0x1000, 0x2000, 0x3000):
+        pinned._collected(pinned.Registration(pointer, memory=object()))
+    with pytest.warns(RuntimeWarning, match="0x2000.*cudaErrorHostMemoryNotRegistered"):
+        assert pinned.release_deferred() == 0
+    assert log == [0x1000, 0x3000]
+    assert pinned.release_deferred() == 0 and log == [0x1000, 0x3000]  # nothing left to fail
+
+
+@pytest.mark.gpu
+def test_a_failed_deferred_unregister_leaves_pinned_allocation_working(monkeypatch):
+    """On a GPU: a queued registration CUDA refuses to unregister (never registered) must not
+    make every later ``PinnedBuffer`` fail."""
+    monkeypatch.setattr(pinned, "_deferred", [])
+    never_registered = np.zeros(1 << 16, np.uint8)
+    pinned._collected(pinned.Registration(never_registered.ctypes.data, never_registered))
+    with pytest.warns(RuntimeWarning, match="could not unregister"):
+        first = pinned.PinnedBuffer(1 << 20)
+    assert first.registered and pinned._deferred == []
+    first.close()
+    second = pinned.PinnedBuffer(1 << 20)
+    assert second.registered
+    second.close()
