@@ -434,6 +434,59 @@ def test_a_prefetch_of_another_output_type_is_discarded_and_counted(prefetch_dty
     assert tiered.counters == {"hot_rows": reads * hot_read, "cold_rows": reads * cold_read}
 
 
+def test_the_gpu_tier_is_uploaded_before_any_stream_reads_it(monkeypatch):
+    """Bug: the slot map, hot rows and counters were copied asynchronously on CuPy's current
+    stream, and a first lookup on another stream could read them half copied. Every copy is
+    made on one stream, which is waited for before the table can be used."""
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    from ngram_cupy.tables.storage import tiered
+    from ngram_cupy.tables.storage.cpu import CpuStorage
+
+    log = []
+
+    class Stream:
+        def __enter__(self):
+            log.append("enter")
+
+        def __exit__(self, *exc):
+            log.append("exit")
+
+        def synchronize(self):
+            log.append("synchronize")
+
+    cupy = SimpleNamespace(asarray=lambda array: log.append(f"copy {array.dtype}") or array)
+    monkeypatch.setattr(tiered, "cupy_module", lambda: cupy)
+    monkeypatch.setattr(tiered, "cuda_stream", Stream)
+    cold = CpuStorage(np.zeros((100, 4), np.float32).view(np.uint32), formats.FORMATS[0])
+    cold.device_view = SimpleNamespace(device=nullcontext())  # as if the GPU read it
+    storage = tiered.TieredStorage(cold, np.array([3, 50]))
+    assert log == ["enter", "copy uint64", "copy uint32", "copy uint32", "copy uint64", "exit",
+                   "synchronize"]
+    np.testing.assert_array_equal(storage.device_hot, storage.host_hot)
+    assert storage.device_tier.map[0] is storage.device_map[0]
+
+
+@pytest.mark.gpu
+def test_a_first_lookup_on_another_stream_reads_a_whole_new_tier():
+    """On a device: a 64 MiB hot tier, then at once a lookup on a fresh non-blocking stream
+    (nothing orders it after the copies but the upload's wait)."""
+    import cupy
+
+    rng = np.random.default_rng(22)
+    weight = random_bits(rng, 1 << 17, 256, np.float32)  # 128 MiB of rows, half of them hot
+    hot = np.arange(0, 1 << 17, 2)
+    tiered, plain = tiered_and_plain(weight, hot)
+    ids = rng.integers(0, 1 << 17, (4096, 4))
+    stream = cupy.cuda.Stream(non_blocking=True)
+    got = tiered.lookup(cupy.asarray(ids), stream=stream)
+    stream.synchronize()
+    np.testing.assert_array_equal(cupy.asnumpy(got).view(np.uint32),
+                                  plain.lookup(ids).view(np.uint32))
+    assert tiered.counters["hot_rows"] == int((ids % 2 == 0).sum())
+
+
 class FakeStream:
     """A CuPy-like stream: records its waits, and whether it is capturing a graph."""
 
