@@ -480,7 +480,9 @@ def test_a_first_lookup_on_another_stream_reads_a_whole_new_tier():
     tiered, plain = tiered_and_plain(weight, hot)
     ids = rng.integers(0, 1 << 17, (4096, 4))
     stream = cupy.cuda.Stream(non_blocking=True)
-    got = tiered.lookup(cupy.asarray(ids), stream=stream)
+    with stream:  # the ids copied on the lookup's stream: only the tier is in question
+        device_ids = cupy.asarray(ids)
+    got = tiered.lookup(device_ids, stream=stream)
     stream.synchronize()
     np.testing.assert_array_equal(cupy.asnumpy(got).view(np.uint32),
                                   plain.lookup(ids).view(np.uint32))
