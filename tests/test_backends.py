@@ -197,6 +197,6 @@ def test_torch_inputs_run_on_torchs_current_stream(monkeypatch):
     """With torch inputs and no stream, kernels run on torch's current stream: a torch caller
     (a graph capture included) then sees no cross-stream event in either DLPack handoff."""
     pytest.importorskip("cupy")
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda: ProtocolStream())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: ProtocolStream())
     assert backends.DEVICE.kernel_stream(None, prefer_torch=True).ptr == 0x5000
     assert backends.DEVICE.kernel_stream(OldTorchStream(), prefer_torch=True).ptr == 0x6000

@@ -171,7 +171,8 @@ def stand_in_cupy():
     cupy = pytypes.ModuleType("cupy")
     cupy.ndarray = StandInArray
     cupy.cuda = pytypes.SimpleNamespace(Stream=StandInContext, ExternalStream=StandInContext,
-                                        get_current_stream=StandInContext)
+                                        get_current_stream=StandInContext,
+                                        Device=lambda device=None: StandInContext())
     cupy.ascontiguousarray = lambda a: StandInArray(np.ascontiguousarray(a.host))
     cupy.empty = lambda shape, dtype: StandInArray(np.full(shape, -1, dtype=dtype))
     return cupy
