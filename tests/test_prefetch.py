@@ -582,3 +582,17 @@ def test_a_prefetch_captured_without_its_lookup_is_a_clear_error():
     pending = Pending(ids=None, rows=None, out_code=0)
     prefetcher.start(caller, pending, lambda: None)  # both inside one capture: joined
     assert prefetcher.join(caller) is pending and caller.waited == 1
+
+
+def test_the_prefetch_stream_is_made_on_the_ids_gpu(monkeypatch):
+    """Bug: the private stream and its events were made on the current device; a lookup of
+    ids on GPU 1 then waited on events of GPU 0's stream."""
+    from fake_cupy import FakeCupy
+
+    from ngram_cupy.tables import prefetch
+
+    cupy = FakeCupy()
+    monkeypatch.setattr(prefetch, "cupy_module", lambda: cupy)
+    streams = prefetch.StreamPrefetcher(device=1)
+    assert streams.device == 1 and streams.stream.device_id == 1 and cupy.current == 0
+    assert ("event made", 1) in cupy.log and ("event made", 0) not in cupy.log
