@@ -168,7 +168,8 @@ class TieredStorage(Storage):
 
     def used_on(self, stream) -> None:
         """Kernels on ``stream`` add to the counters and read the cold storage's memory, which
-        must outlive them."""
+        must outlive them (and both tiers' rows, which writes wait for them to read)."""
+        super().used_on(stream)
         self.streams.add(stream)
         self.cold.used_on(stream)
 
