@@ -434,12 +434,23 @@ def selected_variants(names: tuple[str, ...], only: str | None) -> list:
             if only is None or only in v.name]
 
 
+def is_cached(variant, cc: tuple[int, int]) -> bool:
+    """Whether ``variant`` for ``cc`` loads from the kernel cache (inside ``loads_only``)."""
+    from .runtime.kernel_cache import NotCached
+
+    try:
+        variant.build(cc)
+    except NotCached:
+        return False
+    return True
+
+
 def cmd_compile(args: argparse.Namespace) -> int:
     """Build every GPU kernel of the schemes for the architectures into the kernel cache."""
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
 
-    from .runtime.kernel_cache import cache_dir
+    from .runtime import kernel_cache
 
     names = tuple(args.scheme)
     variants = selected_variants(names, args.only)
@@ -459,20 +470,28 @@ def cmd_compile(args: argparse.Namespace) -> int:
             print(f"sm_{job[3][0]}{job[3][1]} {variants[index].name}: "
                   f"{'compiled' if compiled else 'cached'} in {seconds:.2f} s", flush=True)
 
-    if args.jobs == 1 or len(jobs) == 1:
+    missing = []
+    with kernel_cache.KERNELS.loads_only():  # what is cached already: no workers for those
         for job in jobs:
+            begin = time.perf_counter()
+            if is_cached(variants[job[2]], job[3]):
+                report(job, (job[2], False, time.perf_counter() - begin))
+            else:
+                missing.append(job)
+    if args.jobs == 1 or len(missing) <= 1:
+        for job in missing:
             interrupts.check()
             report(job, build_variant(*job))
     else:
         # spawn: a forked Numba/LLVM is not safe to compile in
-        with ProcessPoolExecutor(min(args.jobs, len(jobs)), mp_context=get_context("spawn")) \
-                as pool:
-            for job, result in zip(jobs, pool.map(build_variant, *zip(*jobs, strict=True)),
+        with ProcessPoolExecutor(min(args.jobs, len(missing)),
+                                 mp_context=get_context("spawn")) as pool:
+            for job, result in zip(missing, pool.map(build_variant, *zip(*missing, strict=True)),
                                    strict=True):
                 report(job, result)
     arches = ", ".join(f"sm_{major}{minor}" for major, minor in args.arch)
     print(f"{len(jobs)} kernel builds for {arches}: {built} compiled, {len(jobs) - built} "
-          f"cached, in {time.perf_counter() - start:.1f} s (cache: {cache_dir()})")
+          f"cached, in {time.perf_counter() - start:.1f} s (cache: {kernel_cache.cache_dir()})")
     return 0
 
 

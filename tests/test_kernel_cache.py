@@ -70,15 +70,22 @@ def test_function_digests_follow_closure_constants_and_sources(monkeypatch):
         ids_cuda.ids_kernel(*shape)[0].py_func)
     assert digest(3, 8) == digest(3, 8) != digest(3, 4) != digest(2, 8)
     fused = kernel_cache.function_digest(fused_cuda.fused_kernel(3, 8, 160, 3, 2)[0].py_func)
-    # the fused kernel inlines the hashing, the dequantisation and the slot map
-    names = {m.__name__ for m in kernel_cache.package_modules(fused_cuda)}
-    assert {"ngram_cupy.hashing.arithmetic", "ngram_cupy.tables.dequant",
-            "ngram_cupy.tables.hot_rows"} <= names
+    # the tiered fused kernel inlines the hashing, the dequantisation (with the format codes
+    # it freezes in) and the slot map; the launcher, the cache and the CLI are no part of it
+    tiered = fused_cuda.fused_kernel(3, 8, 160, 3, 2, tiered=True)[0].py_func
+    assert [m.__name__ for m in kernel_cache.kernel_modules(tiered)] == [
+        "ngram_cupy.hashing.arithmetic", "ngram_cupy.ids.fused_cuda", "ngram_cupy.tables.dequant",
+        "ngram_cupy.tables.formats", "ngram_cupy.tables.hot_rows"]
     real = kernel_cache.inspect.getsource
-    monkeypatch.setattr(kernel_cache.inspect, "getsource", lambda module: real(module) + (
-        "# edited" if module.__name__ == "ngram_cupy.tables.dequant" else ""))
-    assert kernel_cache.function_digest(
-        fused_cuda.fused_kernel(3, 8, 160, 3, 2)[0].py_func) != fused
+
+    def edited(name):
+        monkeypatch.setattr(kernel_cache.inspect, "getsource", lambda module: real(module) + (
+            "# edited" if module.__name__ == name else ""))
+        return kernel_cache.function_digest(fused_cuda.fused_kernel(3, 8, 160, 3, 2)[0].py_func)
+
+    assert edited("ngram_cupy.tables.dequant") != fused
+    assert edited("ngram_cupy.tables.formats") != fused
+    assert edited("ngram_cupy.runtime.cuda_launch") == fused == edited("ngram_cupy.cli")
     assert digest(3, 8) == kernel_cache.function_digest(ids_cuda.ids_kernel(3, 8)[0].py_func)
 
 

@@ -2,28 +2,31 @@
 
 An entry holds what loading a kernel needs (its PTX, its cubin or loadable image, the names of
 its entry points), under a key hashing everything the machine code depends on: the kernel's
-source text (a Numba kernel's Python module and every module of this package it reads, its
-closure constants; a CUDA C file with its headers), the argument types, the compute capability,
-the compiler options and the compilers' versions. Entries live in ``NGRAM_CUPY_CACHE_DIR``
-(default: ``$XDG_CACHE_HOME/ngram_cupy``, else ``~/.cache/ngram_cupy``), one file each, written
-to a temporary and renamed into place (``files.atomic``): processes filling the cache at once
-each write whole entries, and a reader sees an old entry, a new one, or none. An entry that does
-not check out (truncated, edited, another format) is ignored and rebuilt.
+source text (a Numba kernel's Python module and every module of this package holding code it
+calls, its closure constants; a CUDA C file with its headers), the argument types, the compute
+capability, the compiler options and the compilers' versions. Entries live in
+``NGRAM_CUPY_CACHE_DIR`` (default: ``$XDG_CACHE_HOME/ngram_cupy``, else ``~/.cache/ngram_cupy``),
+one file each, written to a temporary and renamed into place (``files.atomic``): processes
+filling the cache at once each write whole entries, and a reader sees an old entry, a new one,
+or none. An entry that does not check out (truncated, edited, another format) is ignored and
+rebuilt.
 """
 
 from __future__ import annotations
 
+import ast
 import base64
+import contextlib
 import hashlib
 import inspect
 import json
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import cache
 from importlib import metadata
 from pathlib import Path
-from types import ModuleType
+from types import CodeType, ModuleType
 
 from ..files.atomic import atomic_file
 
@@ -47,22 +50,64 @@ def entry_key(*parts) -> str:
     return hashlib.sha256(repr(parts).encode()).hexdigest()
 
 
-def package_modules(module: ModuleType) -> list[ModuleType]:
-    """``module`` and every module of this package it reads, directly or through others (found
-    from module globals: imported modules, and functions or classes defined in the package)."""
-    seen: dict[str, ModuleType] = {}
-    pending = [module]
+def code_names(code: CodeType) -> set[str]:
+    """Every global and attribute name a code object reads, nested functions' included."""
+    names = set(code.co_names)
+    for constant in code.co_consts:
+        if isinstance(constant, CodeType):
+            names |= code_names(constant)
+    return names
+
+
+def in_package(value) -> bool:
+    """Whether ``value`` (a module or a function) belongs to this package."""
+    name = value.__name__ if isinstance(value, ModuleType) else getattr(value, "__module__", "")
+    return isinstance(name, str) and name.split(".")[0] == PACKAGE
+
+
+def kernel_modules(py_func: Callable) -> list[ModuleType]:
+    """The modules of this package whose code a kernel compiles: the kernel's own, and that of
+    every function of the package it calls, directly or through others (found by the names
+    its code reads: globals, closure cells, and attributes of modules of the package)."""
+    modules: dict[str, ModuleType] = {}
+    seen: set[int] = set()
+    pending = [py_func]
     while pending:
-        current = pending.pop()
-        if current.__name__ in seen:
+        function = pending.pop()
+        function = getattr(function, "py_func", function)  # a Numba dispatcher's Python code
+        code = getattr(function, "__code__", None)
+        if code is None or id(function) in seen or not in_package(function):
             continue
-        seen[current.__name__] = current
-        for value in vars(current).values():
-            name = value.__name__ if isinstance(value, ModuleType) else getattr(
-                value, "__module__", None)
-            if isinstance(name, str) and name.split(".")[0] == PACKAGE and name in sys.modules:
-                pending.append(sys.modules[name])
-    return [seen[name] for name in sorted(seen)]
+        seen.add(id(function))
+        modules[function.__module__] = sys.modules[function.__module__]
+        scope = getattr(function, "__globals__", {})
+        found = [scope[name] for name in code_names(code) if name in scope]
+        found += [cell.cell_contents for cell in function.__closure__ or ()
+                  if not isinstance(cell.cell_contents, (int, float, tuple, str))]
+        for value in found:
+            if isinstance(value, ModuleType) and in_package(value):
+                modules[value.__name__] = value
+                found += [getattr(value, name) for name in code_names(code)
+                          if hasattr(value, name)]
+            elif callable(value):
+                pending.append(value)
+    for module in list(modules.values()):  # constants Numba freezes in, imported from others
+        modules.update((source.__name__, source) for source in constant_sources(module))
+    return [modules[name] for name in sorted(modules)]
+
+
+def constant_sources(module: ModuleType) -> list[ModuleType]:
+    """The modules of this package ``module`` imports constants (not functions) from."""
+    sources = []
+    for node in ast.walk(ast.parse(inspect.getsource(module))):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = module.__name__.rsplit(".", node.level)[0]
+            name = f"{base}.{node.module}" if node.module else base
+            if name in sys.modules and any(
+                    not callable(getattr(module, alias.asname or alias.name, len))
+                    for alias in node.names):
+                sources.append(sys.modules[name])
+    return sources
 
 
 def constant_text(value) -> str:
@@ -76,11 +121,11 @@ def constant_text(value) -> str:
 
 def function_digest(py_func: Callable) -> str:
     """A digest of what a Python kernel compiles from: its name, its closure constants and the
-    source of its module and of every module of this package that module reads."""
+    source of every module of this package holding code it calls (``kernel_modules``)."""
     digest = hashlib.sha256(f"{py_func.__module__}.{py_func.__qualname__}".encode())
     for cell in py_func.__closure__ or ():
         digest.update(constant_text(cell.cell_contents).encode() + b"\0")
-    for module in package_modules(sys.modules[py_func.__module__]):
+    for module in kernel_modules(py_func):
         digest.update(module.__name__.encode() + b"\0" + inspect.getsource(module).encode())
     return digest.hexdigest()
 
@@ -133,6 +178,10 @@ def decode_entry(data: bytes) -> dict[str, str | bytes] | None:
         return None
 
 
+class NotCached(LookupError):
+    """A kernel missing from the cache while only loads are allowed (``KernelCache.loads_only``)."""
+
+
 class KernelCache:
     """Entries by key in one folder; counts the builds (compiles) and loads of this process."""
 
@@ -140,6 +189,17 @@ class KernelCache:
         self.folder = Path(folder) if folder is not None else None
         self.builds = 0
         self.loads = 0
+        self.only_loads = False
+
+    @contextlib.contextmanager
+    def loads_only(self) -> Iterator[None]:
+        """Inside the block a missing entry is ``NotCached`` instead of a compile (to learn
+        cheaply which kernels still need compiling)."""
+        self.only_loads = True
+        try:
+            yield
+        finally:
+            self.only_loads = False
 
     def path(self, key: str) -> Path:
         """Where the entry of ``key`` lives."""
@@ -172,6 +232,8 @@ class KernelCache:
         if fields is not None and check(fields):
             self.loads += 1
             return fields
+        if self.only_loads:
+            raise NotCached(key)
         fields = build()
         self.builds += 1
         self.store(key, fields)
