@@ -196,12 +196,28 @@ def test_nvrtc_builds_a_cubin_without_a_gpu():
         nvrtc.compile_cubin("this is not C", "bad.cu", [], "sm_90", ())
 
 
-def test_the_kernel_set_records_what_the_launchers_pass():
-    """The variants are the launchers' own launches: the fused kernel of the released shape
-    over 8-byte words, ids and context rolling for each index type set."""
+def test_the_kernel_set_records_what_the_launchers_pass(monkeypatch):
+    """The variants are the launchers' own launches: the fused kernel of the released shape is
+    built for the very signature a lookup with int64 inputs passes (written out by hand here,
+    as in test_gpu_compiles), over 8-byte words of the fp8 table into bfloat16 bits."""
+    from numba import types
+
     variants = kernel_set.kernel_variants([kernel_set.SCHEMES["released"]])
     names = [v.name for v in variants]
     assert names[0] == "gather.cu" and len(names) == len(set(names)) == 9
+    built = []
+    monkeypatch.setattr(cuda_launch.NumbaKernel, "compiled",
+                        lambda kernel, signature, cc: built.append((kernel, signature, cc)))
+    (fused,) = [v for v in variants if v.name == "fused[released float8_e4m3fn->bfloat16 "
+                "int64,int64,int64]"]
+    fused.build((9, 0))
+    matrix = lambda dtype: types.Array(dtype, 2, "C")  # noqa: E731
+    vector = types.Array(types.int64, 1, "C")
+    ((kernel, signature, cc),) = built
+    assert signature == (vector, vector, matrix(types.int64), matrix(types.int64), types.int64,
+                         matrix(types.uint64), types.int64, types.float32, types.boolean,
+                         matrix(types.int64), matrix(types.uint16)) and cc == (9, 0)
+    assert kernel is fused_cuda.fused_kernel(3, 8, 160, 3, 2, None, 8, False)[0]
     with cuda_launch.recorded_launches() as launches:
         ids_cuda.launch_ngram_ids(kernel_set.SCHEMES["released"].layout, np.zeros(0, np.int64),
                                   np.zeros(1, np.int64), np.zeros((0, 2), np.int64), None, None)
