@@ -16,7 +16,7 @@ import numpy as np
 
 from .embedding import NGramEmbedding
 from .hashing.layout import split_rows
-from .runtime.backends import DEVICE, bind, cuda_stream, where
+from .runtime.backends import DEVICE, bind, cuda_stream, device_index, where
 from .runtime.checks import check_index_array
 from .tables.table import EmbeddingTable
 
@@ -145,4 +145,5 @@ def _torch_stream_of(ids):
         return None
     import torch
 
-    return cuda_stream(torch.cuda.current_stream())
+    device = device_index(ids)  # the ids' GPU, not the current one
+    return cuda_stream(torch.cuda.current_stream(device), device)

@@ -3,6 +3,8 @@ returned), DLPack, device mixing, stream choice and the DLPack handoff to torch.
 
 from __future__ import annotations
 
+import types as pytypes
+
 import numpy as np
 import pytest
 import torch
@@ -197,6 +199,93 @@ def test_torch_inputs_run_on_torchs_current_stream(monkeypatch):
     """With torch inputs and no stream, kernels run on torch's current stream: a torch caller
     (a graph capture included) then sees no cross-stream event in either DLPack handoff."""
     pytest.importorskip("cupy")
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda: ProtocolStream())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: ProtocolStream())
     assert backends.DEVICE.kernel_stream(None, prefer_torch=True).ptr == 0x5000
     assert backends.DEVICE.kernel_stream(OldTorchStream(), prefer_torch=True).ptr == 0x6000
+
+
+# --- several GPUs: everything follows the arrays' device, not the current one ---------------
+
+
+@pytest.fixture
+def two_gpus(monkeypatch):
+    """A stand-in CuPy whose current device is 0, with tensors on device 1."""
+    from fake_cupy import FakeCupy
+
+    cupy = FakeCupy()
+    monkeypatch.setattr(backends, "cupy_module", lambda: cupy)
+    backends._external_stream.cache_clear()
+    yield cupy
+    backends._external_stream.cache_clear()
+
+
+class TorchStream:
+    """A torch-like stream on one device (``device.index``), in the CUDA stream protocol."""
+
+    def __init__(self, index, handle=0x7000):
+        self.device = torch.device("cuda", index)
+        self.handle = handle
+
+    def __cuda_stream__(self):
+        return 0, self.handle
+
+
+def test_torch_inputs_on_another_gpu_run_on_that_gpus_torch_stream(two_gpus, monkeypatch):
+    """Bug: torch.cuda.current_stream() is the current device's stream: kernels for tensors on
+    GPU 1 were queued on GPU 0's stream."""
+    asked = []
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda device=None: asked.append(device) or TorchStream(device))
+    stream = backends.DEVICE.kernel_stream(None, prefer_torch=True, device=1)
+    assert asked == [1] and stream.device_id == 1 and stream.ptr == 0x7000
+
+
+def test_cupys_current_stream_and_foreign_streams_follow_the_device(two_gpus):
+    assert backends.cuda_stream(None, device=1).device_id == 1  # GPU 1's current stream
+    assert two_gpus.current == 0  # left as it was
+    assert backends.cuda_stream(None).device_id == 0
+    assert backends.cuda_stream(TorchStream(1, 0x8000), device=0).device_id == 1  # its own
+    assert backends.cuda_stream(ProtocolStream(), device=1).device_id == 1  # the arrays'
+
+
+def test_entering_a_stream_makes_its_device_current(two_gpus):
+    """Allocations and launches inside ``on(stream)`` go to the stream's GPU."""
+    stream = two_gpus.cuda.Stream(device_id=1, ptr=0x9000)
+    with backends.DEVICE.on(stream):
+        assert two_gpus.current == 1
+    assert two_gpus.current == 0
+    assert two_gpus.log[-2:] == [("device", 1), ("stream", 0x9000, 1)]
+
+
+def test_device_index_reads_dlpack_and_cupy_devices():
+    class OnGpu:
+        def __dlpack_device__(self):
+            return 2, 3
+
+    class CupyLike:
+        device = pytypes.SimpleNamespace(id=2)
+
+    assert backends.device_index(OnGpu()) == 3 and backends.device_index(CupyLike()) == 2
+    assert backends.device_index(np.zeros(2)) is None and backends.device_index(FakeDLPack()) \
+        is None
+
+
+@pytest.mark.gpu
+def test_tensors_on_the_second_gpu_while_the_first_is_current():
+    """On a machine with two GPUs: ids and a lookup of tensors on cuda:1, cuda:0 current."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    weight = np.random.default_rng(1).standard_normal((LAYOUT.padded_rows, 4)).astype(
+        np.float32)
+    torch.cuda.set_device(0)
+    tensors = [torch.from_numpy(a).to("cuda:1") for a in (TOKENS, STARTS, CONTEXT)]
+    ids = nc.compute_ngram_ids(LAYOUT, *tensors)
+    assert ids.device == torch.device("cuda", 1)
+    table = nc.EmbeddingTable(weight, placement="pinned")
+    table.prefetch(ids)
+    rows = table.lookup(ids)
+    assert rows.device == torch.device("cuda", 1)
+    torch.cuda.synchronize(1)
+    want = nc.EmbeddingTable(weight).lookup(reference.compute_ngram_ids(LAYOUT, TOKENS, STARTS,
+                                                                         CONTEXT))
+    np.testing.assert_array_equal(rows.cpu().numpy(), want)

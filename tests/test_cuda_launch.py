@@ -225,3 +225,27 @@ def test_a_launch_loads_once_and_passes_the_flattened_arguments_and_stream(monke
     assert len(args) == 2 * 7 + 3 * 9 + 1  # two 1-D arrays (7 slots), three 2-D (9), eos
     assert args[4] is tokens and args[-5] is out and args[-4:] == (300, 16, 128, 8)
     assert name.encode() in loads[0]  # the image holds the entry point launched
+
+
+class OnGpu(np.ndarray):
+    """A host array standing in for a device array on GPU 1 (only its ``device`` differs)."""
+
+    @property
+    def device(self):
+        return pytypes.SimpleNamespace(id=1)
+
+
+def test_a_launch_goes_to_the_arrays_gpu_not_the_current_one(monkeypatch):
+    """Bug: kernels were loaded and launched on the current device; a module loaded for GPU 1
+    cannot launch in GPU 0's context, and GPU 0 cannot read GPU 1's arrays anyway."""
+    from fake_cupy import FakeCupy
+
+    cupy = FakeCupy()
+    monkeypatch.setattr(cuda_launch, "cupy_module", lambda: cupy)
+    kernel = cuda_launch.NumbaKernel(lambda out: None)
+    out = np.zeros(4, np.int64).view(OnGpu)
+    launched = []
+    kernel._functions[(1, cuda_launch._signature_key((out,)))] = (
+        lambda grid, block, args, stream=None: launched.append(cupy.current))
+    kernel(1, 32, (out,))
+    assert launched == [1] and cupy.current == 0

@@ -191,7 +191,8 @@ def stand_in_cupy():
     cupy = pytypes.ModuleType("cupy")
     cupy.ndarray = StandInArray
     cupy.cuda = pytypes.SimpleNamespace(Stream=StandInContext, ExternalStream=StandInContext,
-                                        get_current_stream=StandInContext)
+                                        get_current_stream=StandInContext,
+                                        Device=lambda device=None: StandInContext())
     cupy.ascontiguousarray = lambda a: StandInArray(np.ascontiguousarray(a.host))
     cupy.empty = lambda shape, dtype: StandInArray(np.full(shape, -1, dtype=dtype))
     return cupy
@@ -455,7 +456,9 @@ def test_torch_cuda_tensors_on_a_torch_stream_and_dlpack_out():
         ids = nc.compute_ngram_ids(layout, *tensors, stream=stream)
         as_torch = torch.from_dlpack(ids)
         rolled = torch.from_dlpack(nc.advance_context(layout, *tensors, stream=stream))
-    assert as_torch.data_ptr() == ids.data.ptr and as_torch.device.type == "cuda"
+    # torch in, torch out: ``ids`` is a tensor (``.data`` is a tensor too, without ``.ptr``)
+    assert isinstance(ids, torch.Tensor) and ids.device.type == "cuda"
+    assert as_torch.data_ptr() == ids.data_ptr()
     stream.synchronize()
     np.testing.assert_array_equal(as_torch.cpu().numpy(),
                                   nc.compute_ngram_ids(layout, tokens, starts, context))
@@ -471,7 +474,7 @@ def test_torch_cuda_out_is_written_in_place():
     out = torch.full((256, layout.num_heads), -1, dtype=torch.int64, device="cuda")
     ids = nc.compute_ngram_ids(layout, *(torch.from_numpy(a).cuda() for a in (tokens, starts,
                                                                            context)), out=out)
-    assert ids.data.ptr == out.data_ptr()
+    assert ids is out and ids.data_ptr() == out.data_ptr()
     torch.cuda.synchronize()
     np.testing.assert_array_equal(out.cpu().numpy(),
                                   nc.compute_ngram_ids(layout, tokens, starts, context))

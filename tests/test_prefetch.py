@@ -16,7 +16,7 @@ from conftest import HAS_GPU
 import ngram_cupy as nc
 from ngram_cupy.tables import gather_numba
 from ngram_cupy.tables.dequant import reference_lookup
-from ngram_cupy.tables.pinned import PinnedBuffer
+from ngram_cupy.tables.pinned import PinnedBuffer, release_deferred
 from ngram_cupy.tables.prefetch import Pending
 
 SCALE = 0.75
@@ -383,7 +383,9 @@ def test_close_releases_the_registration(weight):
     buffer = PinnedBuffer(1 << 20)
     assert buffer.registered
     pointer = buffer.pointer
-    del buffer  # garbage collection releases it too
+    del buffer  # garbage collection queues its release (no CUDA call inside a collection)
+    gc.collect()
+    assert release_deferred() == 0  # the queue drains at the next safe point
     with pytest.raises(cupy.cuda.runtime.CUDARuntimeError):
         cupy.cuda.runtime.hostUnregister(pointer)
 
@@ -401,8 +403,11 @@ def test_torch_stream_and_tensors(weight):
         host.prefetch(ids, stream=stream)
         assert host.lookup(ids, out=out, stream=stream) is out
     stream.synchronize()
+    resident = gpu.lookup(ids)  # torch ids: a torch tensor, not a CuPy array
+    assert isinstance(resident, torch.Tensor) and resident.dtype == torch.bfloat16
+    torch.cuda.synchronize()
     np.testing.assert_array_equal(out.view(torch.int16).cpu().numpy(),
-                                  gpu.lookup(ids).get().view(np.int16))
+                                  resident.view(torch.int16).cpu().numpy())
 
 
 
@@ -577,3 +582,17 @@ def test_a_prefetch_captured_without_its_lookup_is_a_clear_error():
     pending = Pending(ids=None, rows=None, out_code=0)
     prefetcher.start(caller, pending, lambda: None)  # both inside one capture: joined
     assert prefetcher.join(caller) is pending and caller.waited == 1
+
+
+def test_the_prefetch_stream_is_made_on_the_ids_gpu(monkeypatch):
+    """Bug: the private stream and its events were made on the current device; a lookup of
+    ids on GPU 1 then waited on events of GPU 0's stream."""
+    from fake_cupy import FakeCupy
+
+    from ngram_cupy.tables import prefetch
+
+    cupy = FakeCupy()
+    monkeypatch.setattr(prefetch, "cupy_module", lambda: cupy)
+    streams = prefetch.StreamPrefetcher(device=1)
+    assert streams.device == 1 and streams.stream.device_id == 1 and cupy.current == 0
+    assert ("event made", 1) in cupy.log and ("event made", 0) not in cupy.log

@@ -135,3 +135,119 @@ def test_a_collected_pinned_buffer_is_released_later_without_cuda_calls(monkeypa
     assert pinned.release_deferred() == 1 and log == []  # still capturing: kept queued
     stream.capturing = False
     assert pinned.release_deferred() == 0 and log == ["synchronize s", 0x2000]
+
+
+def test_one_failed_unregister_does_not_stop_the_other_releases(monkeypatch):
+    """A registration whose cudaHostUnregister fails is dropped with a warning; the others
+    queued with it are released, and the queue (which every new pinned buffer drains first)
+    is empty, so later pinned allocations are not stopped by it."""
+    log = []
+
+    def unregister(pointer):
+        if pointer == 0x2000:
+            raise RuntimeError("cudaErrorHostMemoryNotRegistered")
+        log.append(pointer)
+
+    monkeypatch.setattr(pinned, "host_unregister", unregister)
+    monkeypatch.setattr(pinned, "_deferred", [])
+    for pointer in (0x1000, 0x2000, 0x3000):
+        pinned._collected(pinned.Registration(pointer, memory=object()))
+    with pytest.warns(RuntimeWarning, match="0x2000.*cudaErrorHostMemoryNotRegistered"):
+        assert pinned.release_deferred() == 0
+    assert log == [0x1000, 0x3000]
+    assert pinned.release_deferred() == 0 and log == [0x1000, 0x3000]  # nothing left to fail
+
+
+@pytest.mark.gpu
+def test_a_failed_deferred_unregister_leaves_pinned_allocation_working(monkeypatch):
+    """On a GPU: a queued registration CUDA refuses to unregister (never registered) must not
+    make every later ``PinnedBuffer`` fail."""
+    monkeypatch.setattr(pinned, "_deferred", [])
+    never_registered = np.zeros(1 << 16, np.uint8)
+    pinned._collected(pinned.Registration(never_registered.ctypes.data, never_registered))
+    with pytest.warns(RuntimeWarning, match="could not unregister"):
+        first = pinned.PinnedBuffer(1 << 20)
+    assert first.registered and pinned._deferred == []
+    first.close()
+    second = pinned.PinnedBuffer(1 << 20)
+    assert second.registered
+    second.close()
+
+
+class CheckingStream(FakeStream):
+    """A stream whose wait checks the table still holds its old rows (nothing written yet)."""
+
+    def __init__(self, log, name, table, old, capturing=False, ptr=1):
+        super().__init__(log, name, capturing, ptr)
+        self.table, self.old = table, old
+
+    def synchronize(self):
+        assert np.array_equal(self.table.host_view, self.old), "written before the wait"
+        super().synchronize()
+
+
+@pytest.mark.parametrize("hot_rows", [None, [1, 4]])
+def test_writes_wait_for_the_lookups_still_reading_and_refuse_in_a_capture(hot_rows):
+    """Bug: write_rows and refresh_hot_rows changed rows that GPU lookups queued on other
+    streams may still read (a half-old, half-new result). They wait for those streams first
+    (and only those), and refuse, writing nothing, while one of them captures a graph."""
+    log = []
+    weight = np.arange(24, dtype=np.float32).reshape(6, 4)
+    table = nc.EmbeddingTable(weight.copy(), placement="pinned", hot_rows=hot_rows)
+    old = table.host_view.copy()
+    reader = CheckingStream(log, "reader", table, old, capturing=True)
+    table.storage.used_on(reader)  # what a GPU lookup (or the fused kernel) reports
+    with pytest.raises(RuntimeError, match="cannot write rows while a stream that looks up"):
+        table.write_rows(2, np.ones((1, 4), np.float32))
+    np.testing.assert_array_equal(table.host_view, old)
+    reader.capturing = False
+    table.write_rows(2, np.ones((1, 4), np.float32))
+    assert log == ["synchronize reader"] and table.host_view[2].tolist() == [1, 1, 1, 1]
+    table.write_rows(3, np.ones((1, 4), np.float32))  # no lookup since: no wait
+    assert log == ["synchronize reader"]
+    if hot_rows is not None:
+        reader.old = table.host_view.copy()
+        table.storage.used_on(reader)
+        table.refresh_hot_rows()
+        assert log == ["synchronize reader"] * 2
+
+
+def test_close_waits_for_lookups_and_is_refused_during_a_capture():
+    log = []
+    table = nc.EmbeddingTable(np.zeros((6, 4), np.float32), placement="pinned")
+    reader = FakeStream(log, "reader", capturing=True)
+    table.storage.used_on(reader)
+    with pytest.raises(RuntimeError, match="cannot close the table while a stream"):
+        table.close()
+    reader.capturing = False
+    table.close()
+    assert log[0] == "synchronize reader"
+
+
+def test_a_gpu_tables_gather_reports_its_stream(monkeypatch):
+    from ngram_cupy.tables.storage import gpu
+
+    monkeypatch.setattr(gpu, "gather_device", lambda rows, code, job: None)
+    storage = gpu.GpuStorage(np.zeros((4, 2), np.uint32), storage_format("float32"))
+    stream = FakeStream([], "lookup")
+    storage.gather(Gather(DEVICE, None, None, 0, 0, np.float32(1), stream=stream))
+    assert list(storage.readers.streams.values()) == [stream]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("placement", ["pinned", "gpu"])
+def test_a_write_never_changes_rows_under_a_running_lookup(placement):
+    """On a device: a long lookup queued on a side stream, then at once a write of every row
+    from the host; the lookup must read only the old rows."""
+    import cupy
+
+    rows = 1 << 14
+    weight = np.zeros((rows, 64), np.float32)
+    table = nc.EmbeddingTable(weight, placement=placement)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        ids = cupy.asarray(np.random.default_rng(2).integers(0, rows, (1 << 16, 16)))
+    got = table.lookup(ids, stream=stream)  # ~256 MiB read: still running on return
+    table.write_rows(0, np.ones((rows, 64), np.float32))
+    stream.synchronize()
+    assert not cupy.asnumpy(got).any()

@@ -417,6 +417,78 @@ def test_prefetch_through_the_tier():
                                              + sum(expected_counts(differs, hot, 0, 500)))
 
 
+@pytest.mark.parametrize("prefetch_dtype, reads", [(np.float32, 1), (None, 2)])
+def test_a_prefetch_of_another_output_type_is_discarded_and_counted(prefetch_dtype, reads):
+    """A lookup uses a prefetch of its own output type (unchanged ids: nothing read again);
+    a prefetch of the default type (bfloat16 here) read as float32 is gathered and counted,
+    then discarded, and the lookup reads every row again."""
+    rng = np.random.default_rng(21)
+    weight = random_bits(rng, 300, 8, ml_dtypes.bfloat16)
+    hot = np.unique(rng.integers(0, 300, 60))
+    tiered, plain = tiered_and_plain(weight, hot)
+    ids = adversarial_ids(rng, hot, 0, 300, (50, 3))
+    tiered.prefetch(ids, out_dtype=prefetch_dtype)
+    got = tiered.lookup(ids, out_dtype=np.float32)
+    np.testing.assert_array_equal(got, plain.lookup(ids, out_dtype=np.float32))
+    hot_read, cold_read = expected_counts(ids, hot, 0, 300)
+    assert tiered.counters == {"hot_rows": reads * hot_read, "cold_rows": reads * cold_read}
+
+
+def test_the_gpu_tier_is_uploaded_before_any_stream_reads_it(monkeypatch):
+    """Bug: the slot map, hot rows and counters were copied asynchronously on CuPy's current
+    stream, and a first lookup on another stream could read them half copied. Every copy is
+    made on one stream, which is waited for before the table can be used."""
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    from ngram_cupy.tables.storage import tiered
+    from ngram_cupy.tables.storage.cpu import CpuStorage
+
+    log = []
+
+    class Stream:
+        def __enter__(self):
+            log.append("enter")
+
+        def __exit__(self, *exc):
+            log.append("exit")
+
+        def synchronize(self):
+            log.append("synchronize")
+
+    cupy = SimpleNamespace(asarray=lambda array: log.append(f"copy {array.dtype}") or array)
+    monkeypatch.setattr(tiered, "cupy_module", lambda: cupy)
+    monkeypatch.setattr(tiered, "cuda_stream", Stream)
+    cold = CpuStorage(np.zeros((100, 4), np.float32).view(np.uint32), formats.FORMATS[0])
+    cold.device_view = SimpleNamespace(device=nullcontext())  # as if the GPU read it
+    storage = tiered.TieredStorage(cold, np.array([3, 50]))
+    assert log == ["enter", "copy uint64", "copy uint32", "copy uint32", "copy uint64", "exit",
+                   "synchronize"]
+    np.testing.assert_array_equal(storage.device_hot, storage.host_hot)
+    assert storage.device_tier.map[0] is storage.device_map[0]
+
+
+@pytest.mark.gpu
+def test_a_first_lookup_on_another_stream_reads_a_whole_new_tier():
+    """On a device: a 64 MiB hot tier, then at once a lookup on a fresh non-blocking stream
+    (nothing orders it after the copies but the upload's wait)."""
+    import cupy
+
+    rng = np.random.default_rng(22)
+    weight = random_bits(rng, 1 << 17, 256, np.float32)  # 128 MiB of rows, half of them hot
+    hot = np.arange(0, 1 << 17, 2)
+    tiered, plain = tiered_and_plain(weight, hot)
+    ids = rng.integers(0, 1 << 17, (4096, 4))
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:  # the ids copied on the lookup's stream: only the tier is in question
+        device_ids = cupy.asarray(ids)
+    got = tiered.lookup(device_ids, stream=stream)
+    stream.synchronize()
+    np.testing.assert_array_equal(cupy.asnumpy(got).view(np.uint32),
+                                  plain.lookup(ids).view(np.uint32))
+    assert tiered.counters["hot_rows"] == int((ids % 2 == 0).sum())
+
+
 class FakeStream:
     """A CuPy-like stream: records its waits, and whether it is capturing a graph."""
 
@@ -510,7 +582,7 @@ def test_gpu_tiered_lookup_equals_the_cpu_one(dtype, out_dtype):
                                   want.view(f"u{want.itemsize}"))
     hot_read, cold_read = expected_counts(ids, hot, 0, 4096)
     assert tiered.counters == {"hot_rows": hot_read, "cold_rows": cold_read}
-    tiered.prefetch(cupy.asarray(ids))
+    tiered.prefetch(cupy.asarray(ids), out_dtype=out_dtype)  # else the lookup discards it
     again = tiered.lookup(cupy.asarray(ids), out_dtype=out_dtype)
     np.testing.assert_array_equal(cupy.asnumpy(again), cupy.asnumpy(got))
     assert tiered.counters == {"hot_rows": 2 * hot_read, "cold_rows": 2 * cold_read}

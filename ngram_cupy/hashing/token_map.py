@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from ..files.atomic import atomic_file
+from ..runtime.kernel_cache import cache_dir
 
 # Bumped whenever the normalisation changes, so no stale map is ever read back.
 FORMAT_VERSION = 1
@@ -43,12 +44,6 @@ class TokenMap:
 
     def __repr__(self) -> str:
         return f"TokenMap(vocab_size={self.vocab_size}, size={self.size})"
-
-
-def cache_dir() -> Path:
-    """Where token maps are cached: ``$NGRAM_CUPY_CACHE_DIR`` or ``~/.cache/ngram_cupy``."""
-    configured = os.environ.get("NGRAM_CUPY_CACHE_DIR")
-    return Path(configured) if configured else Path.home() / ".cache" / "ngram_cupy"
 
 
 def normalizer():

@@ -189,8 +189,12 @@ def table_words(rows, itemsize: int, *also):
 
 @cache
 def placeholder_ids(device: int):
-    """An int64 placeholder for ``ids_out`` on ``device`` (the current one), made once."""
-    return cupy_module().zeros((1, 1), dtype=np.int64)
+    """An int64 placeholder for ``ids_out`` on ``device``, made once (and waited for)."""
+    cupy = cupy_module()
+    with cupy.cuda.Device(device):
+        array = cupy.zeros((1, 1), dtype=np.int64)
+        cupy.cuda.get_current_stream().synchronize()
+    return array
 
 
 def fused_lookup_cuda(layout, rows, fmt: Format, row_start: int, scale, tokens, query_start_loc,

@@ -120,11 +120,12 @@ def launch_advance_context(tokens, query_start_loc, context, out, stream=None):
 
 @cache
 def device_params(layout: LayerLayout, device: int):
-    """The layer's constants on ``device`` (the current one), uploaded once per device (the only
-    host synchronisation)."""
+    """The layer's constants on ``device``, uploaded once per device (the only host
+    synchronisation)."""
     cupy = cupy_module()
-    array = cupy.asarray(layout_params(layout))
-    cupy.cuda.get_current_stream().synchronize()  # once: then any stream may read it
+    with cupy.cuda.Device(device):
+        array = cupy.asarray(layout_params(layout))
+        cupy.cuda.get_current_stream().synchronize()  # once: then any stream may read it
     return array
 
 

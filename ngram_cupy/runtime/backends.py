@@ -105,7 +105,8 @@ class HostBackend(Backend):
         """``array`` itself when C-contiguous, else a C-contiguous copy."""
         return np.ascontiguousarray(array)
 
-    def kernel_stream(self, stream: Any, prefer_torch: bool = False) -> None:
+    def kernel_stream(self, stream: Any, prefer_torch: bool = False,
+                      device: int | None = None) -> None:
         """No streams on the host: a ``stream`` is a ValueError (nothing would run on it)."""
         if stream is not None:
             raise ValueError("stream is only for GPU arrays, but the arguments are on the CPU")
@@ -157,18 +158,23 @@ class DeviceBackend(Backend):
         """``array`` itself when C-contiguous, else a C-contiguous copy (on the current stream)."""
         return cupy_module().ascontiguousarray(array)
 
-    def kernel_stream(self, stream: Any, prefer_torch: bool = False):
+    def kernel_stream(self, stream: Any, prefer_torch: bool = False, device: int | None = None):
         """The CuPy stream kernels run on: ``stream`` (CuPy, torch, or ``__cuda_stream__``); else
-        torch's current stream when ``prefer_torch``, else CuPy's current stream."""
+        torch's current stream when ``prefer_torch``, else CuPy's current stream; the current
+        streams those of ``device`` (the arguments' GPU) when given, not the current device's."""
         if stream is None and prefer_torch:
             import torch
 
-            stream = torch.cuda.current_stream()
-        return cuda_stream(stream)
+            stream = torch.cuda.current_stream(device)
+        return cuda_stream(stream, device)
 
     def on(self, stream: Any):
-        """``stream`` as CuPy's current stream (and its device as the current device)."""
-        return stream
+        """``stream`` as CuPy's current stream, its device as the current device (launches and
+        allocations then go to the stream's GPU, whichever device was current)."""
+        device = getattr(stream, "device_id", -1)
+        if not isinstance(device, int) or device < 0:
+            return stream
+        return on_device(stream, device)
 
     def address(self, array) -> int:
         """The device pointer."""
@@ -188,6 +194,23 @@ class DeviceBackend(Backend):
 
 
 HOST, DEVICE = HostBackend(), DeviceBackend()
+
+
+@contextlib.contextmanager
+def on_device(stream: Any, device: int):
+    """CuPy's current device ``device`` and current stream ``stream`` inside the block."""
+    with cupy_module().cuda.Device(device), stream:
+        yield stream
+
+
+def device_index(value: Any) -> int | None:
+    """The GPU ordinal of a CUDA array (DLPack or CuPy); None for anything else."""
+    if hasattr(value, "__dlpack_device__"):
+        kind, index = value.__dlpack_device__()
+        return int(index) if kind == _DLPACK_CUDA else None
+    device = getattr(value, "device", None)
+    index = getattr(device, "id", None)
+    return index if isinstance(index, int) else None
 
 
 def where(value: Any) -> Backend | None:
@@ -284,7 +307,9 @@ def bind(stream: Any = None, **arrays: Any) -> Call:
             formats[name] = fmt
     torch_in = any(is_torch(value) for value in arrays.values())
     side = placement(**unwrapped)
-    kernels_stream = side.kernel_stream(stream, prefer_torch=torch_in)
+    devices = [device_index(value) for value in unwrapped.values() if value is not None]
+    device = next((index for index in devices if index is not None), None)
+    kernels_stream = side.kernel_stream(stream, prefer_torch=torch_in, device=device)
     with side.on(kernels_stream):
         _, converted = convert(**unwrapped)
     return Call(side, kernels_stream, converted, formats, dict(arrays), torch_in)
@@ -301,27 +326,43 @@ class _StreamHandle:
 
 
 @lru_cache(maxsize=64)
-def _external_stream(handle: int):
-    """A CuPy stream for a foreign handle, made once per handle (the wrapper owns nothing)."""
+def _external_stream(handle: int, device: int | None = None):
+    """A CuPy stream for a foreign handle on ``device`` (when known), made once per handle and
+    device (the wrapper owns nothing)."""
     cupy = cupy_module()
     if handle == 0:
         return cupy.cuda.Stream.null
+    if device is not None and hasattr(cupy.cuda, "ExternalStream"):
+        return cupy.cuda.ExternalStream(handle, device)  # knows its device
     if hasattr(cupy.cuda.Stream, "from_external"):  # CuPy >= 14
         return cupy.cuda.Stream.from_external(_StreamHandle(handle))
     return cupy.cuda.ExternalStream(handle)
 
 
-def cuda_stream(stream: Any = None):
-    """The CuPy stream kernels run on: CuPy's current one, or the given CuPy/PyTorch stream.
+def torch_stream_device(stream: Any) -> int | None:
+    """The GPU of a torch stream (``stream.device.index``); None for other streams."""
+    index = getattr(getattr(stream, "device", None), "index", None)
+    return index if isinstance(index, int) else None
+
+
+def cuda_stream(stream: Any = None, device: int | None = None):
+    """The CuPy stream kernels run on: CuPy's current one (of ``device`` when given), or the
+    given CuPy/PyTorch stream.
 
     Accepts a CuPy stream, a ``torch.cuda.Stream``, or any object in the CUDA stream protocol
-    (``__cuda_stream__``); anything else is a ``TypeError`` naming ``stream``.
+    (``__cuda_stream__``); anything else is a ``TypeError`` naming ``stream``. A foreign
+    stream is taken to be on its own device (torch's), else on ``device``.
     """
     cupy = cupy_module()
     if stream is None:
-        return cupy.cuda.get_current_stream()
+        if device is None:
+            return cupy.cuda.get_current_stream()
+        with cupy.cuda.Device(device):
+            return cupy.cuda.get_current_stream()
     if isinstance(stream, cupy.cuda.Stream | cupy.cuda.ExternalStream):
         return stream
+    own = torch_stream_device(stream)
+    device = own if own is not None else device
     if hasattr(stream, "__cuda_stream__"):
         handle = stream.__cuda_stream__()[1]
     else:
@@ -331,4 +372,4 @@ def cuda_stream(stream: Any = None):
             f"stream must be a CuPy or torch CUDA stream (or have __cuda_stream__), "
             f"got {type(stream).__name__}"
         )
-    return _external_stream(handle)
+    return _external_stream(handle, device)

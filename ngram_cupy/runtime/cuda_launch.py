@@ -12,18 +12,39 @@ strides.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import inspect
 import re
-from collections.abc import Callable
+import threading
+import types as pytypes
+from collections.abc import Callable, Iterator
 from itertools import zip_longest
 from typing import Any
 
 import numpy as np
 from numba import config, cuda, from_dtype, types
 
+from . import kernel_cache
 from .backends import cupy_module
+from .kernel_cache import entry_key, function_digest, numba_versions
 
 _ENTRY = re.compile(r"\.entry\s+([\w$.]+)\s*\(")
+# Launches noted instead of run (``recorded_launches``): how ``ngram-cupy compile`` learns the
+# kernels and argument types the library's launchers use, from the launchers themselves.
+_RECORDED: contextvars.ContextVar[list | None] = contextvars.ContextVar("recorded", default=None)
+
+
+@contextlib.contextmanager
+def recorded_launches() -> Iterator[list[tuple[NumbaKernel, tuple]]]:
+    """Inside the block, ``NumbaKernel`` launches (on any arrays, NumPy ones included) run
+    nothing and are listed as ``(kernel, args)``."""
+    launches: list[tuple[NumbaKernel, tuple]] = []
+    token = _RECORDED.set(launches)
+    try:
+        yield launches
+    finally:
+        _RECORDED.reset(token)
 
 
 def entry_name(ptx: str) -> str:
@@ -132,9 +153,36 @@ def assemble(ptx: str, cc: tuple[int, int]) -> bytes:
         nvjitlink.destroy(handle)
 
 
+_TARGET_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def target_capability(cc: tuple[int, int]) -> Iterator[None]:
+    """Numba compiles the device functions a kernel calls for the current device's compute
+    capability, which needs a driver and a device: answer ``cc`` instead, so that kernels build
+    for any architecture on any machine (one compile at a time)."""
+    dispatcher = cuda.dispatcher
+    with _TARGET_LOCK:
+        current = dispatcher.get_current_device
+        dispatcher.get_current_device = lambda: pytypes.SimpleNamespace(compute_capability=cc)
+        try:
+            yield
+        finally:
+            dispatcher.get_current_device = current
+
+
 def _signature_key(args: tuple) -> tuple:
     """A cheap hashable key of the argument types (dtype and ndim of arrays, scalar dtypes)."""
     return tuple((a.dtype.char, a.ndim) if hasattr(a, "ndim") else type(a) for a in args)
+
+
+def array_device(args: tuple, cupy):
+    """The CuPy device of the first device array among ``args`` (else the current device)."""
+    for value in args:
+        device = getattr(value, "device", None)
+        if device is not None and hasattr(device, "id"):
+            return cupy.cuda.Device(device.id)
+    return cupy.cuda.Device()
 
 
 class NumbaKernel:
@@ -148,20 +196,37 @@ class NumbaKernel:
 
     def ptx(self, args: tuple, cc: tuple[int, int]) -> str:
         """PTX of the kernel for the types of ``args`` on compute capability ``cc``."""
-        signature = tuple(numba_type(a) for a in args)
-        return cuda.compile_ptx(self.py_func, signature, cc=cc)[0]
+        return self.compiled(tuple(numba_type(a) for a in args), cc)["ptx"]
+
+    def compiled(self, signature: tuple, cc: tuple[int, int]) -> dict[str, str | bytes]:
+        """``{"ptx", "image"}`` of the kernel for Numba argument types ``signature`` on ``cc``:
+        from the kernel cache (``kernel_cache``), else compiled by Numba and nvJitLink, which
+        need no GPU, and kept there."""
+        key = entry_key("numba", function_digest(self.py_func), tuple(map(str, signature)),
+                        tuple(cc), numba_versions())
+
+        def build() -> dict[str, str | bytes]:
+            with target_capability(tuple(cc)):
+                ptx = cuda.compile_ptx(self.py_func, signature, cc=cc)[0]
+            return {"ptx": ptx, "image": assemble(ptx, cc)}
+
+        return kernel_cache.KERNELS.fetch(
+            key, build, lambda fields: isinstance(fields.get("ptx"), str)
+            and isinstance(fields.get("image"), bytes))
 
     def _load(self, args: tuple, device) -> Any:
-        """Compile and load the kernel on ``device``; checked against Numba's ABI once."""
+        """Load the kernel (compiled or from the kernel cache) on ``device``; its parameters
+        checked against the launcher's once."""
         cupy = cupy_module()
         capability = device.compute_capability  # e.g. "90"
         cc = (int(capability[:-1]), int(capability[-1]))
-        ptx = self.ptx(args, cc)
+        fields = self.compiled(tuple(numba_type(a) for a in args), cc)
+        ptx = fields["ptx"]
         check_abi(ptx, args, self.name)
         module = cupy.cuda.function.Module()
         with device:
             try:
-                module.load(assemble(ptx, cc))
+                module.load(fields["image"])
             except cupy.cuda.driver.CUDADriverError as error:
                 raise RuntimeError(
                     f"{self.name}: the CUDA driver could not load Numba's code ({error}); PTX "
@@ -171,21 +236,26 @@ class NumbaKernel:
             return module.get_function(entry_name(ptx))
 
     def __call__(self, grid: int, block: int, args: tuple, stream=None) -> None:
-        """Launch on ``stream`` (a CuPy stream; default: the current one) of the current device.
+        """Launch on ``stream`` (a CuPy stream; default: the current one) of the arrays' device.
 
         Under the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``) the same Python kernel runs on
         simulator arrays instead, which is how CI executes it.
         """
+        recorded = _RECORDED.get()
+        if recorded is not None:
+            recorded.append((self, args))
+            return
         if config.ENABLE_CUDASIM:
             if self._simulated is None:
                 self._simulated = cuda.jit(self.py_func)
             self._simulated[grid, block](*args)
             return
         cupy = cupy_module()
-        device = cupy.cuda.Device()
+        device = array_device(args, cupy)
         key = (device.id, _signature_key(args))
         function = self._functions.get(key)
         if function is None:
             function = self._functions[key] = self._load(args, device)
         flat = tuple(x for a in args for x in flatten(a))
-        function((grid,), (block,), flat, stream=stream)
+        with device:  # the module's context is the arrays' device's, whichever is current
+            function((grid,), (block,), flat, stream=stream)

@@ -1,12 +1,15 @@
 """GPU gather of table rows: launches ``kernels/gather.cu`` through a CuPy ``RawModule``.
 
 The table may live in device memory or in page-locked host memory mapped into the GPU (UVA): the
-kernel is the same. One instantiation is compiled per (storage format, output format, load width,
-id type), on first use, and cached by CuPy.
+kernel is the same. Every instantiation (storage format, output format, load width, id type) is
+compiled at once per GPU architecture, on first use, by NVRTC into the kernel cache
+(``runtime.kernel_cache``): later processes load the cubin from there.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 from dataclasses import dataclass
 from functools import cache
@@ -15,7 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
+from ..runtime import kernel_cache, nvrtc
 from ..runtime.backends import cupy_module
+from ..runtime.kernel_cache import entry_key
 from .dequant import FORMATS, OUTPUT_CODES
 
 # kernels/ at the top of a source checkout; installed wheels carry it as ngram_cupy/kernels.
@@ -56,14 +61,44 @@ def all_instances() -> list[str]:
     ]
 
 
+def module_build(arch: str) -> dict[str, str | bytes]:
+    """``{"image", "names"}`` of gather.cu with every instance for ``arch`` (``sm_90``): the
+    cubin and its lowered names (JSON), from the kernel cache or compiled by NVRTC there."""
+    source = kernel_source("gather.cu")
+    instances = all_instances()
+    key = entry_key("nvrtc", "gather.cu", hashlib.sha256(source.encode()).hexdigest(),
+                    tuple(instances), NVRTC_OPTIONS, arch, nvrtc.nvrtc_version())
+
+    def build() -> dict[str, str | bytes]:
+        image, lowered = nvrtc.compile_cubin(source, "gather.cu", instances, arch,
+                                             NVRTC_OPTIONS)
+        return {"image": image, "names": json.dumps(lowered)}
+
+    return kernel_cache.KERNELS.fetch(
+        key, build, lambda fields: isinstance(fields.get("image"), bytes)
+        and isinstance(fields.get("names"), str))
+
+
+@cache
+def _module(device_id: int):
+    """gather.cu loaded on one device: ``(module, {instance: lowered name})``, or ``(RawModule,
+    None)`` compiled by CuPy where cuda-bindings' NVRTC is missing."""
+    cupy = cupy_module()
+    with cupy.cuda.Device(device_id) as device:
+        if nvrtc.nvrtc_version() == "none":
+            return cupy.RawModule(code=kernel_source("gather.cu"), options=NVRTC_OPTIONS,
+                                  name_expressions=all_instances()), None
+        build = module_build(f"sm_{device.compute_capability}")
+        module = cupy.cuda.function.Module()
+        module.load(build["image"])
+        return module, json.loads(build["names"])
+
+
 @cache
 def _kernel(name: str, device_id: int):
-    """One compiled instantiation on one device."""
-    cupy = cupy_module()
-    with cupy.cuda.Device(device_id):
-        module = cupy.RawModule(code=kernel_source("gather.cu"), options=NVRTC_OPTIONS,
-                                name_expressions=[name])
-        return module.get_function(name)
+    """One instantiation on one device."""
+    module, lowered = _module(device_id)
+    return module.get_function(name if lowered is None else lowered[name])
 
 
 def vector_bytes(row_bytes: int, itemsize: int, out_itemsize: int, table_address: int,
@@ -134,9 +169,11 @@ def gather_rows(table, code: int, row_start: int, scale, ids, out, out_code: int
     plan = launch_plan(table, code, row_start, scale, ids, out, out_code, expected, hot, counts)
     if plan is None:
         return out
-    kernel = _kernel(plan.name, ids.device.id)
-    with stream if stream is not None else cupy.cuda.get_current_stream():
-        kernel((plan.grid,), (plan.block,), plan.args)
+    device = ids.device.id
+    kernel = _kernel(plan.name, device)
+    with cupy.cuda.Device(device):  # the module's context is the arrays' device's
+        kernel((plan.grid,), (plan.block,), plan.args,
+               stream=stream if stream is not None else cupy.cuda.get_current_stream())
     return out
 
 

@@ -15,6 +15,7 @@ registration, and the queue is released at the next ``close()``, the next ``Pinn
 from __future__ import annotations
 
 import mmap
+import warnings
 import weakref
 from typing import Any
 
@@ -73,8 +74,17 @@ def _collected(registration: Registration) -> None:
 
 def release_deferred() -> int:
     """Release the queued registrations of collected buffers that can be released now; return
-    how many are still queued."""
-    _deferred[:] = [registration for registration in _deferred if not registration.release()]
+    how many are still queued. One that fails to unregister (a CUDA error) is dropped with a
+    warning: it would fail again, and must not stop the others or later pinned allocations."""
+    queued, kept = list(_deferred), []
+    for registration in queued:
+        try:
+            if not registration.release():
+                kept.append(registration)
+        except Exception as error:  # a CUDA error: this registration only
+            warnings.warn(f"could not unregister pinned host memory at {registration.pointer:#x} "
+                          f"({error}); dropped", RuntimeWarning, stacklevel=2)
+    _deferred[:] = kept + _deferred[len(queued):]  # and any queued meanwhile (a collection)
     return len(_deferred)
 
 

@@ -19,6 +19,7 @@ keep_staging``) before capturing; pinned buffers are never dropped.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections import OrderedDict
@@ -29,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from ..runtime.backends import HOST, Backend, cupy_module
+from ..runtime.backends import HOST, Backend, cupy_module, device_index
 
 # Staging buffer shapes kept per side (beyond the pinned ones).
 STAGING_SHAPES = 8
@@ -178,11 +179,15 @@ class StreamPrefetcher:
     ``RuntimeError`` (CUDA would report an unjoined or isolated capture).
     """
 
-    def __init__(self, stream: Any = None, event: Callable[[], Any] | None = None) -> None:
+    def __init__(self, stream: Any = None, event: Callable[[], Any] | None = None,
+                 device: int | None = None) -> None:
+        self.device = device  # the GPU of the stream and events: the tables' and ids' GPU
         cupy = cupy_module() if stream is None or event is None else None
-        self.stream = cupy.cuda.Stream(non_blocking=True) if stream is None else stream
-        event = event or (lambda: cupy.cuda.Event(disable_timing=True))
-        self._ready, self._done = event(), event()
+        with cupy.cuda.Device(device) if cupy is not None and device is not None \
+                else contextlib.nullcontext():
+            self.stream = cupy.cuda.Stream(non_blocking=True) if stream is None else stream
+            event = event or (lambda: cupy.cuda.Event(disable_timing=True))
+            self._ready, self._done = event(), event()
         self._pending: Pending | None = None
         self._owner: int | None = None  # the thread that started the pending prefetch
         self._lock = threading.Lock()
@@ -236,15 +241,16 @@ class Prefetcher:
     def __init__(self) -> None:
         self.threads = ThreadPrefetcher()
         self.streams: StreamPrefetcher | None = None
-        self._buffers: dict[Backend, Buffers] = {}
+        self._buffers: dict[tuple[Backend, int | None], Buffers] = {}
         self._keep: set[int] = set()
 
-    def buffers(self, side: Backend) -> Buffers:
-        """The staging buffers of one side."""
-        if side not in self._buffers:
-            self._buffers[side] = Buffers(side.empty)
-            self._buffers[side].pin(self._keep)
-        return self._buffers[side]
+    def buffers(self, side: Backend, device: int | None = None) -> Buffers:
+        """The staging buffers of one side (and GPU)."""
+        key = (side, device)
+        if key not in self._buffers:
+            self._buffers[key] = Buffers(side.empty)
+            self._buffers[key].pin(self._keep)
+        return self._buffers[key]
 
     def keep(self, num_tokens: Iterable[int]) -> None:
         """Never drop the staging buffers of these batch sizes (CUDA graphs hold them)."""
@@ -261,8 +267,10 @@ class Prefetcher:
     def issue(self, side: Backend, stream: Any, ids, rows_shape: tuple[int, int], rows_dtype,
               out_code: int, out, gather: Callable[[Any, Any, bool], object]) -> None:
         """Join the previous prefetch, snapshot ``ids`` and start ``gather(ids, rows, worker)``
-        into ``out`` (or a staging buffer), on the worker thread or the private stream."""
-        buffers = self.buffers(side)
+        into ``out`` (or a staging buffer), on the worker thread or the private stream (on the
+        ids' GPU, whichever device is current)."""
+        device = None if side is HOST else device_index(ids)
+        buffers = self.buffers(side, device)
         self.join(side, stream)
         snapshot = buffers.get("ids", ids.shape, np.int64)
         snapshot[...] = ids
@@ -271,8 +279,11 @@ class Prefetcher:
         if side is HOST:
             self.threads.start(pending, lambda: gather(snapshot, rows, True))
         else:
+            if self.streams is not None and self.streams.device != device:
+                self.streams.close()  # joined above: a table read from another GPU now
+                self.streams = None
             if self.streams is None:
-                self.streams = StreamPrefetcher()
+                self.streams = StreamPrefetcher(device=device)
             self.streams.start(stream, pending, lambda: gather(snapshot, rows, False))
 
     def finish(self, side: Backend, stream: Any, ids, out_code: int, out,

@@ -212,7 +212,9 @@ class EmbeddingTable:
 
         The block must lie inside the owned rows and match ``head_dim`` and ``dtype``. Host
         placements write straight into their memory; ``"gpu"`` copies just this block over.
-        When this returns, every later lookup sees the rows, on any stream or graph replay.
+        GPU lookups still running (on any stream) finish first, so none reads a half-written
+        row; during a CUDA graph capture of a lookup this is a RuntimeError. When this returns,
+        every later lookup sees the rows, on any stream or graph replay.
         """
         call = bind(rows=rows)
         rows, torch_format = call["rows"], call.formats.get("rows")
@@ -231,6 +233,7 @@ class EmbeddingTable:
                 f"{self.row_start + self.num_rows})")
         if not self.storage.writable:
             raise ValueError("the table's storage is read-only")
+        self.storage.wait_for_readers("write rows")
         with call.on():
             self.storage.write_rows(int(start) - self.row_start, rows.view(self.format.raw))
 
@@ -241,6 +244,7 @@ class EmbeddingTable:
         ``host_view``, or a torch tensor sharing it) leave stale hot copies until this is called.
         """
         if isinstance(self.storage, TieredStorage):
+            self.storage.wait_for_readers("refresh the hot rows")  # as write_rows
             self.storage.refresh()
 
     # ---- lookups ----
@@ -358,8 +362,19 @@ class EmbeddingTable:
 
     def close(self) -> None:
         """Finish any prefetch and release the storage's registrations (pinned memory: the
-        table is then unusable on the GPU)."""
+        table is then unusable on the GPU), after the GPU lookups still running; refused
+        (RuntimeError) while a stream that looks the table up is capturing a CUDA graph.
+
+        A CUDA graph that captured lookups reads the rows at every replay, which the library
+        cannot see: close the table (or drop its last reference) only once no such graph will
+        be replayed again (destroy the graph first).
+        """
+        if self.storage.readers.capturing():
+            raise RuntimeError("cannot close the table while a stream that looks it up is "
+                               "capturing a CUDA graph: close it after the capture (and after "
+                               "the graph's last replay)")
         self.prefetcher.close()
+        self.storage.wait_for_readers("close the table")
         self.storage.close()
 
     def __enter__(self) -> EmbeddingTable:

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from ...runtime.backends import HOST, Backend
+from ...runtime.used_streams import UsedStreams
 from ..formats import Format
 
 
@@ -43,6 +44,7 @@ class Storage:
 
     def __init__(self, num_rows: int, head_dim: int, fmt: Format):
         self.num_rows, self.head_dim, self.format = num_rows, head_dim, fmt
+        self.readers = UsedStreams()  # the streams of GPU lookups that may still read the rows
 
     @property
     def nbytes(self) -> int:
@@ -71,7 +73,17 @@ class Storage:
         prepare by default (mapped files advise their pages)."""
 
     def used_on(self, stream) -> None:
-        """Nothing to remember by default."""
+        """A GPU kernel on ``stream`` reads the rows: writes and closing wait for it."""
+        self.readers.add(stream)
+
+    def wait_for_readers(self, doing: str) -> None:
+        """Wait for the GPU lookups still running on the streams that read the rows (those
+        streams only); a RuntimeError while one of them is capturing a CUDA graph (a wait there
+        would break the capture)."""
+        if self.readers.capturing():
+            raise RuntimeError(f"cannot {doing} while a stream that looks up the table is "
+                               f"capturing a CUDA graph: {doing} after the capture")
+        self.readers.synchronize()
 
     def close(self) -> None:
         """Nothing to release by default."""

@@ -58,4 +58,5 @@ class GpuStorage(Storage):
     def gather(self, job: Gather) -> None:
         """The CUDA gather."""
         assert job.side is DEVICE
+        self.used_on(job.stream)
         gather_device(self.device_view, self.format.code, job)

@@ -36,7 +36,9 @@ class PinnedStorage(Storage):
             gather_device(self.device_view, self.format.code, job)
 
     def used_on(self, stream) -> None:
-        """The buffer is released only after the work of every stream that read it."""
+        """The buffer is written and released only after the work of every stream that read
+        it."""
+        super().used_on(stream)
         self.buffer.used_on(stream)
 
     def close(self) -> None:

@@ -34,6 +34,17 @@ def read_counts(counts) -> np.ndarray:
         return counts.get(stream=cupy.cuda.Stream(non_blocking=True)).sum(axis=0)
 
 
+def upload(stream, *arrays) -> list:
+    """Device copies of host arrays, made on ``stream`` and finished when this returns: the
+    first lookup may read them on any other stream (or a graph replay), with nothing ordering it
+    after the copies otherwise."""
+    cupy = cupy_module()
+    with stream:
+        copies = [cupy.asarray(array) for array in arrays]
+    stream.synchronize()
+    return copies
+
+
 class DeviceTier(NamedTuple):
     """The GPU side of a hot tier, for kernels that read it: the slot map ``(words, ranks)``, the
     raw hot rows ``[hot, head_dim]`` and the counters (uint64 ``[COUNTER_LANES, 2]``: hot,
@@ -69,12 +80,11 @@ class TieredStorage(Storage):
         if cold.device_view is not None:
             from .. import gather_cupy
 
-            cupy = cupy_module()
-
             with cold.device_view.device:
-                self.device_map = tuple(cupy.asarray(part) for part in self.map)
-                self.device_hot = cupy.asarray(self.host_hot)
-                self.device_counts = cupy.zeros((gather_cupy.COUNTER_LANES, 2), np.uint64)
+                words, ranks, self.device_hot, self.device_counts = upload(
+                    cuda_stream(), *self.map, self.host_hot,
+                    np.zeros((gather_cupy.COUNTER_LANES, 2), np.uint64))
+                self.device_map = (words, ranks)
 
     @property
     def device_tier(self) -> DeviceTier | None:
@@ -158,7 +168,8 @@ class TieredStorage(Storage):
 
     def used_on(self, stream) -> None:
         """Kernels on ``stream`` add to the counters and read the cold storage's memory, which
-        must outlive them."""
+        must outlive them (and both tiers' rows, which writes wait for them to read)."""
+        super().used_on(stream)
         self.streams.add(stream)
         self.cold.used_on(stream)
 
