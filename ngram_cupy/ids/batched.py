@@ -19,8 +19,13 @@ def is_row_batch(input_ids) -> bool:
     return getattr(input_ids, "ndim", None) == 2
 
 
-def require_packed(query_start_loc, ngram_context) -> None:
-    """1-D (packed) ``input_ids`` need both ``query_start_loc`` and ``ngram_context``."""
+def require_packed(input_ids, query_start_loc, ngram_context) -> None:
+    """Input that is not ``[B, S]`` must be a packed batch: 1-D ``input_ids`` with both
+    ``query_start_loc`` and ``ngram_context``."""
+    ndim = getattr(input_ids, "ndim", 1)
+    if ndim != 1:
+        raise ValueError(f"input_ids must be 1-D (a packed batch) or 2-D [B, S], got shape "
+                         f"{tuple(input_ids.shape)}")
     for name, value in (("query_start_loc", query_start_loc), ("ngram_context", ngram_context)):
         if value is None:
             raise ValueError(f"{name} is required for 1-D (packed) input_ids; only 2-D "

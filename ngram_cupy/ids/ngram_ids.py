@@ -84,7 +84,7 @@ def compute_ngram_ids(layout: LayerLayout, input_ids, query_start_loc=None, ngra
     """
     if is_row_batch(input_ids):
         return row_batch_ids(layout, input_ids, query_start_loc, ngram_context, out, stream=stream)
-    require_packed(query_start_loc, ngram_context)
+    require_packed(input_ids, query_start_loc, ngram_context)
     batch = bind_batch(layout, stream, input_ids, query_start_loc, ngram_context, out=out)
     return batch.call.result(batch_ids(layout, batch, output(
         batch.call, (batch.num_tokens, layout.num_heads), np.int64)))
