@@ -31,6 +31,7 @@ def sections() -> list[Bench]:
     from . import sections_cpu as cpu
     from . import sections_gpu as gpu
     from . import sections_tiered as tiered
+    from . import sections_transformers as hf
 
     return [
         Bench("ids-cpu", "cpu", "ids 1x4096, 32x512, 256x1, 1x1,048,576 tokens under four loads",
@@ -48,6 +49,8 @@ def sections() -> list[Bench]:
               "Zipf ids)", tiered.bench_tiered_gpu),
         Bench("tiered-cpu", "cpu", "host bytes per held-out token with 0, 1e5, 1e6, 1e7 hot rows "
               "(counters)", tiered.bench_tiered_cpu),
+        Bench("transformers-cpu", "cpu", "transformers Qwen4Exp: PLE table RSS fp8 / bf16 at "
+              ">= 1 GiB, generate tokens/s with and without", hf.bench_transformers_cpu),
     ]
 
 

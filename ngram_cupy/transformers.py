@@ -128,11 +128,11 @@ class CachedNGramEmbedding(torch.nn.Module):
         """``[B, S, H * head_dim]`` embeddings; rolls the cache's context on by this batch."""
         input_ids = input_ids.long()
         batch, length = input_ids.shape
-        ids = self._ids(input_ids, self._context(past_key_values))
-        if past_key_values is not None:  # as transformers: a fresh short prompt after EOS
-            fresh = past_key_values.get_conv_state(self.layer_idx, CONTEXT_STATE) is None
+        context = self._context(past_key_values)
+        ids = self._ids(input_ids, context)
+        if past_key_values is not None:  # a fresh prompt shorter than n-1: stored after EOS
             new = input_ids
-            if fresh and length < self.context_len:
+            if context is None and length < self.context_len:
                 new = torch.nn.functional.pad(new, (self.context_len - length, 0),
                                               value=self.layout.eos_token_id)
             past_key_values.update_conv_state(new, self.layer_idx, state_idx=CONTEXT_STATE,

@@ -17,7 +17,14 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from safetensors.torch import save_file  # noqa: E402
-from transformers import DynamicCache, Qwen4ExpForCausalLM, Qwen4ExpTextConfig  # noqa: E402
+from transformers import (  # noqa: E402
+    DynamicCache,
+    Qwen4ExpConfig,
+    Qwen4ExpForCausalLM,
+    Qwen4ExpForConditionalGeneration,
+    Qwen4ExpTextConfig,
+    Qwen4ExpTextModel,
+)
 
 import ngram_cupy as nc  # noqa: E402
 from ngram_cupy.files.checkpoint import ngram_tensors  # noqa: E402
@@ -25,7 +32,8 @@ from ngram_cupy.files.safetensors_files import write_checkpoint  # noqa: E402
 from ngram_cupy.transformers import CachedNGramEmbedding, ngram_config, use_ngram_cupy  # noqa: E402
 
 EOS, PAD, VOCAB = 2, 0, 512
-NAMES = ["model.layers.0.ple.ple_embedding", "model.layers.2.ple.ple_embedding"]
+NAMES_TEXT = ["layers.0.ple.ple_embedding", "layers.2.ple.ple_embedding"]
+NAMES = [f"model.{name}" for name in NAMES_TEXT]
 
 
 def tiny_config(**overrides) -> Qwen4ExpTextConfig:
@@ -234,6 +242,28 @@ def test_prefetch_and_hot_rows_change_nothing(float32_pair):
                                                      0: np.array([5, 900, 2000])})
     assert_same_generation(reference, patched, prompts(seed=9), do_sample=False)
     assert patched.get_submodule(NAMES[1]).table.counters["hot_rows"] > 0
+
+
+def test_other_qwen4exp_classes(tmp_path):
+    """The text model alone and the vision-language model: their n-gram embeddings too, the
+    latter's under ``model.language_model``, read back from its own save."""
+    torch.manual_seed(0)
+    text = Qwen4ExpTextModel(tiny_config()).eval()
+    patched = copy.deepcopy(text)
+    assert use_ngram_cupy(patched) == NAMES_TEXT
+    ids = prompts()
+    with torch.no_grad():
+        assert torch.equal(patched(ids).last_hidden_state, text(ids).last_hidden_state)
+    config = Qwen4ExpConfig(text_config=tiny_config().to_dict(), vision_config=dict(
+        depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64,
+        num_position_embeddings=16))
+    torch.manual_seed(0)
+    vl = Qwen4ExpForConditionalGeneration(config).eval()
+    vl.save_pretrained(tmp_path / "vl")
+    patched = copy.deepcopy(vl)
+    names = use_ngram_cupy(patched, checkpoint=tmp_path / "vl")
+    assert names == [f"model.language_model.{name}" for name in NAMES_TEXT]
+    assert_same_generation(vl, patched, ids, do_sample=False)
 
 
 def test_state_dict_keys_are_transformers(float32_pair):
