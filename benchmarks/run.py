@@ -51,6 +51,8 @@ def sections() -> list[Bench]:
               "(counters)", tiered.bench_tiered_cpu),
         Bench("transformers-cpu", "cpu", "transformers Qwen4Exp: PLE table RSS fp8 / bf16 at "
               ">= 1 GiB, generate tokens/s with and without", hf.bench_transformers_cpu),
+        Bench("transformers-gpu", "gpu", "transformers Qwen4Exp generate: bf16 table on the GPU "
+              "against a pinned fp8 table, prefetch on and off", hf.bench_transformers_gpu),
     ]
 
 

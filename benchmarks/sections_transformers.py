@@ -22,7 +22,7 @@ import ml_dtypes
 import numpy as np
 
 from .report import Row, Section
-from .timers import paired
+from .timers import paired, timeit
 
 GIB = 1 << 30
 MEMORY_CASES = ("transformers bf16", "ngram_cupy bf16", "ngram_cupy fp8")
@@ -45,11 +45,17 @@ def tiny_config(**overrides):
     return Qwen4ExpTextConfig(**values)
 
 
-def big_table_config(quick: bool):
-    """One PLE layer of 4 heads x 16 values: about 36 M rows, a 1.07 GiB bf16 table (quick:
-    a quarter)."""
-    return tiny_config(ple_layer_ids=[1], ngram_vocab_size_base=2_250_000 if quick else 9_000_000,
+def big_table_config(quick: bool, decoder_layer: int = 1):
+    """One PLE layer (on ``decoder_layer``, one-indexed) of 4 heads x 16 values: about 36 M
+    rows, a 1.07 GiB bf16 table (quick: a quarter)."""
+    return tiny_config(ple_layer_ids=[decoder_layer],
+                       ngram_vocab_size_base=2_250_000 if quick else 9_000_000,
                        split_ngram_parts=64)
+
+
+def table_prefix(config) -> str:
+    """The module name (and checkpoint prefix) of the config's one PLE layer."""
+    return f"model.layers.{config.ple_layer_ids[0] - 1}.ple.ple_embedding"
 
 
 def rss_bytes(field: str = "VmRSS") -> int:
@@ -60,7 +66,7 @@ def rss_bytes(field: str = "VmRSS") -> int:
     return int(line.split()[1]) * 1024
 
 
-def write_checkpoints(quick: bool, folder: str) -> int:
+def write_checkpoints(hf_config, folder: str) -> int:
     """The big layer's table in fp8 (with a scale) and in bf16, as two checkpoints in
     ``folder``; returns the table's rows."""
     import ngram_cupy as nc
@@ -68,9 +74,8 @@ def write_checkpoints(quick: bool, folder: str) -> int:
     from ngram_cupy.files.safetensors_files import write_checkpoint
     from ngram_cupy.transformers import ngram_config
 
-    config = ngram_config(big_table_config(quick))
-    layout = nc.layer_layout(config, 0)
-    prefix = "model.layers.0.ple.ple_embedding"
+    layout = nc.layer_layout(ngram_config(hf_config), 0)
+    prefix = table_prefix(hf_config)
     rng = np.random.default_rng(0)
     bits = rng.integers(0, 256, (layout.padded_rows, layout.head_dim), np.uint8)
     bits[(bits & 0x7F) == 0x7F] = 0  # no NaN
@@ -99,7 +104,7 @@ def measure_case(case: str, folder: str, quick: bool) -> dict:
         with torch.device("meta"):
             model = Qwen4ExpForCausalLM(config)
         model.to_empty(device="cpu")  # uninitialised: only the table's pages would count
-        model.model.layers[0].ple.ple_embedding.to("meta")  # the table as from a meta load
+        model.get_submodule(table_prefix(config)).to("meta")  # the table as from a meta load
         use_ngram_cupy(model, checkpoint=os.path.join(folder, case.split()[-1]),
                        placement="cpu")
     seconds = time.perf_counter() - start
@@ -111,7 +116,7 @@ def bench_memory(quick: bool) -> list[Row]:
     """One fresh process per memory case; rows of RSS growth against transformers' bf16."""
     rows, results = [], {}
     with tempfile.TemporaryDirectory() as folder:
-        table_rows = write_checkpoints(quick, folder)
+        table_rows = write_checkpoints(big_table_config(quick), folder)
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             [root, *filter(None, [os.environ.get("PYTHONPATH")])])}
@@ -197,6 +202,49 @@ def bench_transformers_cpu(quick: bool) -> Section:
     section = Section("transformers Qwen4Exp, CPU: PLE table host memory (fresh process per "
                       "case) and generate speed", "cpu")
     section.rows = bench_memory(quick) + bench_layer(quick) + bench_generate(quick)
+    return section
+
+
+def bench_transformers_gpu(quick: bool) -> Section:
+    """``generate`` of a bf16 model on the GPU: transformers' table in GPU memory, then the
+    same model with a pinned fp8 table read over PCIe, with and without prefetch (the PLE
+    layer on decoder layer 3, so the gather overlaps layer 2)."""
+    import torch
+    from transformers import Qwen4ExpForCausalLM
+
+    from ngram_cupy.transformers import use_ngram_cupy
+
+    config = big_table_config(quick, decoder_layer=3)
+    section = Section("transformers Qwen4Exp, GPU: generate, bf16 model, one PLE layer whose "
+                      "table is >= 1 GiB in bf16", "gpu")
+    torch.manual_seed(0)
+    model = Qwen4ExpForCausalLM(config).to("cuda", torch.bfloat16).eval()
+    batch, new = (8, 16) if quick else (32, 32)
+    prompt = torch.randint(3, 512, (batch, 64), device="cuda")
+
+    def run():
+        model.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                       pad_token_id=0)
+        torch.cuda.synchronize()
+
+    def row(case: str, notes: str) -> Row:
+        seconds = timeit(run, min_time=2.0 if quick else 10.0, max_calls=50)
+        return Row(case=case, seconds=seconds, rate=f"{batch * new / seconds:,.0f} token/s",
+                   notes=notes)
+
+    with torch.no_grad():
+        section.rows.append(row("transformers: bf16 table in GPU memory", "baseline"))
+        base = section.rows[0].seconds
+        with tempfile.TemporaryDirectory() as folder:
+            write_checkpoints(config, folder)
+            use_ngram_cupy(model, checkpoint=os.path.join(folder, "fp8"), placement="pinned")
+        layer = model.get_submodule(table_prefix(config))
+        for prefetch in (None, False):
+            layer.prefetch = prefetch
+            got = row(f"ngram_cupy: pinned fp8 table, prefetch "
+                      f"{'on' if prefetch is None else 'off'}", "")
+            got.notes = f"{got.seconds / base:.3f}x transformers' time"
+            section.rows.append(got)
     return section
 
 

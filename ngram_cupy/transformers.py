@@ -155,8 +155,8 @@ def _prefetch_hook(target: CachedNGramEmbedding):
         input_ids = kwargs.get("ple_input_ids")
         if input_ids is None:
             return
-        if target.prefetch is None and not (input_ids.is_cuda
-                                            and target.table.placement != "gpu"):
+        if target.prefetch is False or target.prefetch is None and not (
+                input_ids.is_cuda and target.table.placement != "gpu"):
             return
         target.start_prefetch(input_ids, kwargs.get("past_key_values"))
     return hook

@@ -164,6 +164,18 @@ def test_chunked_prefill_through_a_dynamic_cache(float32_pair, chunks):
                            caches[0].get_conv_state(layer_idx, 2))
 
 
+@pytest.mark.parametrize("dtype, overrides, options", [
+    (torch.float32, {}, dict(num_beams=3, do_sample=False)),  # beams reorder the cache
+    (torch.float16, dict(ngram_size=4, heads_per_ngram=3, ple_embed_dim=72,
+                         eos_token_id=[EOS, 5]), dict(do_sample=False)),
+])
+def test_beam_search_and_other_layouts(dtype, overrides, options):
+    reference = tiny_model(dtype, **overrides)
+    patched = copy.deepcopy(reference)
+    use_ngram_cupy(patched)
+    assert_same_generation(reference, patched, prompts(), **options)
+
+
 def test_bfloat16_model_and_table():
     reference = tiny_model(torch.bfloat16)
     patched = copy.deepcopy(reference)
