@@ -86,7 +86,7 @@ class CachedNGramEmbedding(torch.nn.Module):
         if table.storage.writable:  # a mapped checkpoint is not a module's weight
             scale = table.scale  # TableWeights starts a float8 table at scale 1
             self.ngram_embedding = TableWeights(table, table.format.torch_dtype)
-            if table.format.scaled:
+            if hasattr(self.ngram_embedding, "weight_scale"):  # a float8 table's one scale
                 self.ngram_embedding.set_scale(torch.tensor(float(scale)))
         self._prefetched: torch.Tensor | None = None
 
