@@ -197,10 +197,24 @@ def bench_layer(quick: bool) -> list[Row]:
     return rows
 
 
+def without_transformers(section: Section) -> Section | None:
+    """``section`` saying why it did not run when transformers is not installed (the GPU
+    machines have no package index), else None."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        section.rows.append(Row(case="not run: transformers is not installed (pip install "
+                                "'ngram-cupy[transformers]')", seconds=0.0))
+        return section
+    return None
+
+
 def bench_transformers_cpu(quick: bool) -> Section:
     """Both parts as one section."""
     section = Section("transformers Qwen4Exp, CPU: PLE table host memory (fresh process per "
                       "case) and generate speed", "cpu")
+    if (skipped := without_transformers(section)) is not None:
+        return skipped
     section.rows = bench_memory(quick) + bench_layer(quick) + bench_generate(quick)
     return section
 
@@ -209,14 +223,16 @@ def bench_transformers_gpu(quick: bool) -> Section:
     """``generate`` of a bf16 model on the GPU: transformers' table in GPU memory, then the
     same model with a pinned fp8 table read over PCIe, with and without prefetch (the PLE
     layer on decoder layer 3, so the gather overlaps layer 2)."""
+    section = Section("transformers Qwen4Exp, GPU: generate, bf16 model, one PLE layer whose "
+                      "table is >= 1 GiB in bf16", "gpu")
+    if (skipped := without_transformers(section)) is not None:
+        return skipped
     import torch
     from transformers import Qwen4ExpForCausalLM
 
     from ngram_cupy.transformers import use_ngram_cupy
 
     config = big_table_config(quick, decoder_layer=3)
-    section = Section("transformers Qwen4Exp, GPU: generate, bf16 model, one PLE layer whose "
-                      "table is >= 1 GiB in bf16", "gpu")
     torch.manual_seed(0)
     model = Qwen4ExpForCausalLM(config).to("cuda", torch.bfloat16).eval()
     batch, new = (8, 16) if quick else (32, 32)

@@ -306,6 +306,21 @@ def test_ids_equal_transformers_own(float32_pair):
         context = cache.get_conv_state(2, 2).clone()  # the cache rolls it in place
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("placement, prefetch", [("pinned", None), ("pinned", False),
+                                                 ("gpu", None)])
+def test_cuda_model(placement, prefetch):
+    """On the GPU: ids and rows on torch's stream (pinned: over UVA, gathered ahead during the
+    decoder layer before), bitwise transformers' tokens and logits."""
+    reference = tiny_model(torch.bfloat16).to("cuda")
+    patched = copy.deepcopy(reference)
+    use_ngram_cupy(patched, placement=placement, prefetch=prefetch)
+    ids = prompts(batch=3).cuda()
+    mask = torch.ones_like(ids)
+    ids[0, :2], mask[0, :2] = PAD, 0
+    assert_same_generation(reference, patched, ids, attention_mask=mask, do_sample=False)
+
+
 # ---- bad input: refused before anything is replaced ----
 
 def unchanged(model) -> bool:
