@@ -92,10 +92,12 @@ class CachedNGramEmbedding(torch.nn.Module):
 
     @property
     def layout(self) -> LayerLayout:
+        """The layer's hash layout."""
         return self.embedding.layout
 
     @property
     def table(self) -> EmbeddingTable:
+        """The table the rows live in."""
         return self.embedding.table
 
     def _context(self, past_key_values) -> torch.Tensor | None:
@@ -114,6 +116,7 @@ class CachedNGramEmbedding(torch.nn.Module):
         return ids.view(-1, self.layout.num_heads)
 
     def _empty_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """A fresh ``[T, H * head_dim]`` output in the model dtype, beside the ids."""
         width = self.layout.num_heads * self.table.head_dim
         return torch.empty((ids.shape[0], width), dtype=self.out_like.dtype, device=ids.device)
 
