@@ -19,6 +19,7 @@ from ..hashing.layout import LayerLayout, check_layout
 from ..runtime.backends import HOST, Call, bind
 from ..runtime.checks import check_destination, check_out
 from .batch import check_batch, check_query_start_loc_values
+from .batched import is_row_batch, require_packed, row_batch_ids
 from .ids_numba import advance_context_numba, ngram_ids_numba
 
 
@@ -68,7 +69,7 @@ def output(call: Call, shape: tuple[int, ...], dtype, name: str = "out"):
         return call.side.empty(shape, dtype)
 
 
-def compute_ngram_ids(layout: LayerLayout, input_ids, query_start_loc, ngram_context,
+def compute_ngram_ids(layout: LayerLayout, input_ids, query_start_loc=None, ngram_context=None,
                       out=None, *, stream=None):
     """Row ids ``[T, num_heads]`` (int64) of every token of a packed batch of requests.
 
@@ -79,8 +80,13 @@ def compute_ngram_ids(layout: LayerLayout, input_ids, query_start_loc, ngram_con
     them, not refused (``ngram-cupy ids`` counts them in its summary). GPU arrays run one kernel
     on ``stream`` (default: torch's current stream for torch inputs, else CuPy's current stream;
     a CuPy or torch stream), with no host synchronisation; there ``query_start_loc`` is trusted,
-    not checked.
+    not checked. 2-D ``input_ids[B, S]`` are B sequences, one per row, with
+    ``query_start_loc=None`` and ``ngram_context[B, n-1]`` or None (all EOS): ``[B, S,
+    num_heads]`` ids (``batched.row_batch_ids``).
     """
+    if is_row_batch(input_ids):
+        return row_batch_ids(layout, input_ids, query_start_loc, ngram_context, out, stream=stream)
+    require_packed(input_ids, query_start_loc, ngram_context)
     batch = bind_batch(layout, stream, input_ids, query_start_loc, ngram_context, out=out)
     return batch.call.result(batch_ids(layout, batch, output(
         batch.call, (batch.num_tokens, layout.num_heads), np.int64)))

@@ -1,0 +1,374 @@
+"""Hugging Face transformers' Qwen4Exp models with ngram_cupy tables: :func:`use_ngram_cupy`.
+
+transformers (>= 5.23) keeps each PLE table as an ``nn.Embedding`` in the model dtype. This
+replaces every ``Qwen4ExpTextNGramEmbedding`` by :class:`CachedNGramEmbedding`: the same call
+(``forward(input_ids[B, S], past_key_values)`` giving ``[B, S, H * head_dim]`` in the model
+dtype) and the same n-gram context in the cache (conv state ``CONTEXT_STATE`` of the layer), but
+the rows in an ``EmbeddingTable`` (float8, bfloat16, ...; pinned host memory the GPU reads, GPU
+or CPU memory, or the mapped checkpoint) read by this library's exact ids and gathers.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+
+import torch
+from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextNGramEmbedding
+
+from .embedding import NGramEmbedding
+from .files.checkpoint import (
+    find_prefix,
+    load_ngram_embedding,
+    read_scale,
+    shard_key,
+    verify_buffers,
+)
+from .files.safetensors_files import DTYPES, Checkpoint
+from .hashing.config import NGramConfig
+from .hashing.layout import LayerLayout, layer_layout, split_rows
+from .ids.ngram_ids import compute_ngram_ids
+from .runtime.backends import DEVICE
+from .tables.formats import find_format, output_format, storage_format
+from .tables.mapped import MappedTable
+from .tables.table import EmbeddingTable
+from .torch import TableWeights
+
+# The cache's conv state that holds each PLE layer's last n-1 tokens (transformers' layout).
+CONTEXT_STATE = 2
+SINGLE_WEIGHT = "ngram_embedding.weight"
+TABLE_OPTIONS = ("prefetch", "dedup", "progress")
+PathLike = str | os.PathLike
+
+
+def ngram_config(text_config) -> NGramConfig:
+    """The library's config of a transformers ``Qwen4ExpTextConfig``. Decoder layers in
+    ``ple_layer_ids`` become 0-based (module names), and a list of EOS ids gives its first, as
+    transformers' layer takes it."""
+    eos = text_config.eos_token_id
+    return NGramConfig(
+        vocab_size=text_config.vocab_size,
+        ngram_size=text_config.ngram_size,
+        heads_per_ngram=text_config.heads_per_ngram,
+        ngram_vocab_size_base=text_config.ngram_vocab_size_base,
+        eos_token_id=eos[0] if isinstance(eos, list) else eos,
+        embedding_dim=text_config.ple_embed_dim,
+        seed=text_config.seed,
+        make_ngram_vocab_size_divisible_by=text_config.make_ngram_vocab_size_divisible_by,
+        split_ngram_parts=text_config.split_ngram_parts,
+        ple_layer_ids=tuple(i - 1 for i in text_config.ple_layer_ids),
+        ple_embedding_dtype=getattr(text_config, "ple_embedding_dtype", None),
+    )
+
+
+class CachedNGramEmbedding(torch.nn.Module):
+    """One PLE layer's n-gram embedding for transformers: ids of ``[B, S]`` rows (every row one
+    sequence, left padding hashed as it is) after the context the cache holds, then the rows of
+    ``embedding.table`` in the model dtype (``out_like``'s, which follows ``model.to(dtype)``).
+
+    ``state_dict`` keys are transformers' (the table's storage dtype, plus ``weight_scale`` for
+    float8); the table itself never moves with ``.to()``. ``prefetch``: gather during the
+    preceding decoder layer (None: only for CUDA inputs and a table outside GPU memory).
+    """
+
+    def __init__(self, embedding: NGramEmbedding, layer_idx: int, dtype: torch.dtype,
+                 prefetch: bool | None = None):
+        super().__init__()
+        layout, table = embedding.layout, embedding.table
+        self.embedding = embedding
+        self.layer_idx = layer_idx
+        self.context_len = layout.ngram_size - 1
+        self.prefetch = prefetch
+        self.register_buffer("layer_multipliers", torch.tensor(layout.multipliers))
+        self.register_buffer("ngram_heads_vocab_sizes", torch.tensor(layout.head_sizes))
+        self.register_buffer("ngram_heads_offsets", torch.tensor(layout.head_offsets))
+        self.register_buffer("out_like", torch.empty(0, dtype=dtype), persistent=False)
+        if table.storage.writable:  # a mapped checkpoint is not a module's weight
+            scale = table.scale  # TableWeights starts a float8 table at scale 1
+            self.ngram_embedding = TableWeights(table, table.format.torch_dtype)
+            if hasattr(self.ngram_embedding, "weight_scale"):  # a float8 table's one scale
+                self.ngram_embedding.set_scale(torch.tensor(float(scale)))
+        self._prefetched: torch.Tensor | None = None
+
+    @property
+    def layout(self) -> LayerLayout:
+        """The layer's hash layout."""
+        return self.embedding.layout
+
+    @property
+    def table(self) -> EmbeddingTable:
+        """The table the rows live in."""
+        return self.embedding.table
+
+    def _context(self, past_key_values) -> torch.Tensor | None:
+        """The n-1 tokens before this batch, per row, from the cache; None for fresh rows."""
+        if past_key_values is None:
+            return None
+        cached = past_key_values.get_conv_state(self.layer_idx, state_idx=CONTEXT_STATE)
+        return None if cached is None else cached[:, -self.context_len:]
+
+    def _ids(self, input_ids: torch.Tensor, context: torch.Tensor | None) -> torch.Tensor:
+        """``[B * S, H]`` ids, on the GPU when the table is readable there, else on the CPU."""
+        if input_ids.is_cuda and not self.table.storage.reads(DEVICE):
+            input_ids = input_ids.cpu()
+            context = None if context is None else context.cpu()
+        ids = compute_ngram_ids(self.layout, input_ids, None, context)
+        return ids.view(-1, self.layout.num_heads)
+
+    def _empty_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """A fresh ``[T, H * head_dim]`` output in the model dtype, beside the ids."""
+        width = self.layout.num_heads * self.table.head_dim
+        return torch.empty((ids.shape[0], width), dtype=self.out_like.dtype, device=ids.device)
+
+    def start_prefetch(self, input_ids: torch.Tensor, past_key_values) -> None:
+        """Start gathering this batch's rows (side CUDA stream, or a CPU worker) so that the
+        next ``forward`` finds them; a stale prefetch costs time, never correctness."""
+        ids = self._ids(input_ids.long(), self._context(past_key_values))
+        self._prefetched = self._empty_rows(ids)
+        self.table.prefetch(ids, out=self._prefetched)
+
+    def forward(self, input_ids: torch.Tensor, past_key_values=None) -> torch.Tensor:
+        """``[B, S, H * head_dim]`` embeddings; rolls the cache's context on by this batch."""
+        input_ids = input_ids.long()
+        batch, length = input_ids.shape
+        context = self._context(past_key_values)
+        ids = self._ids(input_ids, context)
+        if past_key_values is not None:  # a fresh prompt shorter than n-1: stored after EOS
+            new = input_ids
+            if context is None and length < self.context_len:
+                new = torch.nn.functional.pad(new, (self.context_len - length, 0),
+                                              value=self.layout.eos_token_id)
+            past_key_values.update_conv_state(new, self.layer_idx, state_idx=CONTEXT_STATE,
+                                              conv_kernel_size=self.context_len)
+        out, self._prefetched = self._prefetched, None
+        if out is None or out.shape[0] != ids.shape[0] or out.device != ids.device:
+            out = self._empty_rows(ids)
+        rows = self.table.lookup(ids, out=out)
+        return rows.to(input_ids.device).view(batch, length, -1)
+
+    def extra_repr(self) -> str:
+        return (f"layer_idx={self.layer_idx}, heads={self.layout.num_heads}, "
+                f"head_dim={self.table.head_dim}, weight_dtype={self.table.format.name}, "
+                f"placement={self.table.placement!r}")
+
+
+def _prefetch_hook(target: CachedNGramEmbedding):
+    """A forward pre-hook for the decoder layer before ``target``'s: starts its gather."""
+    def hook(module, args, kwargs):
+        input_ids = kwargs.get("ple_input_ids")
+        if input_ids is None:
+            return
+        if target.prefetch is False or target.prefetch is None and not (
+                input_ids.is_cuda and target.table.placement != "gpu"):
+            return
+        target.start_prefetch(input_ids, kwargs.get("past_key_values"))
+    return hook
+
+
+def _named_dtype(config: NGramConfig) -> str | None:
+    """The table dtype the model's config names (``ple_embedding_dtype``), canonical."""
+    named = config.ple_embedding_dtype
+    if named is None:
+        return None
+    fmt = find_format(named)
+    return named.lower() if fmt is None else fmt.name
+
+
+def _check_named(config: NGramConfig, dtype: str | None, what: str) -> None:
+    """A table dtype the config does not name is refused (None: unknown here, left to the
+    loader)."""
+    named = _named_dtype(config)
+    if named is not None and dtype is not None and dtype != named:
+        raise ValueError(f"{what} is {dtype} but the model's config names "
+                         f"ple_embedding_dtype={config.ple_embedding_dtype!r}")
+
+
+def _checkpoint_dtype(checkpoint: Checkpoint, prefix: str) -> str | None:
+    """The table's storage dtype name from the headers (None for one the registry lacks)."""
+    name = f"{prefix}.{SINGLE_WEIGHT}"
+    if name not in checkpoint:
+        name = shard_key(prefix, 0)
+    fmt = find_format(checkpoint.info(name).dtype)
+    return None if fmt is None else fmt.name
+
+
+def _load_single_weight(checkpoint: Checkpoint, prefix: str, layout: LayerLayout,
+                        placement: str, hot_rows) -> NGramEmbedding:
+    """A table saved as one ``P.ngram_embedding.weight``, copied in blocks of one checkpoint
+    shard's rows (or served from the mapped file with ``placement="mmap"``)."""
+    verify_buffers(checkpoint, prefix, layout)
+    name = f"{prefix}.{SINGLE_WEIGHT}"
+    info = checkpoint.info(name)
+    fmt = find_format(info.dtype)
+    if fmt is None or info.dtype not in DTYPES:
+        raise ValueError(f"{name} has dtype {info.dtype}, which a single-weight table cannot be")
+    shape = (layout.padded_rows, layout.head_dim)
+    if info.shape != shape:
+        raise ValueError(f"{name} has shape {info.shape} but the config's layout needs {shape}")
+    scale = read_scale(checkpoint, prefix, info.dtype)
+    if placement == "mmap":
+        table = MappedTable([(0, checkpoint.view(name))], layout.head_dim, fmt.dtype, scale, 0,
+                            layout.padded_rows, layout.padded_rows, guard=checkpoint.check_mapped)
+        return NGramEmbedding(layout, table)
+    table = EmbeddingTable.empty(layout.padded_rows, layout.head_dim, fmt.dtype,
+                                 placement=placement, scale=scale, hot_rows=hot_rows)
+    parts = layout.config.split_ngram_parts
+    for index in range(parts):
+        start, stop = split_rows(layout.padded_rows, parts, index)
+        table.write_rows(start, checkpoint.read(name, start, stop))
+    return NGramEmbedding(layout, table)
+
+
+def _from_model(module: Qwen4ExpTextNGramEmbedding, layout: LayerLayout, weight_dtype,
+                placement: str, hot_rows) -> NGramEmbedding:
+    """A table of the module's own rows in ``weight_dtype``, converted block by block."""
+    weight = module.ngram_embedding.weight
+    if weight.is_meta:
+        raise ValueError("the model's n-gram tables are on the meta device: pass checkpoint=")
+    fmt = storage_format(weight_dtype or weight.dtype, "weight_dtype")
+    if fmt.scaled:
+        raise ValueError(f"a {fmt.name} table needs its scale: pass checkpoint= (rows are only "
+                         "cast, never quantised, from the model)")
+    table = EmbeddingTable.empty(layout.padded_rows, layout.head_dim, fmt.dtype,
+                                 placement=placement, hot_rows=hot_rows)
+    parts = layout.config.split_ngram_parts
+    with torch.no_grad():
+        for index in range(parts):
+            start, stop = split_rows(layout.padded_rows, parts, index)
+            block = weight[start:stop].detach().to(fmt.torch_dtype)
+            table.write_rows(start, block if table.host_view is None else block.cpu())
+    return NGramEmbedding(layout, table)
+
+
+def _check_module(name: str, module: Qwen4ExpTextNGramEmbedding, layout: LayerLayout) -> None:
+    """The model's own layer must be the one the config describes (its buffers, when real)."""
+    shape = (layout.padded_rows, layout.head_dim)
+    if tuple(module.ngram_embedding.weight.shape) != shape:
+        raise ValueError(f"{name}.ngram_embedding.weight has shape "
+                         f"{tuple(module.ngram_embedding.weight.shape)}, the config's layout "
+                         f"{shape}")
+    for buffer, want in (("layer_multipliers", layout.multipliers),
+                         ("ngram_heads_vocab_sizes", layout.head_sizes),
+                         ("ngram_heads_offsets", layout.head_offsets)):
+        value = getattr(module, buffer)
+        if not value.is_meta and value.tolist() != want.tolist():
+            raise ValueError(f"{name}.{buffer} differs from the layout its config derives")
+
+
+def _hot_rows_of(hot_rows, name: str, layer: int):
+    """This layer's hot rows from ``hot_rows`` (keyed by module name or dense PLE layer)."""
+    if hot_rows is None:
+        return None
+    return hot_rows.get(name, hot_rows.get(layer))
+
+
+def _check_options(table_options: dict, hot_rows, names: Sequence[str], layers: Sequence[int]):
+    """Refuse unknown table options and hot-row keys that name no replaced layer."""
+    unknown = sorted(set(table_options) - set(TABLE_OPTIONS))
+    if unknown:
+        raise TypeError(f"unexpected table option(s) {', '.join(unknown)}; use_ngram_cupy "
+                        f"takes {', '.join(TABLE_OPTIONS)}")
+    prefetch = table_options.get("prefetch")
+    if prefetch is not None and not isinstance(prefetch, bool):
+        raise TypeError(f"prefetch must be True, False or None, got {prefetch!r}")
+    if hot_rows is None:
+        return
+    if not isinstance(hot_rows, Mapping):
+        raise TypeError("hot_rows must map module names (or dense PLE layer indexes) to row "
+                        f"ids, got {type(hot_rows).__name__}")
+    stray = [key for key in hot_rows if key not in names and key not in layers]
+    if stray:
+        raise ValueError(f"hot_rows keys {stray} name no n-gram embedding of the model; its "
+                         f"layers are {list(names)} (or {list(layers)})")
+
+
+def use_ngram_cupy(model: torch.nn.Module, *, placement: str = "pinned",
+                   checkpoint: PathLike | Sequence[PathLike] | None = None, weight_dtype=None,
+                   hot_rows=None, **table_options) -> list[str]:
+    """Replace every ``Qwen4ExpTextNGramEmbedding`` of a transformers Qwen4Exp model by a
+    :class:`CachedNGramEmbedding`; return the replaced module names.
+
+    Without ``checkpoint`` the rows are the model's own, cast to ``weight_dtype`` (default: the
+    config's ``ple_embedding_dtype``, else the model's), shard by shard; the old tables are then
+    freed. ``checkpoint`` (a model folder, an index json, a file or a list of files) holds the
+    tables in the PLE checkpoint layout (shards) or as a single ``ngram_embedding.weight``; rows
+    are read from it shard by shard and never exist in the model dtype, so a model whose tables
+    are on the meta device works. ``placement``: ``"pinned"`` (page-locked host memory the GPU
+    reads; without a GPU, ordinary host memory), ``"gpu"``, ``"cpu"`` or ``"mmap"`` (checkpoint
+    only). ``hot_rows`` maps module names (or dense PLE layer indexes) to hot row ids.
+    ``table_options``: ``prefetch`` (None: on for CUDA inputs with a host table), ``dedup`` (GPU
+    lookups fetch each distinct row once), ``progress`` (loading bar). Every check runs before
+    any module is replaced.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    targets = [(name, module) for name, module in model.named_modules()
+               if isinstance(module, Qwen4ExpTextNGramEmbedding)]
+    if not targets:
+        raise ValueError(f"{type(model).__name__} has no Qwen4ExpTextNGramEmbedding: "
+                         "use_ngram_cupy replaces the n-gram embeddings of transformers' "
+                         "Qwen4Exp models with PLE layers")
+    if placement == "mmap" and checkpoint is None:
+        raise ValueError("placement 'mmap' serves a checkpoint's rows: pass checkpoint=")
+    config = ngram_config(model.config.get_text_config())
+    names = [name for name, _ in targets]
+    layers = [module.ple_layer_index for _, module in targets]
+    _check_options(table_options, hot_rows, names, layers)
+    if weight_dtype is not None:
+        fmt = storage_format(weight_dtype, "weight_dtype")
+        _check_named(config, fmt.name, f"weight_dtype={weight_dtype}")
+        weight_dtype = fmt.torch_dtype
+    layouts = []
+    for name, module in targets:
+        layout = layer_layout(config, module.ple_layer_index)
+        _check_module(name, module, layout)
+        output_format(module.ngram_embedding.weight.dtype, f"{name} model dtype")
+        layouts.append(layout)
+    prefixes = []
+    if checkpoint is not None:
+        opened = Checkpoint.open(checkpoint, random_access=placement == "mmap")
+        for (name, _), layout in zip(targets, layouts, strict=True):
+            prefix = name if f"{name}.layer_multipliers" in opened else \
+                find_prefix(opened.tensors, config, layout.layer)
+            dtype = _checkpoint_dtype(opened, prefix)
+            _check_named(config, dtype, f"the table of {prefix}")
+            if weight_dtype is not None and dtype is not None \
+                    and dtype != storage_format(weight_dtype).name:
+                raise ValueError(f"weight_dtype={weight_dtype} but {prefix} stores {dtype}: "
+                                 "checkpoint tables load in their own dtype")
+            prefixes.append(prefix)
+    elif weight_dtype is None and _named_dtype(config) is not None:
+        weight_dtype = storage_format(config.ple_embedding_dtype).torch_dtype
+    embeddings = []
+    for index, ((name, module), layout) in enumerate(zip(targets, layouts, strict=True)):
+        rows = _hot_rows_of(hot_rows, name, layout.layer)
+        if checkpoint is None:
+            embeddings.append(_from_model(module, layout, weight_dtype, placement, rows))
+            continue
+        if f"{prefixes[index]}.{SINGLE_WEIGHT}" in opened:
+            embeddings.append(_load_single_weight(opened, prefixes[index], layout, placement,
+                                                  rows))
+        else:
+            embeddings.append(load_ngram_embedding(
+                checkpoint, config, layout.layer, prefix=prefixes[index], placement=placement,
+                progress=table_options.get("progress"), hot_rows=rows))
+    for (name, module), embedding in zip(targets, embeddings, strict=True):
+        embedding.table.dedup = bool(table_options.get("dedup", False))
+        replacement = CachedNGramEmbedding(embedding, module.layer_idx,
+                                           module.ngram_embedding.weight.dtype,
+                                           table_options.get("prefetch"))
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent), leaf, replacement)
+        _hook_previous_layer(model, name, replacement)
+    return names
+
+
+def _hook_previous_layer(model: torch.nn.Module, name: str,
+                         target: CachedNGramEmbedding) -> None:
+    """Prefetch from the decoder layer before the target's (``...layers.{i}.ple.ple_embedding``
+    -> ``...layers.{i-1}``); nothing for the first layer or with ``prefetch=False``."""
+    if target.prefetch is False or target.layer_idx == 0:
+        return
+    layers_name = name.rsplit(f".{target.layer_idx}.", 1)[0]
+    previous = model.get_submodule(f"{layers_name}.{target.layer_idx - 1}")
+    previous.register_forward_pre_hook(_prefetch_hook(target), with_kwargs=True)
