@@ -99,11 +99,13 @@ class NGramEmbeddingModule(torch.nn.Module):
     ``ngram-cupy stats --save-hot-rows``; placement ``"pinned"`` or ``"cpu"``) puts those rows
     in a hot tier (GPU memory for a pinned table) that lookups read them from; every load path
     keeps it current, and a caller who changes ``ngram_embedding.weight`` in place calls
-    ``refresh_hot_rows()`` afterwards.
+    ``refresh_hot_rows()`` afterwards. ``scale_rounding``: how the float8 scale rounds
+    (``EmbeddingTable``; default ``"output"``, as vLLM 0.33).
     """
 
     def __init__(self, config: NGramConfig, layer: int, *, placement: str = "gpu",
-                 weight_dtype: torch.dtype | str | None = None, hot_rows=None):
+                 weight_dtype: torch.dtype | str | None = None, hot_rows=None,
+                 scale_rounding: str = "output"):
         super().__init__()
         if not isinstance(config, NGramConfig):
             raise TypeError(f"config must be an NGramConfig, got {type(config).__name__}")
@@ -114,7 +116,8 @@ class NGramEmbeddingModule(torch.nn.Module):
             weight_dtype = config.ple_embedding_dtype or torch.get_default_dtype()
         layout = layer_layout(config, layer)
         table = EmbeddingTable.empty(layout.padded_rows, layout.head_dim, weight_dtype,
-                                     placement=placement, hot_rows=hot_rows)
+                                     placement=placement, hot_rows=hot_rows,
+                                     scale_rounding=scale_rounding)
         self.layout = layout
         self.embedding = NGramEmbedding(layout, table)
         self.out_dtype = default_output(table.format).torch_dtype

@@ -112,14 +112,6 @@ def test_cuda_dequant_header_equals_the_python_one(host_dequant, fmt):
 # ---------------------------------------------------------------- gather.cu executed on the host
 
 
-@pytest.fixture(scope="session")
-def host_gather():
-    """kernels/gather.cu built once by g++ (cached by source text) and run thread by thread."""
-    if host_kernels.compiler() is None:
-        pytest.skip("no g++ on PATH: gather.cu cannot be built for the host")
-    return host_kernels.HostGather(host_kernels.build())
-
-
 def offset_array(shape, dtype, offset: int) -> np.ndarray:
     """A zeroed C-contiguous array starting ``offset`` bytes past a 64-byte boundary."""
     nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
@@ -256,7 +248,7 @@ def fused(layout, table, tokens, starts, context, out_format, block, write_ids=T
     ids = np.full((num_tokens if write_ids else 1, layout.num_heads), -1, np.int64)
     raw = table.host_view.view(table.format.raw)
     words = fused_cuda.table_words(raw, table.format.itemsize) if words is None else words
-    scale = 1.0 if table.scale is None else table.scale
+    scale = table.lookup_scale(out_format)
     fused_cuda.launch_fused(layout, tokens, starts, context, ids_cuda.layout_params(layout),
                             words, table.format.code, table.row_start, scale, write_ids, ids, out,
                             out_format.code, block=block)

@@ -220,6 +220,7 @@ def load_ngram_embedding(
     world_size: int = 1,
     progress: bool | None = None,
     hot_rows=None,
+    scale_rounding: str = "output",
 ):
     """Load one PLE layer from a safetensors checkpoint into a ready ``NGramEmbedding``.
 
@@ -233,6 +234,7 @@ def load_ngram_embedding(
     tqdm bar (None: only on a terminal, and only if loading takes over a second).
     ``hot_rows``: sorted unique global row ids (``ngram-cupy stats --save-hot-rows``) to serve
     from a hot tier (see ``EmbeddingTable``); a rank keeps those among its own rows.
+    ``scale_rounding``: how a float8 table's scale rounds (``EmbeddingTable``).
     """
     if not isinstance(config, NGramConfig):
         raise TypeError(f"config must be an NGramConfig, got {type(config).__name__}")
@@ -268,12 +270,13 @@ def load_ngram_embedding(
         table = MappedTable(
             [(lo, checkpoint.view(name)[a:b]) for name, a, b, lo in pieces],
             layout.head_dim, DTYPES[dtype], scale, row_start, row_stop, layout.padded_rows,
-            guard=checkpoint.check_mapped,
+            guard=checkpoint.check_mapped, scale_rounding=scale_rounding,
         )
         return NGramEmbedding(layout, table)
     table = EmbeddingTable.empty(
         row_stop - row_start, layout.head_dim, DTYPES[dtype], placement=placement, scale=scale,
         row_start=row_start, total_rows=layout.padded_rows, hot_rows=hot_rows,
+        scale_rounding=scale_rounding,
     )
     row_bytes = layout.head_dim * DTYPES[dtype].itemsize
     with tqdm(

@@ -33,20 +33,45 @@ from .formats import (
 # The format registry lives in formats.py; its names stay importable from here.
 __all__ = [
     "BFLOAT16", "FLOAT16", "FLOAT32", "FLOAT8_E4M3", "FORMATS", "OUTPUT_CODES", "Format",
-    "convert", "decode", "default_output", "encode", "output_format", "reference_lookup",
-    "storage_format",
+    "SCALE_ROUNDINGS", "check_scale_rounding", "convert", "decode", "default_output", "encode",
+    "output_format", "reference_lookup", "rounded_scale", "storage_format",
 ]
 
 
-def reference_lookup(table: np.ndarray, ids: np.ndarray, scale, out_dtype) -> np.ndarray:
-    """Plain NumPy / ml_dtypes definition of a lookup: ``(float32(table[ids]) * scale)`` rounded.
+SCALE_ROUNDINGS = ("output", "float32")
+
+
+def check_scale_rounding(scale_rounding) -> str:
+    """``"output"`` (vLLM 0.33) or ``"float32"``; a ValueError naming the argument otherwise."""
+    if scale_rounding not in SCALE_ROUNDINGS:
+        raise ValueError(f"scale_rounding must be 'output' or 'float32', got {scale_rounding!r}")
+    return scale_rounding
+
+
+def rounded_scale(scale, out_dtype, scale_rounding: str = "output") -> np.float32:
+    """The float32 scale a lookup multiplies by. ``"output"``: the scale first rounded (to
+    nearest even) to the output dtype, as vLLM 0.33's ``rows.to(dtype) * scale.to(dtype)``
+    does (SPEC 10.1; a float8 value is exact in the output dtype, so only the scale and the
+    product round); ``"float32"``: the scale as it is (one rounding of the product)."""
+    scale = np.float32(scale)
+    if check_scale_rounding(scale_rounding) == "float32":
+        return scale
+    with np.errstate(over="ignore"):  # a scale past float16's range is inf there, as in torch
+        return np.float32(scale.astype(np.dtype(out_dtype)))
+
+
+def reference_lookup(table: np.ndarray, ids: np.ndarray, scale, out_dtype,
+                     scale_rounding: str = "output") -> np.ndarray:
+    """Plain NumPy / ml_dtypes definition of a lookup: ``(float32(table[ids]) * scale)`` rounded
+    to ``out_dtype``, the scale first rounded as ``scale_rounding`` says (``rounded_scale``).
 
     Ids outside ``[0, rows)`` give zero rows. Tests compare every backend with this.
     """
     ids = np.asarray(ids, dtype=np.int64)
     valid = (ids >= 0) & (ids < table.shape[0])
+    scale = rounded_scale(scale, out_dtype, scale_rounding)
     with np.errstate(over="ignore", invalid="ignore"):  # inf * 0 and overflow are intended
-        rows = table[np.where(valid, ids, 0)].astype(np.float32) * np.float32(scale)
+        rows = table[np.where(valid, ids, 0)].astype(np.float32) * scale
         rows[~valid] = 0
         rows = rows.astype(out_dtype)
     return rows.reshape(ids.shape[0], ids.shape[1] * table.shape[1])

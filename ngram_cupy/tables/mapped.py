@@ -30,6 +30,7 @@ class MappedTable(EmbeddingTable):
         row_stop: int,
         total_rows: int,
         guard: Callable[[], None] | None = None,
+        scale_rounding: str = "output",
     ):
         fmt = storage_format(dtype)
         next_row = row_start
@@ -44,4 +45,5 @@ class MappedTable(EmbeddingTable):
             raise ValueError(f"blocks must tile rows [{row_start}, {row_stop}) in order")
         storage = MappedStorage([(start - row_start, rows) for start, rows in blocks], head_dim,
                                 fmt, guard)
-        super().__init__(storage, scale, row_start=row_start, total_rows=total_rows)
+        super().__init__(storage, scale, row_start=row_start, total_rows=total_rows,
+                         scale_rounding=scale_rounding)

@@ -18,6 +18,7 @@ import numpy as np
 
 from ..runtime.backends import DEVICE, HOST, Backend, Call, bind, cuda_stream
 from ..runtime.checks import check_destination, check_index_array, check_integer, check_out
+from .dequant import check_scale_rounding, rounded_scale
 from .formats import BFLOAT16, Format, default_output, holds, output_format, storage_format
 from .hot_rows import check_hot_rows
 from .prefetch import Prefetcher
@@ -77,15 +78,19 @@ class EmbeddingTable:
     graph-capturable). ``hot_rows`` (sorted unique int64 global row ids, e.g. from
     ``ngram-cupy stats --save-hot-rows``) are copied into a hot tier (GPU memory for a pinned
     table on a GPU, else host memory) that each lookup reads them from, in the same launch;
-    ``counters`` then counts the rows read from each tier.
+    ``counters`` then counts the rows read from each tier. ``scale_rounding``: ``"output"``
+    (vLLM 0.33's dequantisation: the scale rounded to the output dtype, then the product) or
+    ``"float32"`` (the float32 product rounded once).
     """
 
     def __init__(self, weight, scale=None, placement: str = "cpu", row_start: int = 0,
                  total_rows: int | None = None, *, dtype=None, dedup: bool = False,
-                 hot_rows=None):
+                 hot_rows=None, scale_rounding: str = "output"):
+        check_scale_rounding(scale_rounding)
         if isinstance(weight, Storage):
             storage = self._tiered(weight, hot_rows, row_start)
-            self._setup(storage, weight.placement, scale, row_start, total_rows, dedup)
+            self._setup(storage, weight.placement, scale, row_start, total_rows, dedup,
+                        scale_rounding)
             return
         call = bind(weight=weight)
         array, torch_format = call["weight"], call.formats.get("weight")
@@ -103,19 +108,21 @@ class EmbeddingTable:
             with call.on():
                 storage.write_rows(0, array.view(fmt.raw))
         self._setup(self._tiered(storage, hot_rows, row_start), placement, scale, row_start,
-                    total_rows, dedup)
+                    total_rows, dedup, scale_rounding)
 
     @classmethod
     def empty(cls, num_rows: int, head_dim: int, dtype, placement: str = "cpu", scale=None,
               row_start: int = 0, total_rows: int | None = None, *,
-              dedup: bool = False, hot_rows=None) -> EmbeddingTable:
+              dedup: bool = False, hot_rows=None,
+              scale_rounding: str = "output") -> EmbeddingTable:
         """Allocated, unfilled storage, to be filled with ``write_rows`` (checkpoint loading)."""
+        check_scale_rounding(scale_rounding)
         fmt = storage_format(dtype)
         placement = canonical_placement(placement)
         cls._check_geometry(num_rows, head_dim, row_start, total_rows)
         return cls(allocate(placement, int(num_rows), int(head_dim), fmt), scale,
                    row_start=row_start, total_rows=total_rows, dedup=dedup,
-                   hot_rows=hot_rows)._named(placement)
+                   hot_rows=hot_rows, scale_rounding=scale_rounding)._named(placement)
 
     # ---- construction ----
 
@@ -144,7 +151,7 @@ class EmbeddingTable:
         return TieredStorage(storage, hot - int(row_start))
 
     def _setup(self, storage: Storage, placement: str, scale, row_start, total_rows,
-               dedup: bool) -> None:
+               dedup: bool, scale_rounding: str) -> None:
         """Adopt ``storage`` with the global geometry, scale and a prefetcher."""
         self._check_geometry(storage.num_rows, storage.head_dim, row_start, total_rows)
         self.storage = storage
@@ -152,6 +159,7 @@ class EmbeddingTable:
             storage.format
         self.dtype = self.format.dtype
         self.scale = scale_value(scale)
+        self.scale_rounding = scale_rounding
         self.placement = placement
         self.row_start = int(row_start)
         self.total_rows = self.num_rows if total_rows is None else int(total_rows)
@@ -298,14 +306,21 @@ class EmbeddingTable:
         stream: the caller's, or the prefetch's private one)."""
         self.storage.gather(Gather(
             request.side, ids, out.view(request.out_format.raw), request.out_format.code,
-            self.row_start, np.float32(1.0) if self.scale is None else self.scale, expected,
+            self.row_start, self.lookup_scale(request.out_format), expected,
             worker, self.dedup, cuda_stream() if request.side is DEVICE else None))
+
+    def lookup_scale(self, out_format: Format) -> np.float32:
+        """The float32 scale lookups to ``out_format`` multiply by (``scale_rounding``)."""
+        if self.scale is None:
+            return np.float32(1.0)
+        return rounded_scale(self.scale, out_format.dtype, self.scale_rounding)
 
     def lookup(self, ids, out=None, out_dtype=None, stream=None):
         """Rows of ``ids[T, H]`` as ``[T, H * head_dim]``: heads in order, dequantised.
 
         ``float(value) * scale`` is computed in float32 and rounded once (to nearest even) to
-        ``out_dtype``: by default float32 for float32 tables, float16 for float16 tables and
+        ``out_dtype``, the scale first rounded to ``out_dtype`` unless ``scale_rounding`` is
+        ``"float32"``: by default float32 for float32 tables, float16 for float16 tables and
         bfloat16 for bfloat16 and float8 ones (or the dtype of ``out``). NumPy ids give a NumPy
         array, CuPy ids a CuPy array (bfloat16 as raw uint16 bits), torch ids a torch tensor
         (bfloat16 typed), and a given ``out`` is what is returned. GPU lookups run on
