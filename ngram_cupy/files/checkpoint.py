@@ -23,7 +23,7 @@ from ..embedding import NGramEmbedding
 from ..hashing.config import MAX_SPLIT_PARTS, NGramConfig
 from ..hashing.layout import LayerLayout, check_layout, layer_layout, split_rows
 from ..runtime.backends import HOST, unwrap_torch
-from ..tables.formats import BY_SAFETENSORS, FORMATS, SCALE_FORMATS, find_format
+from ..tables.formats import BY_SAFETENSORS, PLAIN_FORMATS, SCALE_FORMATS, find_format
 from ..tables.hot_rows import check_hot_rows
 from ..tables.mapped import MappedTable
 from ..tables.table import EmbeddingTable
@@ -32,7 +32,7 @@ from .safetensors_files import DTYPES, Checkpoint, write_checkpoint
 
 # Safetensors dtype codes of table rows, and which of them carry a scale.
 TABLE_DTYPES = tuple(BY_SAFETENSORS)
-SCALED_DTYPES = tuple(fmt.safetensors for fmt in FORMATS if fmt.scaled)
+SCALED_DTYPES = tuple(fmt.safetensors for fmt in PLAIN_FORMATS if fmt.scaled)
 SCALE_DTYPES = tuple(fmt.safetensors for fmt in SCALE_FORMATS)
 BUFFERS = ("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets")
 _SHARD = re.compile(r"^ngram_embedding\.shard_(\d+)\.weight$")

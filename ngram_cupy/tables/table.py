@@ -44,6 +44,30 @@ def scale_value(scale) -> np.float32 | None:
     return value
 
 
+def block_scale_bits(fmt: Format, scales, torch_format: Format | None, num_rows: int,
+                     head_dim: int):
+    """A block-scaled format's ``block_scales`` checked (``[num_rows, head_dim / block]``, of the
+    block scale type or its uint8 bits) and viewed as uint8; None for other formats, which
+    refuse them. ValueErrors name the argument."""
+    if not fmt.blocked:
+        if scales is not None:
+            raise ValueError(f"block_scales are only for block-scaled tables (nvfp4), not "
+                             f"{fmt.name}")
+        return None
+    kind = fmt.block_scale.name
+    shape = (num_rows, fmt.scale_width(head_dim))
+    if scales is None:
+        raise ValueError(f"block_scales are required for {fmt.name} tables: {kind} {shape}, "
+                         f"one per {fmt.block} values")
+    if tuple(scales.shape) != shape:
+        raise ValueError(f"block_scales must have shape {shape} (one per {fmt.block} values), "
+                         f"got {tuple(scales.shape)}")
+    dtype = torch_format.dtype if torch_format is not None else np.dtype(scales.dtype)
+    if dtype != fmt.block_scale and not (dtype.kind in "iu" and dtype.itemsize == 1):
+        raise ValueError(f"block_scales must be {kind} or its uint8 bits, got {dtype}")
+    return scales.view(np.uint8)
+
+
 def public_dtype(side: Backend, fmt: Format):
     """Output dtype: the real one on the host; raw uint16 for bfloat16 on the GPU (no CuPy
     bfloat16: ``torch.from_dlpack(out).view(torch.bfloat16)`` reads it)."""
@@ -85,14 +109,16 @@ class EmbeddingTable:
 
     def __init__(self, weight, scale=None, placement: str = "cpu", row_start: int = 0,
                  total_rows: int | None = None, *, dtype=None, dedup: bool = False,
-                 hot_rows=None, scale_rounding: str = "output"):
+                 hot_rows=None, scale_rounding: str = "output", block_scales=None):
         check_scale_rounding(scale_rounding)
         if isinstance(weight, Storage):
+            if block_scales is not None:
+                raise ValueError("block_scales come with the storage's rows, not beside them")
             storage = self._tiered(weight, hot_rows, row_start)
             self._setup(storage, weight.placement, scale, row_start, total_rows, dedup,
                         scale_rounding)
             return
-        call = bind(weight=weight)
+        call = bind(weight=weight, block_scales=block_scales)
         array, torch_format = call["weight"], call.formats.get("weight")
         if array.ndim != 2:
             raise ValueError(f"weight must be 2-D [rows, head_dim], got shape {array.shape}")
@@ -100,13 +126,18 @@ class EmbeddingTable:
                              "dtype" if torch_format is None else "weight")
         if not holds(array.dtype, fmt):
             raise TypeError(f"weight of dtype {array.dtype} cannot hold {fmt.name} values")
+        head_dim = array.shape[1] * fmt.pack
+        fmt.check_head_dim(head_dim, "weight.shape[1] * 2" if fmt.pack == 2 else "weight")
+        scales = block_scale_bits(fmt, call["block_scales"], call.formats.get("block_scales"),
+                                  array.shape[0], head_dim)
+        scale_value(scale)  # checked before anything is allocated
         placement = canonical_placement(placement)
-        self._check_geometry(array.shape[0], array.shape[1], row_start, total_rows)
+        self._check_geometry(array.shape[0], head_dim, row_start, total_rows)
         storage = adopt(placement, call.side, array, fmt)
         if storage is None:
-            storage = allocate(placement, array.shape[0], array.shape[1], fmt)
+            storage = allocate(placement, array.shape[0], head_dim, fmt)
             with call.on():
-                storage.write_rows(0, array.view(fmt.raw))
+                storage.write_rows(0, array.view(fmt.raw), scales)
         self._setup(self._tiered(storage, hot_rows, row_start), placement, scale, row_start,
                     total_rows, dedup, scale_rounding)
 
@@ -120,6 +151,8 @@ class EmbeddingTable:
         fmt = storage_format(dtype)
         placement = canonical_placement(placement)
         cls._check_geometry(num_rows, head_dim, row_start, total_rows)
+        fmt.check_head_dim(head_dim)
+        scale_value(scale)
         return cls(allocate(placement, int(num_rows), int(head_dim), fmt), scale,
                    row_start=row_start, total_rows=total_rows, dedup=dedup,
                    hot_rows=hot_rows, scale_rounding=scale_rounding)._named(placement)
@@ -163,7 +196,7 @@ class EmbeddingTable:
         self.placement = placement
         self.row_start = int(row_start)
         self.total_rows = self.num_rows if total_rows is None else int(total_rows)
-        self.nbytes = self.num_rows * self.head_dim * self.format.itemsize
+        self.nbytes = self.num_rows * self.format.row_bytes(self.head_dim)
         self.dedup = bool(dedup)
         self.prefetcher = Prefetcher()
         weakref.finalize(self, self.prefetcher.close, False)  # never joins the worker
@@ -193,6 +226,12 @@ class EmbeddingTable:
         return self.storage.host_view
 
     @property
+    def host_scales(self) -> np.ndarray | None:
+        """The block scales (uint8 ``[num_rows, head_dim / block]``) beside ``host_view``, for a
+        block-scaled table in host memory; else None."""
+        return self.storage.host_scales
+
+    @property
     def device_rows(self):
         """The raw-bit ``[num_rows, head_dim]`` CuPy view GPU kernels read (device memory, or
         pinned host memory through its mapped address); None when the GPU cannot read the table."""
@@ -212,18 +251,31 @@ class EmbeddingTable:
         storage.used_on(stream)
         return rows, storage.device_tier if tiered else None
 
-    def write_rows(self, start: int, rows) -> None:
+    @property
+    def device_scales(self):
+        """The block scales beside ``device_rows`` (the cold rows' of a tiered table), uint8
+        ``[num_rows, head_dim / block]`` on the GPU; None for other formats or off the GPU."""
+        storage = self.storage
+        return (storage.cold if isinstance(storage, TieredStorage) else storage).device_scales
+
+    def write_rows(self, start: int, rows, block_scales=None) -> None:
         """Copy a block of rows into global rows ``[start, start + len(rows))``, in place.
 
-        The block must lie inside the owned rows and match ``head_dim`` and ``dtype``. Host
-        placements write straight into their memory; ``"gpu"`` copies just this block over.
-        When this returns, every later lookup sees the rows, on any stream or graph replay.
+        The block must lie inside the owned rows and match ``head_dim`` and ``dtype`` (a
+        block-scaled table's packed ``[n, head_dim / 2]`` bytes come with their
+        ``block_scales``). Host placements write straight into their memory; ``"gpu"`` copies
+        just this block over. When this returns, every later lookup sees the rows, on any stream
+        or graph replay.
         """
-        call = bind(rows=rows)
+        call = bind(rows=rows, block_scales=block_scales)
         rows, torch_format = call["rows"], call.formats.get("rows")
-        if rows.ndim != 2 or rows.shape[1] != self.head_dim:
-            raise ValueError(f"rows must have shape [n, head_dim={self.head_dim}], got "
+        width = self.format.row_width(self.head_dim)
+        if rows.ndim != 2 or rows.shape[1] != width:
+            shown = f"head_dim / {self.format.pack}" if self.format.pack > 1 else "head_dim"
+            raise ValueError(f"rows must have shape [n, {shown}={width}], got "
                              f"{tuple(rows.shape)}")
+        scales = block_scale_bits(self.format, call["block_scales"],
+                                  call.formats.get("block_scales"), rows.shape[0], self.head_dim)
         if not (holds(rows.dtype, self.format) if torch_format is None
                 else torch_format == self.format):
             shown = rows.dtype if torch_format is None else f"torch.{torch_format.torch_name}"
@@ -237,7 +289,8 @@ class EmbeddingTable:
         if not self.storage.writable:
             raise ValueError("the table's storage is read-only")
         with call.on():
-            self.storage.write_rows(int(start) - self.row_start, rows.view(self.format.raw))
+            self.storage.write_rows(int(start) - self.row_start, rows.view(self.format.raw),
+                                    scales)
 
     def refresh_hot_rows(self) -> None:
         """Copy the hot tier's rows again from the table's rows (nothing without ``hot_rows``).
@@ -310,9 +363,12 @@ class EmbeddingTable:
             worker, self.dedup, cuda_stream() if request.side is DEVICE else None))
 
     def lookup_scale(self, out_format: Format) -> np.float32:
-        """The float32 scale lookups to ``out_format`` multiply by (``scale_rounding``)."""
+        """The float32 scale lookups to ``out_format`` multiply by (``scale_rounding``; a
+        block-scaled format's global scale is never rounded first, as in vLLM's kernel)."""
         if self.scale is None:
             return np.float32(1.0)
+        if self.format.blocked:
+            return self.scale
         return rounded_scale(self.scale, out_format.dtype, self.scale_rounding)
 
     def lookup(self, ids, out=None, out_dtype=None, stream=None):

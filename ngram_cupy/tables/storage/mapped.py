@@ -21,26 +21,29 @@ from .base import Gather, Storage
 class MappedStorage(Storage):
     """Local rows ``[0, sum of block rows)`` as read-only mapped blocks, read on the CPU.
 
-    ``blocks``: ``(first local row, raw-or-typed rows)`` pairs tiling the rows in order;
-    ``guard``, called before every gather, raises if the files behind them changed (a read past
-    a shrunk file's end is a SIGBUS, not an exception).
+    ``blocks``: ``(first local row, raw-or-typed rows)`` pairs tiling the rows in order (a
+    block-scaled format's: ``(first local row, packed rows, block scales)``); ``guard``, called
+    before every gather, raises if the files behind them changed (a read past a shrunk file's
+    end is a SIGBUS, not an exception).
     """
 
     placement = "mmap"
     writable = False
 
-    def __init__(self, blocks: Sequence[tuple[int, np.ndarray]], head_dim: int, fmt: Format,
+    def __init__(self, blocks: Sequence[tuple], head_dim: int, fmt: Format,
                  guard: Callable[[], None] | None = None):
-        super().__init__(sum(rows.shape[0] for _, rows in blocks), head_dim, fmt)
+        super().__init__(sum(block[1].shape[0] for block in blocks), head_dim, fmt)
         self.guard = guard
-        self.starts = np.array([start for start, _ in blocks], dtype=np.int64)
-        self.blocks = [rows.view(fmt.raw) for _, rows in blocks]
+        self.starts = np.array([block[0] for block in blocks], dtype=np.int64)
+        self.blocks = [block[1].view(fmt.raw) for block in blocks]
+        self.scale_blocks = [block[2].view(np.uint8) if fmt.blocked else None
+                             for block in blocks]
 
     def reads(self, side: Backend) -> bool:
         """Only CPU lookups: the GPU cannot read the mapped files."""
         return side is HOST
 
-    def write_rows(self, local_start: int, rows) -> None:
+    def write_rows(self, local_start: int, rows, scales=None) -> None:
         """Refused: the rows are the checkpoint's, mapped read-only."""
         raise ValueError("an mmap table serves the checkpoint's rows as they are: it is read-only")
 
@@ -66,6 +69,6 @@ class MappedStorage(Storage):
             gather_numba.gather_rows(
                 self.blocks[block[lo]], self.format.code, int(self.starts[block[lo]]), job.scale,
                 local[lo:hi].reshape(-1, 1), gathered, job.out_code,
-                parallel=False if job.worker else None,
+                parallel=False if job.worker else None, scales=self.scale_blocks[block[lo]],
             )
             rows[where[lo:hi]] = gathered
