@@ -18,12 +18,13 @@ import ngram_cupy as nc
 from ngram_cupy.ids import fused_cuda, ids_cuda
 from ngram_cupy.tables import dequant, gather_cupy
 from ngram_cupy.tables.dequant import FORMATS, OUTPUT_CODES, reference_lookup
+from ngram_cupy.tables.formats import PLAIN_FORMATS  # NVFP4's own tests: test_nvfp4
 from ngram_cupy.tables.gather_numba import gather_rows
 
 
 def test_every_format_pair_has_instances():
     names = gather_cupy.all_instances()
-    assert len(names) == len(set(names)) == 2 * 2 * 3 * (3 + 4 + 4 + 5)  # tiered or not
+    assert len(names) == len(set(names)) == 2 * 2 * 3 * (3 + 4 + 4 + 5 + 5)  # tiered or not
     assert "gather_rows<3, 2, 16, long long>" in names
     assert "gather_tiered_rows<3, 2, 16, long long>" in names
     assert "gather_rows<0, 0, 2, int>" not in names  # no load narrower than a value
@@ -89,7 +90,7 @@ def patterns(fmt) -> np.ndarray:
                            rng.integers(0, 1 << 32, 200_000, dtype=np.uint64).astype(np.uint32)])
 
 
-@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", PLAIN_FORMATS, ids=lambda f: f.name)
 def test_cuda_dequant_header_equals_the_python_one(host_dequant, fmt):
     bits = patterns(fmt)
     table = bits.astype(fmt.raw).reshape(-1, 1)
@@ -142,7 +143,7 @@ def numba_gather(table, code, row_start, scale, ids, out_shape, out_code, expect
 
 
 @pytest.mark.parametrize("out_code", OUTPUT_CODES)
-@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", PLAIN_FORMATS, ids=lambda f: f.name)
 def test_host_built_gather_equals_numba(host_gather, fmt, out_code):
     """Every head_dim, id type, T x H not a multiple of the block, shard edges, out-of-range ids,
     and table / out views offset from 16-byte alignment: the plan picks narrower vectors, and no
@@ -268,7 +269,7 @@ def every_pattern_table(rng, rows, head_dim, fmt):
     return bits.astype(fmt.raw).view(fmt.dtype)
 
 
-@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", PLAIN_FORMATS, ids=lambda f: f.name)
 def test_simulated_fused_kernel_equals_the_cpu_path(simulate, fmt):
     """Every output format, a row shard, a partial last block, EOS-heavy tokens."""
     rng = np.random.default_rng(1 + fmt.code)
@@ -356,7 +357,7 @@ def device_lookup(weight, ids, out_dtype, scale, **table_kwargs):
 @pytest.mark.gpu
 @pytest.mark.parametrize("out_dtype", [np.float32, np.float16, ml_dtypes.bfloat16],
                          ids=lambda d: np.dtype(d).name)
-@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", PLAIN_FORMATS, ids=lambda f: f.name)
 def test_gpu_equals_cpu_on_every_bit_pattern(fmt, out_dtype):
     bits = patterns(fmt)
     for head_dim in (160, 8, 3):

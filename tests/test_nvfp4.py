@@ -397,3 +397,141 @@ def test_gpu_fused_forward_equals_the_cpu_path(case):
     got = fused(*(cupy.asarray(part) for part in batch))
     want = table.lookup(nc.compute_ngram_ids(layout, *batch))
     assert_same(cupy.asnumpy(got).view(ml_dtypes.bfloat16), want)
+
+
+# ---------------------------------------------------------------- checkpoints in vLLM's layout
+
+CONFIG = nc.NGramConfig(1000, 3, 2, 100, 5, embedding_dim=4 * 32, split_ngram_parts=3,
+                        ple_embedding_dtype="nvfp4")
+
+
+def random_nvfp4(layout, seed=0):
+    """Packed bytes of every value, finite E4M3 block scales."""
+    rng = np.random.default_rng(seed)
+    weight = rng.integers(0, 256, (layout.padded_rows, layout.head_dim // 2), dtype=np.uint8)
+    scales = rng.integers(0, 0x7F, (layout.padded_rows, layout.head_dim // 16), dtype=np.uint8)
+    return weight, scales
+
+
+def test_a_checkpoint_round_trips_in_vllms_names_and_dtypes(tmp_path):
+    from ngram_cupy.files.safetensors_files import read_header
+
+    layout = nc.layer_layout(CONFIG, 0)
+    weight, scales = random_nvfp4(layout)
+    files = nc.save_ngram_embedding(tmp_path, CONFIG, 0, weight, scale=np.float32(0.25),
+                                    block_scales=scales.view(E4M3))
+    header = {name: info for file in files for name, info in read_header(file).items()}
+    prefix = "model.layers.0.ple.ple_embedding.ngram_embedding"
+    for i, rows in enumerate((140, 140, 140)):
+        assert header[f"{prefix}.shard_{i}.weight"].dtype == "U8"
+        assert header[f"{prefix}.shard_{i}.weight"].shape == (rows, 16)
+        assert header[f"{prefix}.shard_{i}.weight_scale"].dtype == "F8_E4M3"
+        assert header[f"{prefix}.shard_{i}.weight_scale"].shape == (rows, 2)
+    assert header[f"{prefix}.weight_scale_2"].dtype == "F32"
+    assert f"{prefix}.weight_scale" not in header
+    ids = np.random.default_rng(1).integers(-3, layout.padded_rows + 3, (20, 4))
+    config = nc.NGramConfig.from_hf(tmp_path)
+    for placement in ("cpu", "pinned", "mmap"):
+        for rank in range(2):
+            layer = nc.load_ngram_embedding(tmp_path, config, 0, placement=placement, rank=rank,
+                                            world_size=2)
+            table = layer.table
+            lo, hi = table.row_start, table.row_start + table.num_rows
+            for out_code in OUTPUT_CODES:
+                fmt = FORMATS[out_code]
+                assert_same(table.lookup(ids, out_dtype=fmt.dtype),
+                            reference_block_lookup(FMT, weight[lo:hi], scales[lo:hi], 0.25, ids,
+                                                   fmt.dtype, lo), f"{placement}, rank {rank}")
+
+
+def test_the_golden_table_through_a_checkpoint(tmp_path, case):
+    """vLLM's kernel vectors from a table saved and loaded (the owned rows padded with zeros)."""
+    rows = case["total_rows"]
+    config = nc.NGramConfig(1000, 2, 1, rows - 1, 5, embedding_dim=case["dim"],
+                            split_ngram_parts=2, ple_embedding_dtype="nvfp4")
+    layout = nc.layer_layout(config, 0)
+    if layout.padded_rows < case["vocab_end"]:
+        pytest.skip("the layout is smaller than the case")
+    weight = np.zeros((layout.padded_rows, case["dim"] // 2), np.uint8)
+    scales = np.zeros((layout.padded_rows, case["dim"] // 16), np.uint8)
+    weight[case["vocab_start"]:case["vocab_end"]] = case["weight"]
+    scales[case["vocab_start"]:case["vocab_end"]] = case["weight_scale"]
+    nc.save_ngram_embedding(tmp_path, config, 0, weight, scale=case["weight_scale_2"],
+                            block_scales=scales)
+    table = nc.load_ngram_embedding(tmp_path, config, 0).table
+    owned = (case["ids"] >= case["vocab_start"]) & (case["ids"] < case["vocab_end"])
+    ids = np.where(owned, case["ids"], -1)  # the other ranks' rows are zeros here too
+    for out_code in OUTPUT_CODES:
+        assert_golden(table.lookup(ids, out_dtype=FORMATS[out_code].dtype), case, out_code)
+
+
+def write_tensors(path, tensors):
+    from ngram_cupy.files.safetensors_files import write_checkpoint
+
+    write_checkpoint(path / "model.safetensors", tensors)
+    return path / "model.safetensors"
+
+
+def good_tensors():
+    layout = nc.layer_layout(CONFIG, 0)
+    weight, scales = random_nvfp4(layout)
+    from ngram_cupy.files.checkpoint import ngram_tensors
+
+    return ngram_tensors(layout, weight, np.float32(0.5), block_scales=scales)
+
+
+P = "model.layers.0.ple.ple_embedding.ngram_embedding"
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda t: t.update({f"{P}.shard_1.weight": t[f"{P}.shard_1.weight"].view(E4M3)}),
+     "shard_1.weight has dtype F8_E4M3 but"),
+    (lambda t: t.update({f"{P}.shard_0.weight": t[f"{P}.shard_0.weight"].view(E4M3)}),
+     "a cast would reinterpret them"),
+    (lambda t: t.pop(f"{P}.shard_2.weight_scale"), "1 of 3 block scale shards"),
+    (lambda t: t.update({f"{P}.shard_1.weight_scale": t[f"{P}.shard_1.weight_scale"][:, :1]}),
+     r"shard_1.weight_scale must be F8_E4M3 of shape \(140, 2\)"),
+    (lambda t: t.update({f"{P}.shard_1.weight_scale":
+                         t[f"{P}.shard_1.weight_scale"].view(np.uint8)}),
+     "must be F8_E4M3"),
+    (lambda t: t.update({f"{P}.weight": np.zeros((420, 16), np.uint8)}),
+     "an unsharded nvfp4 weight is refused"),
+    (lambda t: t.pop(f"{P}.weight_scale_2"), "weight_scale_2 .* is missing"),
+    (lambda t: t.update({f"{P}.weight_scale_2": np.array(np.nan, np.float32)}),
+     "must be a finite positive number"),
+    (lambda t: t.update({f"{P}.weight_scale_2": np.array([1.0, 2.0], np.float32)}),
+     "must hold one float"),
+    (lambda t: t.update({f"{P}.shard_0.weight": t[f"{P}.shard_0.weight"][:, :8]}),
+     r"must be \(140, 16\)"),
+])
+def test_bad_nvfp4_checkpoints_are_refused(tmp_path, change, match):
+    tensors = good_tensors()
+    change(tensors)
+    path = write_tensors(tmp_path, tensors)
+    with pytest.raises(ValueError, match=match):
+        nc.load_ngram_embedding(path, CONFIG, 0)
+
+
+def test_an_nvfp4_checkpoint_under_another_dtype_is_refused(tmp_path):
+    path = write_tensors(tmp_path, good_tensors())
+    config = nc.NGramConfig(**{**CONFIG.__dict__, "ple_embedding_dtype": "float8_e4m3fn"})
+    with pytest.raises(ValueError, match="holds an NVFP4 table"):
+        nc.load_ngram_embedding(path, config, 0)
+
+
+@pytest.mark.parametrize("arguments, match", [
+    (dict(weight=np.zeros((420, 16), np.float32)), "packed uint8 bytes"),
+    (dict(weight=np.zeros((420, 32), np.uint8)), r"head_dim / 2\) = \(420, 16\)"),
+    (dict(block_scales=np.zeros((420, 1), np.uint8)), "block_scales must have shape"),
+    (dict(block_scales=np.zeros((420, 2), np.float32)), "block_scales must be float8_e4m3fn"),
+    (dict(scale=None), "scale .* is required"),
+    (dict(scale=np.float32(np.inf)), "finite positive"),
+])
+def test_bad_nvfp4_saves_write_nothing(tmp_path, arguments, match):
+    layout = nc.layer_layout(CONFIG, 0)
+    weight, scales = random_nvfp4(layout)
+    given = dict(weight=weight, scale=np.float32(0.5), block_scales=scales) | arguments
+    with pytest.raises(ValueError, match=match):
+        nc.save_ngram_embedding(tmp_path / "out", CONFIG, 0, given["weight"],
+                                scale=given["scale"], block_scales=given["block_scales"])
+    assert not (tmp_path / "out").exists()

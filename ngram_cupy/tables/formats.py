@@ -112,8 +112,11 @@ def names() -> str:
 
 
 def find_format(dtype: Any) -> Format | None:
-    """The format of a NumPy / ml_dtypes / torch dtype, a name or a safetensors code; or None.
-    Remembered per hashable dtype: every lookup asks, and a dtype's name is slow to build."""
+    """The format of a NumPy / ml_dtypes / torch dtype, a name or a safetensors code (or a
+    ``Format`` itself); or None. Remembered per hashable dtype: every lookup asks, and a dtype's
+    name is slow to build."""
+    if isinstance(dtype, Format):
+        return dtype
     try:
         return _cached_format(dtype)
     except TypeError:  # unhashable: not remembered

@@ -101,6 +101,8 @@ def launch_plan(table, code: int, row_start: int, scale, ids, out, out_code: int
     to do. Works on CuPy or NumPy arrays alike (only shapes, dtypes and addresses are read).
     With ``hot = ((words, ranks), hot rows)``, the tiered gather counting into ``counts``.
     A block-scaled table's rows come with their ``scales`` (and a hot tier's ``hot_scales``)."""
+    if FORMATS[code].blocked and (scales is None or (hot is not None and hot_scales is None)):
+        raise ValueError(f"{FORMATS[code].name} rows need their block scales")
     num_items = ids.size
     rows, row_width = table.shape
     if num_items == 0 or row_width == 0:

@@ -230,6 +230,8 @@ def gather_rows(table: np.ndarray, code: int, row_start: int, scale: np.float32,
     when given. A block-scaled table's ``[rows, width]`` bytes come with their ``scales``
     (uint8 ``[rows, head_dim / block]``), and a hot tier's with ``hot_scales``.
     """
+    if FORMATS[code].blocked and (scales is None or (hot is not None and hot_scales is None)):
+        raise ValueError(f"{FORMATS[code].name} rows need their block scales")
     scale = np.float32(scale)
     outputs = output_table(code, out_code, int(scale.view(np.uint32)))
     if hot is None:

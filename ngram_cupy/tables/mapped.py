@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-import numpy as np
-
 from .formats import storage_format
 from .storage.mapped import MappedStorage
 from .table import EmbeddingTable, block_scale_bits
@@ -15,7 +13,8 @@ class MappedTable(EmbeddingTable):
     """Global rows ``[row_start, row_stop)`` of a ``total_rows`` table, served from mapped blocks.
 
     ``blocks``: ``(first global row, rows)`` pairs tiling ``[row_start, row_stop)`` in order
-    (block-scaled formats: ``(first global row, packed rows, block scales)``); ``guard``, called before every gather, raises if the files behind them changed.
+    (block-scaled formats: ``(first global row, packed rows, block scales)``); ``guard``, called
+    before every gather, raises if the files behind them changed.
     Lookups give exactly what an ``EmbeddingTable`` holding the same rows gives (ids outside the
     owned rows: zero rows), on the CPU; the rows are read-only.
     """
