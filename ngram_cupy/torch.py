@@ -24,9 +24,11 @@ from .tables.table import EmbeddingTable
 
 WEIGHT = "ngram_embedding.weight"
 SCALE = "ngram_embedding.weight_scale"
+GLOBAL_SCALE = "ngram_embedding.weight_scale_2"  # NVFP4: the float32 global scale
 # Value width in bytes -> the NumPy integer type that moves those bits to torch.
 _BITS = {1: np.uint8, 2: np.int16, 4: np.int32}
 _SHARD = re.compile(r"ngram_embedding\.shard_(\d+)\.weight", re.ASCII)
+_SHARD_SCALES = re.compile(r"ngram_embedding\.shard_(\d+)\.weight_scale", re.ASCII)
 
 
 def _is_ignored(name: str) -> bool:
@@ -43,9 +45,19 @@ def _storage_view(table: EmbeddingTable, dtype: torch.dtype) -> torch.Tensor:
     return tensor.view(dtype)
 
 
+def _scales_view(table: EmbeddingTable) -> torch.Tensor:
+    """A float8_e4m3fn torch tensor sharing an NVFP4 table's block scales."""
+    scales = table.host_scales if table.host_scales is not None else table.device_scales
+    tensor = torch.from_numpy(scales) if isinstance(scales, np.ndarray) else \
+        torch.from_dlpack(scales)
+    return tensor.view(torch.float8_e4m3fn)
+
+
 class TableWeights(torch.nn.Module):
     """The table's rows (``weight``) and float8 scale (``weight_scale``) as buffers that share the
-    table's memory, so ``state_dict`` reads and ``load_state_dict`` writes the table in place."""
+    table's memory, so ``state_dict`` reads and ``load_state_dict`` writes the table in place.
+    An NVFP4 table's buffers are vLLM's: packed ``weight`` (uint8), block scales
+    ``weight_scale`` (float8_e4m3fn, sharing the table's) and the global ``weight_scale_2``."""
 
     def __init__(self, table: EmbeddingTable, dtype: torch.dtype):
         super().__init__()
@@ -54,7 +66,18 @@ class TableWeights(torch.nn.Module):
         if table.dtype.name == "float8_e4m3fn":
             self.register_buffer("weight_scale", torch.tensor(1.0, dtype=torch.float32))
             table.scale = np.float32(1.0)
+        if table.format.blocked:
+            self.register_buffer("weight_scale", _scales_view(table))
+            self.register_buffer("weight_scale_2", torch.tensor(1.0, dtype=torch.float32))
+            table.scale = np.float32(1.0)
         self.register_load_state_dict_post_hook(TableWeights._after_load)
+
+    def set_global_scale(self, value: torch.Tensor) -> None:
+        """Take an NVFP4 table's one-element global scale (finite and positive)."""
+        scale = value.detach().to("cpu", torch.float32).reshape(())
+        check_scale(GLOBAL_SCALE, float(scale.item()))
+        self.weight_scale_2 = scale
+        self.table.scale = np.float32(scale.item())
 
     def set_scale(self, value: torch.Tensor) -> None:
         """Take a one-element floating tensor as the table's scale (finite and positive, as
@@ -69,12 +92,20 @@ class TableWeights(torch.nn.Module):
         """After ``load_state_dict`` the table holds the rows and scale just loaded, also when
         ``assign=True`` replaced the buffers instead of copying into them."""
         view = _storage_view(module.table, module.weight.dtype)
-        if module.weight.data_ptr() != view.data_ptr():
-            module.table.write_rows(0, module.weight.detach())  # keeps a hot tier current
+        blocked = module.table.format.blocked
+        scales = _scales_view(module.table) if blocked else None
+        if module.weight.data_ptr() != view.data_ptr() or (
+                blocked and module.weight_scale.data_ptr() != scales.data_ptr()):
+            module.table.write_rows(0, module.weight.detach(),  # keeps a hot tier current
+                                    module.weight_scale.detach() if blocked else None)
             module.weight = view
+            if blocked:
+                module.weight_scale = scales
         else:  # copied in place into the table's rows, behind a hot tier's back
             module.table.refresh_hot_rows()
-        if hasattr(module, "weight_scale"):
+        if blocked:
+            module.set_global_scale(module.weight_scale_2)
+        elif hasattr(module, "weight_scale"):
             try:
                 module.set_scale(module.weight_scale)
             except ValueError:  # keep the buffer equal to the scale the table still uses
@@ -127,6 +158,7 @@ class NGramEmbeddingModule(torch.nn.Module):
         self.ngram_embedding = TableWeights(table, table.format.torch_dtype)
         self.register_load_state_dict_pre_hook(NGramEmbeddingModule._check_state_dict)
         self._loaded_shards: set[int] = set()
+        self._pending: dict[int, dict[str, torch.Tensor]] = {}  # NVFP4 shard halves waiting
 
     @property
     def table(self) -> EmbeddingTable:
@@ -215,8 +247,9 @@ class NGramEmbeddingModule(torch.nn.Module):
                              f"at index {i}: got {int(got[i])}, the layout derives {int(want[i])}")
 
     def _check_rows(self, name: str, value: torch.Tensor, rows: int) -> None:
-        """A block of table rows must be ``[rows, head_dim]`` of the storage dtype."""
-        shape = (rows, self.layout.head_dim)
+        """A block of table rows must be ``[rows, head_dim]`` of the storage dtype (NVFP4:
+        ``[rows, head_dim / 2]`` packed bytes)."""
+        shape = (rows, self.table.format.row_width(self.layout.head_dim))
         if tuple(value.shape) != shape:
             raise ValueError(f"{name} has shape {tuple(value.shape)} but must be {shape}")
         if value.dtype != self.ngram_embedding.weight.dtype:
@@ -230,9 +263,34 @@ class NGramEmbeddingModule(torch.nn.Module):
             raise ValueError(f"{name}: shard index {index} is at or past "
                              f"split_ngram_parts={parts}")
         start, stop = split_rows(self.layout.padded_rows, parts, index)
+        if self.table.format.blocked:  # rows and their block scales are written together
+            self._load_block_scaled_shard(name, index, start, stop, value)
+            return
         self._check_rows(name, value, stop - start)
         self.table.write_rows(start, value.detach())
         self._loaded_shards.add(index)
+
+    def _load_block_scaled_shard(self, name: str, index: int, start: int, stop: int,
+                                 value: torch.Tensor) -> None:
+        """Keep one half of an NVFP4 shard (rows or block scales) until the other arrives, then
+        write both (one shard held at most while a checkpoint streams by)."""
+        pending = self._pending.setdefault(index, {})
+        if name.endswith("weight_scale"):
+            fmt = self.table.format
+            shape = (stop - start, fmt.scale_width(self.layout.head_dim))
+            if tuple(value.shape) != shape or value.dtype not in (torch.float8_e4m3fn,
+                                                                  torch.uint8):
+                raise ValueError(f"{name} must be float8_e4m3fn of shape {shape} (one scale per "
+                                 f"{fmt.block} values), got {value.dtype} of shape "
+                                 f"{tuple(value.shape)}")
+            pending["scales"] = value.detach()
+        else:
+            self._check_rows(name, value, stop - start)
+            pending["rows"] = value.detach()
+        if len(pending) == 2:
+            self.table.write_rows(start, pending["rows"], pending["scales"])
+            del self._pending[index]
+            self._loaded_shards.add(index)
 
     def _load_scale(self, value: torch.Tensor) -> None:
         """The float8 table's scale: one floating value."""
@@ -260,9 +318,18 @@ class NGramEmbeddingModule(torch.nn.Module):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
             if name in BUFFERS:
                 self._check_buffer(name, value)
-            elif match := _SHARD.fullmatch(name):
+            elif match := _SHARD.fullmatch(name) or (
+                    self.table.format.blocked and _SHARD_SCALES.fullmatch(name)):
                 self._load_shard(name, int(match.group(1)), value)
-                name = WEIGHT
+                name = WEIGHT if name.endswith("weight") else SCALE
+            elif name == GLOBAL_SCALE and self.table.format.blocked:
+                if value.numel() != 1 or not value.dtype.is_floating_point:
+                    raise ValueError(f"{name} must hold one floating value, got {value.dtype} "
+                                     f"of shape {tuple(value.shape)}")
+                self.ngram_embedding.set_global_scale(value)
+            elif name in (WEIGHT, SCALE) and self.table.format.blocked:
+                raise ValueError(f"{name}: an unsharded {self.table.format.name} tensor is "
+                                 "refused; load shard_{i}.weight and shard_{i}.weight_scale")
             elif name == SCALE:
                 self._load_scale(value)
             elif name == WEIGHT:

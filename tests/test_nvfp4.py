@@ -535,3 +535,100 @@ def test_bad_nvfp4_saves_write_nothing(tmp_path, arguments, match):
         nc.save_ngram_embedding(tmp_path / "out", CONFIG, 0, given["weight"],
                                 scale=given["scale"], block_scales=given["block_scales"])
     assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------- the torch module
+
+def saved_checkpoint(tmp_path):
+    layout = nc.layer_layout(CONFIG, 0)
+    weight, scales = random_nvfp4(layout, 3)
+    nc.save_ngram_embedding(tmp_path / "model.safetensors", CONFIG, 0, weight,
+                            scale=np.float32(0.375), block_scales=scales)
+    return weight, scales
+
+
+def module_batch():
+    import torch
+
+    rng = np.random.default_rng(4)
+    tokens = torch.from_numpy(rng.integers(0, 1000, 12))
+    return tokens, torch.tensor([0, 5, 12]), torch.from_numpy(rng.integers(0, 1000, (2, 2)))
+
+
+@pytest.mark.parametrize("order", ["as stored", "scales first"])
+def test_the_module_loads_vllms_nvfp4_names(tmp_path, order):
+    import torch
+    from safetensors import safe_open
+
+    from ngram_cupy.torch import NGramEmbeddingModule
+
+    saved_checkpoint(tmp_path)
+    prefix = "model.layers.0.ple.ple_embedding."
+    module = NGramEmbeddingModule(CONFIG, 0, placement="cpu", weight_dtype="nvfp4")
+    assert module.out_dtype == torch.bfloat16
+    with safe_open(tmp_path / "model.safetensors", "pt") as checkpoint:
+        names = sorted(checkpoint.keys(), reverse=order == "scales first")
+        weights = [(name.removeprefix(prefix), checkpoint.get_tensor(name)) for name in names]
+    first = [entry for entry in weights if entry[0].endswith("shard_0.weight")]
+    module.load_weights(first)
+    assert module.missing_shards == [0, 1, 2]  # rows without their scales are not loaded
+    loaded = module.load_weights(weights)
+    assert loaded >= {"ngram_embedding.weight", "ngram_embedding.weight_scale",
+                      "ngram_embedding.weight_scale_2"}
+    assert module.missing_shards == [] and module.table.scale == np.float32(0.375)
+    library = nc.load_ngram_embedding(tmp_path / "model.safetensors", CONFIG, 0)
+    batch = module_batch()
+    want = library(*(t.numpy() for t in batch))
+    got = module(None, *batch)
+    assert got.dtype == torch.bfloat16
+    np.testing.assert_array_equal(got.view(torch.int16).numpy(), want.view(np.int16))
+
+
+def test_the_module_state_dict_round_trips():
+    import torch
+
+    from ngram_cupy.torch import NGramEmbeddingModule
+
+    layout = nc.layer_layout(CONFIG, 0)
+    weight, scales = random_nvfp4(layout, 5)
+    module = NGramEmbeddingModule(CONFIG, 0, placement="cpu")
+    module.table.write_rows(0, weight, scales)
+    module.ngram_embedding.set_global_scale(torch.tensor(0.5))
+    state = {name: value.clone() for name, value in module.state_dict().items()}
+    assert state["ngram_embedding.weight_scale"].dtype == torch.float8_e4m3fn
+    other = NGramEmbeddingModule(CONFIG, 0, placement="cpu",
+                                 hot_rows=np.arange(0, layout.padded_rows, 3))
+    other.load_state_dict(state)
+    batch = module_batch()
+    np.testing.assert_array_equal(other(None, *batch).view(torch.int16).numpy(),
+                                  module(None, *batch).view(torch.int16).numpy())
+    assert other.table.scale == np.float32(0.5)
+
+
+@pytest.mark.parametrize("entry, error, match", [
+    (("ngram_embedding.weight", np.zeros((420, 16), np.uint8)), ValueError, "unsharded nvfp4"),
+    (("ngram_embedding.weight_scale", np.zeros((420, 2), np.uint8)), ValueError,
+     "unsharded nvfp4"),
+    (("ngram_embedding.shard_0.weight", np.zeros((140, 16), np.float32)), TypeError,
+     "the table stores torch.uint8"),
+    (("ngram_embedding.shard_0.weight", np.zeros((140, 32), np.uint8)), ValueError,
+     r"must be \(140, 16\)"),
+    (("ngram_embedding.shard_0.weight_scale", np.zeros((140, 1), np.uint8)), ValueError,
+     r"must be float8_e4m3fn of shape \(140, 2\)"),
+    (("ngram_embedding.shard_0.weight_scale", np.zeros((140, 2), np.float32)), ValueError,
+     "must be float8_e4m3fn"),
+    (("ngram_embedding.shard_3.weight_scale", np.zeros((140, 2), np.uint8)), ValueError,
+     "at or past split_ngram_parts"),
+    (("ngram_embedding.weight_scale_2", np.array(np.nan, np.float32)), ValueError,
+     "finite positive"),
+    (("ngram_embedding.weight_scale_2", np.ones(2, np.float32)), ValueError, "one floating"),
+])
+def test_the_module_refuses_bad_nvfp4_weights(entry, error, match):
+    import torch
+
+    from ngram_cupy.torch import NGramEmbeddingModule
+
+    module = NGramEmbeddingModule(CONFIG, 0, placement="cpu")
+    with pytest.raises(error, match=match):
+        module.load_weights([(entry[0], torch.from_numpy(entry[1]))])
+    assert module.table.scale == np.float32(1.0)
