@@ -632,3 +632,28 @@ def test_the_module_refuses_bad_nvfp4_weights(entry, error, match):
     with pytest.raises(error, match=match):
         module.load_weights([(entry[0], torch.from_numpy(entry[1]))])
     assert module.table.scale == np.float32(1.0)
+
+
+# ---------------------------------------------------------------- sizes: planning and the CLI
+
+def test_plan_placement_counts_90_bytes_a_row(released_config):
+    from ngram_cupy.placement import table_nbytes
+
+    layout = nc.layer_layout(released_config, 0)
+    assert table_nbytes(layout, "nvfp4") == layout.padded_rows * 90 == 28_800_138_240
+    plan = nc.plan_placement([(layout, "nvfp4")] * 3, gpu_budget_bytes=60 << 30,
+                             host_budget_bytes=30 << 30)
+    assert len(plan.names("gpu")) == 2 and len(plan.names("host")) == 1  # 26.8 GiB each
+    odd = nc.layer_layout(nc.NGramConfig(1000, 2, 1, 100, 5, embedding_dim=24), 0)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        table_nbytes(odd, "nvfp4")
+
+
+def test_the_layout_command_prints_bytes_per_row(capsys):
+    from ngram_cupy.cli import main
+
+    config = Path(__file__).resolve().parents[1] / "data" / "config.json"
+    assert main(["layout", "--config", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert "nvfp4" in out and "26.8 GiB  (90 B per row)" in out
+    assert "47.7 GiB  (160 B per row)" in out
