@@ -144,11 +144,15 @@ def _gather_kernel(code: int, out_code: int, parallel: bool, tiered: bool = Fals
                                 prefetch_line(hot, slot, c)
                             else:
                                 prefetch_line(table, ahead, c)
-                        if blocked:
+                        if blocked:  # rows and scales not a line multiple: their last lines
                             if slot >= 0:
+                                prefetch_line(hot, slot, head_dim - 1)
                                 prefetch_line(hot_scales, slot, 0)
+                                prefetch_line(hot_scales, slot, hot_scales.shape[1] - 1)
                             else:
+                                prefetch_line(table, ahead, head_dim - 1)
                                 prefetch_line(scales, ahead, 0)
+                                prefetch_line(scales, ahead, scales.shape[1] - 1)
                 for h in range(num_heads):
                     row_id = int64(ids[t, h])
                     if check and expected[t, h] == row_id:
