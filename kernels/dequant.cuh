@@ -19,17 +19,19 @@ static inline unsigned int __float_as_uint(float f) { unsigned int b; std::memcp
 namespace ngram {
 
 // Format codes, the same numbers as dequant.py.
-enum : int { FLOAT32 = 0, FLOAT16 = 1, BFLOAT16 = 2, FLOAT8_E4M3 = 3, NVFP4 = 4 };
+enum : int { FLOAT32 = 0, FLOAT16 = 1, BFLOAT16 = 2, FLOAT8_E4M3 = 3, NVFP4 = 4, MXFP8 = 5 };
 
 // The unsigned type of one stored element (NVFP4: a byte of two codes).
 template <int CODE> struct Raw { using type = unsigned short; };
 template <> struct Raw<FLOAT32> { using type = unsigned int; };
 template <> struct Raw<FLOAT8_E4M3> { using type = unsigned char; };
 template <> struct Raw<NVFP4> { using type = unsigned char; };
+template <> struct Raw<MXFP8> { using type = unsigned char; };
 
 // Block-scaled formats: values per stored element, values per block scale byte (formats.py).
 template <int CODE> struct Blocks { static constexpr int PACK = 1, BLOCK = 0; };
 template <> struct Blocks<NVFP4> { static constexpr int PACK = 2, BLOCK = 16; };
+template <> struct Blocks<MXFP8> { static constexpr int PACK = 1, BLOCK = 32; };
 
 // Stored bits -> float32 (exact: every format widens).
 template <int CODE>
@@ -97,9 +99,11 @@ NGRAM_DEVICE unsigned int convert(unsigned int bits, float scale) {
     return encode<OUT_CODE>(decode<CODE>(bits) * scale);
 }
 
-// A block scale byte of a block-scaled format as float32 (NVFP4: E4M3).
+// A block scale byte of a block-scaled format as float32: NVFP4's E4M3; MXFP8's UE8M0 as the
+// float32 of bits b << 23 (0.0 for byte 0, +inf for 255, as vLLM reads it).
 template <int CODE>
 NGRAM_DEVICE float block_value(unsigned int b) {
+    if constexpr (CODE == MXFP8) return __uint_as_float(b << 23);
     return decode<FLOAT8_E4M3>(b);
 }
 

@@ -46,11 +46,12 @@ def _storage_view(table: EmbeddingTable, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _scales_view(table: EmbeddingTable) -> torch.Tensor:
-    """A float8_e4m3fn torch tensor sharing an NVFP4 table's block scales."""
+    """A torch tensor sharing a block-scaled table's block scales, of their type (NVFP4:
+    float8_e4m3fn)."""
     scales = table.host_scales if table.host_scales is not None else table.device_scales
     tensor = torch.from_numpy(scales) if isinstance(scales, np.ndarray) else \
         torch.from_dlpack(scales)
-    return tensor.view(torch.float8_e4m3fn)
+    return tensor.view(getattr(torch, table.format.block_scale.name))
 
 
 class TableWeights(torch.nn.Module):
@@ -63,7 +64,7 @@ class TableWeights(torch.nn.Module):
         super().__init__()
         self.table = table
         self.register_buffer("weight", _storage_view(table, dtype))
-        if table.dtype.name == "float8_e4m3fn":
+        if table.format.name == "float8_e4m3fn":
             self.register_buffer("weight_scale", torch.tensor(1.0, dtype=torch.float32))
             table.scale = np.float32(1.0)
         if table.format.blocked:

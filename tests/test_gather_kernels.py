@@ -24,7 +24,7 @@ from ngram_cupy.tables.gather_numba import gather_rows
 
 def test_every_format_pair_has_instances():
     names = gather_cupy.all_instances()
-    assert len(names) == len(set(names)) == 2 * 2 * 3 * (3 + 4 + 4 + 5 + 5)  # tiered or not
+    assert len(names) == len(set(names)) == 2 * 2 * 3 * (3 + 4 + 4 + 5 + 5 + 5)  # tiered or not
     assert "gather_rows<3, 2, 16, long long>" in names
     assert "gather_tiered_rows<3, 2, 16, long long>" in names
     assert "gather_rows<0, 0, 2, int>" not in names  # no load narrower than a value

@@ -12,6 +12,7 @@ is the CUDA C twin of this file and is tested against it.
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 from llvmlite import ir
 from numba import float32, int64, types, uint32
@@ -24,6 +25,7 @@ from .formats import (
     FLOAT16,
     FLOAT32,
     FORMATS,
+    MXFP8,
     NVFP4,
     OUTPUT_CODES,
     Format,
@@ -35,7 +37,7 @@ from .formats import (
 # The format registry lives in formats.py; its names stay importable from here.
 __all__ = [
     "BFLOAT16", "FLOAT16", "FLOAT32", "FLOAT8_E4M3", "FORMATS", "OUTPUT_CODES", "Format",
-    "NVFP4", "SCALE_ROUNDINGS", "block_value", "check_scale_rounding", "convert",
+    "MXFP8", "NVFP4", "SCALE_ROUNDINGS", "block_value", "check_scale_rounding", "convert",
     "convert_blocked", "decode", "default_output", "encode", "output_format",
     "reference_block_lookup", "reference_lookup", "rounded_scale", "storage_format",
 ]
@@ -85,17 +87,25 @@ E2M1_MAGNITUDES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float32)
 
 def reference_block_lookup(fmt: Format, weight: np.ndarray, block_scales: np.ndarray, scale,
                            ids: np.ndarray, out_dtype, row_start: int = 0) -> np.ndarray:
-    """Plain NumPy / ml_dtypes definition of a block-scaled lookup (SPEC 10.2, NVFP4):
+    """Plain NumPy / ml_dtypes definition of a block-scaled lookup (SPEC 10.2, 11):
     ``(value * block scale) * scale`` in float32, rounded once to ``out_dtype``.
 
-    ``weight``: the packed ``[rows, head_dim / 2]`` bytes (low nibble first), ``block_scales``
-    the ``[rows, head_dim / 16]`` E4M3 bytes, owned global rows from ``row_start``; other ids
-    give zero rows.
+    NVFP4: ``weight`` the packed ``[rows, head_dim / 2]`` bytes (low nibble first),
+    ``block_scales`` the ``[rows, head_dim / 16]`` E4M3 bytes. MXFP8: ``weight`` E4M3
+    ``[rows, head_dim]`` (or its bytes), ``block_scales`` ``[rows, head_dim / 32]`` UE8M0 bytes
+    read as the float32 of bits ``byte << 23``. Owned global rows start at ``row_start``; other
+    ids give zero rows.
     """
-    assert fmt.code == NVFP4
-    codes = np.stack([weight & 0xF, weight >> 4], axis=-1).reshape(weight.shape[0], -1)
-    values = np.where(codes & 8, -E2M1_MAGNITUDES[codes & 7], E2M1_MAGNITUDES[codes & 7])
-    blocks = np.asarray(block_scales).view(np.uint8).view(fmt.block_scale).astype(np.float32)
+    scale_bytes = np.asarray(block_scales).view(np.uint8)
+    if fmt.code == MXFP8:
+        values = np.asarray(weight).view(np.uint8).view(ml_dtypes.float8_e4m3fn).astype(
+            np.float32)
+        blocks = (scale_bytes.astype(np.uint32) << 23).view(np.float32)
+    else:
+        assert fmt.code == NVFP4
+        codes = np.stack([weight & 0xF, weight >> 4], axis=-1).reshape(weight.shape[0], -1)
+        values = np.where(codes & 8, -E2M1_MAGNITUDES[codes & 7], E2M1_MAGNITUDES[codes & 7])
+        blocks = scale_bytes.view(fmt.block_scale).astype(np.float32)
     with np.errstate(over="ignore", invalid="ignore"):
         decoded = (values * np.repeat(blocks, fmt.block, axis=1)) * np.float32(scale)
     local = np.asarray(ids, dtype=np.int64) - row_start
@@ -231,7 +241,11 @@ def convert(bits, code, scale, out_code):
 
 @inline_jitable
 def block_value(bits, code):
-    """The float32 value of a block scale byte of block-scaled format ``code`` (NVFP4: E4M3)."""
+    """The float32 value of a block scale byte of block-scaled format ``code``: NVFP4's E4M3;
+    MXFP8's UE8M0 as vLLM reads it, the float32 of bits ``byte << 23`` (``2**(byte - 127)``, 0.0
+    for byte 0, +inf for 255)."""
+    if code == MXFP8:
+        return bits_to_float32(int64(bits) << 23)
     return decode(bits, FLOAT8_E4M3)
 
 

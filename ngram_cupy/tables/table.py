@@ -44,6 +44,15 @@ def scale_value(scale) -> np.float32 | None:
     return value
 
 
+def table_scale(fmt: Format, scale) -> np.float32 | None:
+    """``scale_value`` of a table's scale; block-scaled formats without a global scale (MXFP8)
+    refuse one (vLLM's lookup has none: a product would round twice)."""
+    if scale is not None and fmt.blocked and not fmt.scaled:
+        raise ValueError(f"{fmt.name} tables take no scale (their block scales are the only "
+                         f"ones), got scale={scale!r}")
+    return scale_value(scale)
+
+
 def block_scale_bits(fmt: Format, scales, torch_format: Format | None, num_rows: int,
                      head_dim: int):
     """A block-scaled format's ``block_scales`` checked (``[num_rows, head_dim / block]``, of the
@@ -130,7 +139,7 @@ class EmbeddingTable:
         fmt.check_head_dim(head_dim, "weight.shape[1] * 2" if fmt.pack == 2 else "weight")
         scales = block_scale_bits(fmt, call["block_scales"], call.formats.get("block_scales"),
                                   array.shape[0], head_dim)
-        scale_value(scale)  # checked before anything is allocated
+        table_scale(fmt, scale)  # checked before anything is allocated
         placement = canonical_placement(placement)
         self._check_geometry(array.shape[0], head_dim, row_start, total_rows)
         storage = adopt(placement, call.side, array, fmt)
@@ -152,7 +161,7 @@ class EmbeddingTable:
         placement = canonical_placement(placement)
         cls._check_geometry(num_rows, head_dim, row_start, total_rows)
         fmt.check_head_dim(head_dim)
-        scale_value(scale)
+        table_scale(fmt, scale)
         return cls(allocate(placement, int(num_rows), int(head_dim), fmt), scale,
                    row_start=row_start, total_rows=total_rows, dedup=dedup,
                    hot_rows=hot_rows, scale_rounding=scale_rounding)._named(placement)
@@ -191,7 +200,7 @@ class EmbeddingTable:
         self.num_rows, self.head_dim, self.format = storage.num_rows, storage.head_dim, \
             storage.format
         self.dtype = self.format.dtype
-        self.scale = scale_value(scale)
+        self.scale = table_scale(storage.format, scale)
         self.scale_rounding = scale_rounding
         self.placement = placement
         self.row_start = int(row_start)
