@@ -69,6 +69,7 @@ class TableWeights(torch.nn.Module):
             table.scale = np.float32(1.0)
         if table.format.blocked:
             self.register_buffer("weight_scale", _scales_view(table))
+        if table.format.blocked and table.format.scaled:
             self.register_buffer("weight_scale_2", torch.tensor(1.0, dtype=torch.float32))
             table.scale = np.float32(1.0)
         self.register_load_state_dict_post_hook(TableWeights._after_load)
@@ -104,9 +105,9 @@ class TableWeights(torch.nn.Module):
                 module.weight_scale = scales
         else:  # copied in place into the table's rows, behind a hot tier's back
             module.table.refresh_hot_rows()
-        if blocked:
+        if hasattr(module, "weight_scale_2"):
             module.set_global_scale(module.weight_scale_2)
-        elif hasattr(module, "weight_scale"):
+        elif hasattr(module, "weight_scale") and not blocked:
             try:
                 module.set_scale(module.weight_scale)
             except ValueError:  # keep the buffer equal to the scale the table still uses

@@ -657,3 +657,17 @@ def test_the_layout_command_prints_bytes_per_row(capsys):
     out = capsys.readouterr().out
     assert "nvfp4" in out and "26.8 GiB  (90 B per row)" in out
     assert "47.7 GiB  (160 B per row)" in out
+
+
+def test_the_vectors_as_read_from_their_files():
+    """The ``.npz`` fields passed as they load (0-d arrays for the geometry and the scale)."""
+    for path in GOLDEN:
+        with np.load(path) as data:
+            table = nc.EmbeddingTable(data["weight"], dtype="nvfp4",
+                                      block_scales=data["weight_scale"],
+                                      scale=data["weight_scale_2"], row_start=data["vocab_start"],
+                                      total_rows=data["total_rows"])
+            case = {name: data[name] for name in data.files}
+        for out_code in OUTPUT_CODES:
+            assert_golden(table.lookup(case["ids"], out_dtype=FORMATS[out_code].name), case,
+                          out_code)
