@@ -8,10 +8,10 @@ into AVX2 code (16 values a step): ~7% faster than the lookup, measured on a Zen
 give exactly ``dequant.convert``'s bits, as the GPU kernels do. The rows of the next token are
 prefetched while the current one converts: random rows of a large table are otherwise read one
 cache miss at a time. A tiered table (``hot_rows``) reads each hot row from its hot tier instead
-of the table, and counts the rows read from each tier. Block-scaled rows (NVFP4) convert whole
-bytes through a table of every (block scale byte, stored byte) pair's outputs (65,536 entries of
-both values' output bits), into the output viewed as such pairs: a load, a lookup and a store a
-byte, half the work of a float8 row.
+of the table, and counts the rows read from each tier. Block-scaled rows (NVFP4, MXFP8) convert
+whole bytes through a table of every (block scale byte, stored byte) pair's outputs (65,536
+entries; an NVFP4 entry holds both values' output bits, written as one pair): a load, a lookup
+and a store a byte.
 """
 
 from __future__ import annotations

@@ -60,7 +60,7 @@ def block_scale_bits(fmt: Format, scales, torch_format: Format | None, num_rows:
     refuse them. ValueErrors name the argument."""
     if not fmt.blocked:
         if scales is not None:
-            raise ValueError(f"block_scales are only for block-scaled tables (nvfp4), not "
+            raise ValueError(f"block_scales are only for block-scaled tables (nvfp4, mxfp8), not "
                              f"{fmt.name}")
         return None
     kind = fmt.block_scale.name
@@ -111,7 +111,11 @@ class EmbeddingTable:
     graph-capturable). ``hot_rows`` (sorted unique int64 global row ids, e.g. from
     ``ngram-cupy stats --save-hot-rows``) are copied into a hot tier (GPU memory for a pinned
     table on a GPU, else host memory) that each lookup reads them from, in the same launch;
-    ``counters`` then counts the rows read from each tier. ``scale_rounding``: ``"output"``
+    ``counters`` then counts the rows read from each tier. ``dtype="nvfp4"`` (``weight``: uint8
+    ``[rows, head_dim / 2]``, two E2M1 codes a byte; ``scale``: the float32 global scale) and
+    ``dtype="mxfp8"`` (E4M3 ``[rows, head_dim]``, no scale) are block-scaled: ``block_scales``
+    (``[rows, head_dim / block]``, E4M3 / UE8M0 or their uint8 bits) live beside the rows in
+    every placement. ``scale_rounding``: ``"output"``
     (vLLM 0.33's dequantisation: the scale rounded to the output dtype, then the product) or
     ``"float32"`` (the float32 product rounded once).
     """
