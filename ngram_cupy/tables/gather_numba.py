@@ -31,6 +31,7 @@ from .dequant import (
     FLOAT8_E4M3,
     FLOAT32,
     FORMATS,
+    MXFP8,
     bits_to_float32,
     convert,
     convert_blocked,
@@ -87,6 +88,23 @@ def blocked_row(source, block_scales, dest, outputs, per_block):
             dest[k] = outputs[base | int64(source[k])]
 
 
+@njit(inline="always", boundscheck=False)
+def mxfp8_row_to_bf16(source, block_scales, dest, outputs, per_block):
+    """``blocked_row`` of an MXFP8 row to bfloat16: each block is ``fp8_row_to_bf16`` with its
+    power-of-two scale (exactly ``convert_blocked``: the global scale is 1), but a block with the
+    infinite scale byte 255, which goes through the byte table."""
+    for j in range(block_scales.shape[0]):
+        first, last = j * per_block, j * per_block + per_block
+        byte = uint32(block_scales[j])
+        if byte == uint32(0xFF):
+            base = int64(byte) << 8
+            for k in range(first, last):
+                dest[k] = outputs[base | int64(source[k])]
+        else:
+            fp8_row_to_bf16(source[first:last], dest[first:last],
+                            bits_to_float32(byte << uint32(23)))
+
+
 @intrinsic
 def prefetch_line(typingctx, array, row, column):
     """Hint the CPU to load ``array[row, column]``'s cache line (LLVM ``prefetch``; no fault)."""
@@ -123,6 +141,8 @@ def _gather_kernel(code: int, out_code: int, parallel: bool, tiered: bool = Fals
     line = CACHE_LINE // fmt.itemsize  # stored elements per cache line
     blocked = fmt.blocked
     per_block = max(fmt.block // fmt.pack, 1)  # stored elements per block scale
+    # MXFP8 -> bfloat16: each block is a float8 run scaled by a power of two, the float8 formula
+    by_blocks = code == MXFP8 and out_code == BFLOAT16
 
     def gather(table, row_start, scale, outputs, ids, expected, out, hot_words, hot_ranks, hot,
                counts, scales, hot_scales):
@@ -167,6 +187,11 @@ def _gather_kernel(code: int, out_code: int, parallel: bool, tiered: bool = Fals
                         cold_read += slot < 0
                         if formula:
                             fp8_row_to_bf16(source[row], out[t, first:first + head_dim], scale)
+                            continue
+                        if by_blocks:
+                            block_scales = hot_scales if slot >= 0 else scales
+                            mxfp8_row_to_bf16(source[row], block_scales[row],
+                                              out[t, first:first + head_dim], outputs, per_block)
                             continue
                         if blocked:
                             block_scales = hot_scales if slot >= 0 else scales
