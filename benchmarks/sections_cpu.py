@@ -27,6 +27,7 @@ from .data import (
 from .report import Row, Section
 from .timers import copy_floor, paired, per_call, timeit
 
+FORMATS_NVFP4_ROW = RELEASED_HEAD_DIM // 2 + RELEASED_HEAD_DIM // 16  # 90 bytes a row
 IDS_CASES = [(1, 4096), (32, 512), (256, 1), (1, 1 << 20)]
 IDS_CASES_QUICK = [(1, 4096), (32, 512), (256, 1), (1, 1 << 18)]
 GATHER_TOKENS = (256, 4096, 65536)
@@ -136,6 +137,36 @@ def bench_gather_cpu(quick: bool) -> Section:
                                         one_thread=single, ratio=ratio, condition=condition,
                                         rate=f"{moved / fast / 1e9:.2f} GB/s", tokens=num_tokens,
                                         notes=notes))
+    return section
+
+
+def bench_nvfp4_gather_cpu(quick: bool) -> Section:
+    """Numba NVFP4 -> bf16 gather of the released row shape (80 packed bytes + 10 block scales a
+    row) against the fp8 gather of the same rows, timed in alternating pairs in each condition,
+    and against the copy floor of the output; idle, also beside torch's own gather."""
+    rng = np.random.default_rng(3)
+    rows = 1 << (20 if quick else 22)
+    num_tokens = 4096 if quick else 65536
+    fp8 = nc.EmbeddingTable(random_fp8_rows(rng, rows), scale=0.5)
+    packed = rng.integers(0, 256, (rows, RELEASED_HEAD_DIM // 2), dtype=np.uint8)
+    scales = rng.integers(0, 0x7F, (rows, RELEASED_HEAD_DIM // 16), dtype=np.uint8)
+    nvfp4 = nc.EmbeddingTable(packed, dtype="nvfp4", block_scales=scales, scale=0.5)
+    section = Section(f"NVFP4 table gather, CPU (Numba): {rows:,} rows, {num_tokens:,} tokens x "
+                      f"16 heads -> bf16, against fp8 rows", "cpu")
+    count = max(1, (64 << 20) // (num_tokens * RELEASED_HEADS * RELEASED_HEAD_DIM))
+    batches = [rng.integers(0, rows, (num_tokens, RELEASED_HEADS)) for _ in range(count)]
+    out = np.empty((num_tokens, RELEASED_HEADS * RELEASED_HEAD_DIM), ml_dtypes.bfloat16)
+    floor = copy_floor(out.nbytes)
+    for condition, load in conditions():
+        with load():
+            four, eight, ratio = paired(rotating(batches, partial(nvfp4.lookup, out=out)),
+                                        rotating(batches, partial(fp8.lookup, out=out)))
+            notes = (f"nvfp4 / fp8 {ratio:.2f} (fp8 {eight * 1e6:,.0f} us); output copy floor "
+                     f"{floor * 1e6:,.0f} us: nvfp4 {floor / four:.0%}, fp8 {floor / eight:.0%}")
+            moved = batches[0].size * FORMATS_NVFP4_ROW + out.nbytes
+            section.rows.append(Row(case=f"{num_tokens:,} tokens, {condition}", seconds=four,
+                                    rate=f"{moved / four / 1e9:.2f} GB/s", tokens=num_tokens,
+                                    notes=notes))
     return section
 
 

@@ -256,3 +256,67 @@ def bench_host_gpu(quick: bool) -> Section:
     return section
 
 
+
+
+def nvfp4_table(rows: int, placement: str, hot_rows=None):
+    """An NVFP4 table of the released row shape (random bytes, finite block scales)."""
+    rng = np.random.default_rng(7)
+    packed = rng.integers(0, 256, (rows, RELEASED_HEAD_DIM // 2), dtype=np.uint8)
+    scales = rng.integers(0, 0x7F, (rows, RELEASED_HEAD_DIM // 16), dtype=np.uint8)
+    return nc.EmbeddingTable(packed, dtype="nvfp4", block_scales=scales, scale=0.5,
+                             placement=placement, hot_rows=hot_rows)
+
+
+def bench_nvfp4_gpu(quick: bool) -> Section:
+    """NVFP4 -> bf16 gathers (80 packed bytes + 10 block scales a row) against fp8 rows of the
+    same count: in device memory, in pinned host memory over UVA, tiered (hot rows on the
+    GPU), and the fused ids + gather kernel; CUDA graph replays."""
+    import cupy
+
+    rows = 1 << (22 if quick else 25)
+    section = Section(f"NVFP4 table gather, GPU: {rows:,} rows, 16 x (80 + 10) bytes per token "
+                      "-> bf16, against fp8 (16 x 160 bytes)", "gpu")
+    rng = np.random.default_rng(8)
+    width = RELEASED_HEADS * RELEASED_HEAD_DIM
+    for placement in ("gpu", "pinned"):
+        four = nvfp4_table(rows, placement)
+        eight = nc.EmbeddingTable.empty(rows, RELEASED_HEAD_DIM, "float8_e4m3fn",
+                                        placement=placement, scale=0.5)
+        for num_tokens in (256, 4096, 65536):
+            ids = cupy.asarray(rng.integers(0, rows, (num_tokens, RELEASED_HEADS)))
+            out = cupy.empty((num_tokens, width), cupy.uint16)
+            t4 = graph_seconds(partial(four.lookup, ids, out=out))
+            t8 = graph_seconds(partial(eight.lookup, ids, out=out))
+            read = ids.size * 90
+            section.rows.append(Row(
+                case=f"{placement}, {num_tokens:,} tokens", seconds=t4,
+                rate=f"{read / t4 / 1e9:.1f} GB/s of rows", tokens=num_tokens,
+                notes=f"fp8 {t8 * 1e6:,.1f} us: nvfp4 / fp8 {t4 / t8:.2f}"))
+        four.close()
+        eight.close()
+    hot = np.sort(rng.choice(rows, rows // 8, replace=False)).astype(np.int64)
+    tiered = nvfp4_table(rows, "pinned", hot_rows=hot)
+    for num_tokens in (4096, 65536):
+        ids = cupy.asarray(zipf_ids(rng, num_tokens, rows))
+        out = cupy.empty((num_tokens, width), cupy.uint16)
+        seconds = graph_seconds(partial(tiered.lookup, ids, out=out))
+        section.rows.append(Row(case=f"tiered (1/8 of rows hot), {num_tokens:,} Zipf tokens",
+                                seconds=seconds, tokens=num_tokens,
+                                rate=f"{ids.size * 90 / seconds / 1e9:.1f} GB/s of rows",
+                                notes="hot rows from GPU memory, the rest over UVA"))
+    tiered.close()
+    config = nc.NGramConfig(**{**RELEASED.__dict__, "ngram_vocab_size_base": 1_000_000})
+    layout = nc.layer_layout(config, 0)
+    table = nvfp4_table(layout.padded_rows, "gpu")
+    plain = nc.NGramEmbedding(layout, table)
+    fused = nc.NGramEmbedding(layout, table, fused=True)
+    for num_requests, length in [(256, 1), (16, 256)]:
+        tokens, starts, context = (cupy.asarray(a) for a in released_batch(num_requests, length))
+        out = cupy.empty((tokens.size, width), cupy.uint16)
+        split = graph_seconds(partial(plain.forward, tokens, starts, context, out=out))
+        one = graph_seconds(partial(fused.forward, tokens, starts, context, out=out))
+        section.rows.append(Row(
+            case=f"fused ids + gather, {num_requests} x {length} tokens", seconds=one,
+            rate=f"{tokens.size / one / 1e9:.2f} Gtoken/s", tokens=tokens.size,
+            notes=f"ids then gather {split * 1e6:,.1f} us ({split / one:.2f}x)"))
+    return section

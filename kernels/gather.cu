@@ -9,6 +9,10 @@
 // read nothing. With `expected`, heads whose id equals expected[t, h] are skipped (their rows are
 // already in `out`, written by a prefetch of those ids).
 //
+// Block-scaled formats (NVFP4) pack several values per byte: a thread's VEC bytes give VEC * PACK
+// values, each multiplied by the block scale byte its block has in `scales` ([rows, head_dim /
+// BLOCK], beside the rows; a hot tier has its own copy in `hot_scales`).
+//
 // gather_tiered_rows is the same gather over a hot-row tier (hot_rows.cuh): a row whose bit is set
 // in the slot map is read from `hot` (GPU memory) at its slot instead of from `table`, and each
 // row read is counted, per tier, in `counts`.
@@ -36,13 +40,16 @@ __device__ __forceinline__ void gather_piece(
         const Id* __restrict__ ids, const long long* __restrict__ expected, long long num_items,
         int chunks, float scale, unsigned char* __restrict__ out,
         const unsigned long long* __restrict__ hot_words, const unsigned int* __restrict__ hot_ranks,
-        const unsigned char* __restrict__ hot, unsigned long long* __restrict__ counts) {
+        const unsigned char* __restrict__ hot, unsigned long long* __restrict__ counts,
+        const unsigned char* __restrict__ scales, const unsigned char* __restrict__ hot_scales) {
     using In = typename Raw<CODE>::type;
     using Out = typename Raw<OUT_CODE>::type;
-    constexpr int N = VEC / static_cast<int>(sizeof(In));  // values per thread
+    constexpr int PACK = Blocks<CODE>::PACK, BLOCK = Blocks<CODE>::BLOCK;
+    constexpr int UNITS = VEC / static_cast<int>(sizeof(In));  // stored elements per thread
+    constexpr int N = UNITS * PACK;  // values per thread
     constexpr int OUT_BYTES = N * static_cast<int>(sizeof(Out));
     constexpr int STORE = OUT_BYTES < 16 ? OUT_BYTES : 16;
-    static_assert(N >= 1 && VEC % sizeof(In) == 0, "VEC must hold whole values");
+    static_assert(UNITS >= 1 && VEC % sizeof(In) == 0, "VEC must hold whole values");
 
     const long long total = num_items * chunks;
     const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -68,22 +75,41 @@ __device__ __forceinline__ void gather_piece(
     } result;
     if (local >= 0 && local < local_rows) {
         const unsigned char* rows = table;
+        const unsigned char* block_scales = scales;
         if constexpr (TIERED) {
             const long long slot = hot_slot(hot_words, hot_ranks, local);
             if (slot >= 0) {
                 rows = hot;
+                block_scales = hot_scales;
                 local = slot;
             }
             if (chunk == 0) count_read(counts, blockIdx.x, slot >= 0);
         }
         union {
             Piece<VEC> piece;
-            In values[N];
+            In values[UNITS];
         } source;
         source.piece = reinterpret_cast<const Piece<VEC>*>(rows)[local * chunks + chunk];
+        if constexpr (BLOCK > 0) {
+            constexpr int BITS = 8 * static_cast<int>(sizeof(In)) / PACK;
+            const long long first_scale = local * (static_cast<long long>(chunks) * N / BLOCK);
+            float block = 0.0f;
 #pragma unroll
-        for (int k = 0; k < N; ++k) {
-            result.values[k] = static_cast<Out>(convert<CODE, OUT_CODE>(source.values[k], scale));
+            for (int k = 0; k < N; ++k) {
+                if (k % BLOCK == 0) {  // a thread's values lie in one block, or span whole ones
+                    block = block_value<CODE>(block_scales[first_scale + (chunk * N + k) / BLOCK]);
+                }
+                const unsigned int bits = (static_cast<unsigned int>(source.values[k / PACK]) >>
+                                           (BITS * (k % PACK))) & ((1u << BITS) - 1u);
+                result.values[k] = static_cast<Out>(convert_blocked<CODE, OUT_CODE>(bits, block,
+                                                                                     scale));
+            }
+        } else {
+#pragma unroll
+            for (int k = 0; k < N; ++k) {
+                result.values[k] = static_cast<Out>(convert<CODE, OUT_CODE>(source.values[k],
+                                                                            scale));
+            }
         }
     } else {
 #pragma unroll
@@ -101,10 +127,12 @@ template <int CODE, int OUT_CODE, int VEC, typename Id>
 __global__ void gather_rows(const unsigned char* __restrict__ table, long long local_rows,
                             long long row_start, const Id* __restrict__ ids,
                             const long long* __restrict__ expected, long long num_items,
-                            int chunks, float scale, unsigned char* __restrict__ out) {
+                            int chunks, float scale, unsigned char* __restrict__ out,
+                            const unsigned char* __restrict__ scales) {
     ngram::gather_piece<CODE, OUT_CODE, VEC, Id, false>(table, local_rows, row_start, ids,
                                                         expected, num_items, chunks, scale, out,
-                                                        nullptr, nullptr, nullptr, nullptr);
+                                                        nullptr, nullptr, nullptr, nullptr,
+                                                        scales, nullptr);
 }
 
 template <int CODE, int OUT_CODE, int VEC, typename Id>
@@ -115,8 +143,11 @@ __global__ void gather_tiered_rows(const unsigned char* __restrict__ table, long
                                    const unsigned long long* __restrict__ hot_words,
                                    const unsigned int* __restrict__ hot_ranks,
                                    const unsigned char* __restrict__ hot,
-                                   unsigned long long* __restrict__ counts) {
+                                   unsigned long long* __restrict__ counts,
+                                   const unsigned char* __restrict__ scales,
+                                   const unsigned char* __restrict__ hot_scales) {
     ngram::gather_piece<CODE, OUT_CODE, VEC, Id, true>(table, local_rows, row_start, ids,
                                                        expected, num_items, chunks, scale, out,
-                                                       hot_words, hot_ranks, hot, counts);
+                                                       hot_words, hot_ranks, hot, counts,
+                                                       scales, hot_scales);
 }

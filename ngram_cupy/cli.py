@@ -369,8 +369,10 @@ def describe_layout(layout: LayerLayout) -> list[str]:
     lines.append(f"head_dim {layout.head_dim} ({config.embedding_dim} / {layout.num_heads} heads); "
                  f"table bytes per layer:")
     for fmt in FORMATS:
-        nbytes = layout.table_nbytes(fmt.itemsize)
-        lines.append(f"  {fmt.name:<14} {nbytes:>18,} B  {nbytes / (1 << 30):9.1f} GiB")
+        row_bytes = fmt.row_bytes(layout.head_dim)  # block scales included (NVFP4)
+        nbytes = layout.padded_rows * row_bytes
+        lines.append(f"  {fmt.name:<14} {nbytes:>18,} B  {nbytes / (1 << 30):9.1f} GiB  "
+                     f"({row_bytes} B per row)")
     return lines
 
 

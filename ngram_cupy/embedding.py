@@ -130,10 +130,11 @@ class NGramEmbedding:
                 result = DEVICE.empty((batch.num_tokens, self.layout.num_heads * table.head_dim),
                                       public_dtype(DEVICE, out_format))
             with result.device:
-                fused_lookup_cuda(self.layout, rows, table.format, table.row_start, table.scale,
+                fused_lookup_cuda(self.layout, rows, table.format, table.row_start,
+                                  table.lookup_scale(out_format),
                                   batch.tokens, batch.query_start_loc, batch.context,
                                   result.view(out_format.raw), out_format.code, ids_out,
-                                  call.stream, tier)
+                                  call.stream, tier, table.device_scales)
         return call.result(result, out_format)
 
     def __repr__(self) -> str:

@@ -145,7 +145,12 @@ def table_nbytes(table, dtype=None) -> int:
         if dtype is None:
             raise ValueError("a layout's table size needs a storage dtype: pass dtype= or set "
                              "ple_embedding_dtype in the config")
-        return table.table_nbytes(storage_format(dtype).itemsize)
+        fmt = storage_format(dtype)
+        values = table.table_nbytes(fmt.itemsize)  # a ValueError without embedding_dim
+        if fmt.blocked:  # packed values and their block scales: NVFP4 head_dim 160, 90 B a row
+            fmt.check_head_dim(table.head_dim)
+            return values // fmt.pack + table.padded_rows * fmt.scale_width(table.head_dim)
+        return values
     if isinstance(table, (int, np.integer)) and not isinstance(table, bool) and table >= 0:
         return int(table)
     raise TypeError(f"a table must be a byte count, an EmbeddingTable or a LayerLayout, got "

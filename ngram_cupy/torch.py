@@ -27,12 +27,14 @@ from .tables.table import EmbeddingTable
 
 WEIGHT = "ngram_embedding.weight"
 SCALE = "ngram_embedding.weight_scale"
+GLOBAL_SCALE = "ngram_embedding.weight_scale_2"  # NVFP4: the float32 global scale
 # Value width in bytes -> the NumPy integer type that moves those bits to torch.
 _BITS = {1: np.uint8, 2: np.int16, 4: np.int32}
 _TORCH_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _SHARD = re.compile(r"ngram_embedding\.shard_(\d+)\.weight", re.ASCII)
 BATCH = ("input_ids", "query_start_loc", "ngram_context")
 SEED_BATCH = ("hidden_states", *BATCH)
+_SHARD_SCALES = re.compile(r"ngram_embedding\.shard_(\d+)\.weight_scale", re.ASCII)
 
 
 def _is_ignored(name: str) -> bool:
@@ -100,18 +102,41 @@ def _storage_view(table: EmbeddingTable, dtype: torch.dtype) -> torch.Tensor:
     return torch.from_dlpack(raw).view(dtype)
 
 
+def _scales_view(table: EmbeddingTable) -> torch.Tensor:
+    """A torch tensor sharing a block-scaled table's block scales, of their type (NVFP4:
+    float8_e4m3fn)."""
+    scales = table.host_scales if table.host_scales is not None else table.device_scales
+    tensor = torch.from_numpy(scales) if isinstance(scales, np.ndarray) else \
+        torch.from_dlpack(scales)
+    return tensor.view(getattr(torch, table.format.block_scale.name))
+
+
 class TableWeights(torch.nn.Module):
     """The table's rows (``weight``) and float8 scale (``weight_scale``) as buffers that share the
-    table's memory, so ``state_dict`` reads and ``load_state_dict`` writes the table in place."""
+    table's memory, so ``state_dict`` reads and ``load_state_dict`` writes the table in place.
+    An NVFP4 table's buffers are vLLM's: packed ``weight`` (uint8), block scales
+    ``weight_scale`` (float8_e4m3fn, sharing the table's) and the global ``weight_scale_2``."""
 
     def __init__(self, table: EmbeddingTable, dtype: torch.dtype):
         super().__init__()
         self.table = table
         self.register_buffer("weight", _storage_view(table, dtype))
-        if table.dtype.name == "float8_e4m3fn":
+        if table.format.name == "float8_e4m3fn":
             self.register_buffer("weight_scale", torch.tensor(1.0, dtype=torch.float32))
             table.scale = np.float32(1.0)
+        if table.format.blocked:
+            self.register_buffer("weight_scale", _scales_view(table))
+        if table.format.blocked and table.format.scaled:
+            self.register_buffer("weight_scale_2", torch.tensor(1.0, dtype=torch.float32))
+            table.scale = np.float32(1.0)
         self.register_load_state_dict_post_hook(TableWeights._after_load)
+
+    def set_global_scale(self, value: torch.Tensor) -> None:
+        """Take an NVFP4 table's one-element global scale (finite and positive)."""
+        scale = value.detach().to("cpu", torch.float32).reshape(())
+        check_scale(GLOBAL_SCALE, float(scale.item()))
+        self.weight_scale_2 = scale
+        self.table.scale = np.float32(scale.item())
 
     def set_scale(self, value: torch.Tensor) -> None:
         """Take a one-element floating tensor as the table's scale (finite and positive, as
@@ -126,12 +151,20 @@ class TableWeights(torch.nn.Module):
         """After ``load_state_dict`` the table holds the rows and scale just loaded, also when
         ``assign=True`` replaced the buffers instead of copying into them."""
         view = _storage_view(module.table, module.weight.dtype)
-        if module.weight.data_ptr() != view.data_ptr():
-            module.table.write_rows(0, module.weight.detach())  # keeps a hot tier current
+        blocked = module.table.format.blocked
+        scales = _scales_view(module.table) if blocked else None
+        if module.weight.data_ptr() != view.data_ptr() or (
+                blocked and module.weight_scale.data_ptr() != scales.data_ptr()):
+            module.table.write_rows(0, module.weight.detach(),  # keeps a hot tier current
+                                    module.weight_scale.detach() if blocked else None)
             module.weight = view
+            if blocked:
+                module.weight_scale = scales
         else:  # copied in place into the table's rows, behind a hot tier's back
             module.table.refresh_hot_rows()
-        if hasattr(module, "weight_scale"):
+        if hasattr(module, "weight_scale_2"):
+            module.set_global_scale(module.weight_scale_2)
+        elif hasattr(module, "weight_scale") and not blocked:
             try:
                 module.set_scale(module.weight_scale)
             except ValueError:  # keep the buffer equal to the scale the table still uses
@@ -159,7 +192,8 @@ class TableWeights(torch.nn.Module):
                              f"{head_dim}, got shape {tuple(rows.shape)}")
         flat = rows.detach().reshape(-1, head_dim).contiguous()
         decoder = EmbeddingTable(flat, scale=self.table.scale,
-                                 placement="gpu" if flat.is_cuda else "cpu")
+                                 placement="gpu" if flat.is_cuda else "cpu",
+                                 scale_rounding=self.table.scale_rounding)
         ids = torch.arange(flat.shape[0], device=flat.device).reshape(-1, 1)
         return decoder.lookup(ids, out_dtype=out_format.name).reshape(rows.shape)
 
@@ -187,12 +221,13 @@ class NGramEmbeddingModule(torch.nn.Module):
     ``ngram_embedding.weight`` in place calls ``refresh_hot_rows()`` afterwards.
     ``return_stored_rows=True``: ``forward`` returns the rows as stored (float8 rows unscaled, as
     float8), for ``dequantize`` to decode, as vLLM 0.33's layer does; formats vLLM decodes in the
-    lookup (block-scaled) come back decoded.
+    lookup (block-scaled) come back decoded. ``scale_rounding``: how the float8 scale rounds
+    (``EmbeddingTable``; default ``"output"``, as vLLM 0.33).
     """
 
     def __init__(self, config: NGramConfig, layer: int, *, placement: str = "gpu",
                  weight_dtype: torch.dtype | str | None = None, hot_rows=None,
-                 return_stored_rows: bool = False):
+                 return_stored_rows: bool = False, scale_rounding: str = "output"):
         super().__init__()
         if not isinstance(config, NGramConfig):
             raise TypeError(f"config must be an NGramConfig, got {type(config).__name__}")
@@ -206,7 +241,11 @@ class NGramEmbeddingModule(torch.nn.Module):
         self._hot_rows = hot_rows
         table = EmbeddingTable.empty(layout.padded_rows, layout.head_dim, weight_dtype,
                                      placement="cpu" if self._share_when_loaded else placement,
-                                     hot_rows=hot_rows)
+                                     hot_rows=hot_rows, scale_rounding=scale_rounding)
+        if self._share_when_loaded and table.format.blocked:
+            raise ValueError(f"placement='shared' holds tables of one array; {table.format.name} "
+                             "rows carry block scales beside them: use placement 'pinned' or "
+                             "'cpu'")
         self.layout = layout
         self.out_dtype = default_output(table.format).torch_dtype
         self.return_stored_rows = bool(return_stored_rows)
@@ -224,6 +263,7 @@ class NGramEmbeddingModule(torch.nn.Module):
         self._loaded_shards: set[int] = set()
         self._scale_loaded = False
         self.allow_missing_weights = False  # True: look rows up before every shard has arrived
+        self._pending: dict[int, dict[str, torch.Tensor]] = {}  # NVFP4 shard halves waiting
 
     @property
     def table(self) -> EmbeddingTable:
@@ -231,14 +271,24 @@ class NGramEmbeddingModule(torch.nn.Module):
         return self.ngram_embedding.table
 
     @property
+    def scale_name(self) -> str | None:
+        """The checkpoint name of the table's one scale: ``weight_scale`` (float8),
+        ``weight_scale_2`` (NVFP4's global scale), or None (no scale)."""
+        fmt = self.table.format
+        if fmt.blocked:
+            return GLOBAL_SCALE if fmt.scaled else None
+        return SCALE if hasattr(self.ngram_embedding, "weight_scale") else None
+
+    @property
     def missing_shards(self) -> list[int | str]:
-        """Indexes of checkpoint shards holding rows that ``load_weights`` has not received yet,
-        then ``"ngram_embedding.weight_scale"`` for a float8 table whose scale has not arrived."""
+        """Indexes of checkpoint shards holding rows that ``load_weights`` has not received yet
+        (an NVFP4 shard counts once its rows and block scales are in), then the scale's name
+        (``scale_name``) when it has not arrived."""
         parts, rows = self.layout.config.split_ngram_parts, self.layout.padded_rows
         holding_rows = (i for i in range(parts) if len(range(*split_rows(rows, parts, i))))
         missing: list[int | str] = [i for i in holding_rows if i not in self._loaded_shards]
-        if hasattr(self.ngram_embedding, "weight_scale") and not self._scale_loaded:
-            missing.append(SCALE)
+        if self.scale_name is not None and not self._scale_loaded:
+            missing.append(self.scale_name)
         return missing
 
     def _check_loaded(self) -> None:
@@ -256,10 +306,10 @@ class NGramEmbeddingModule(torch.nn.Module):
     def __reduce__(self):
         """Pickle and ``copy.deepcopy`` (a prefetcher's lock and the table's memory cannot be
         copied as they are): the constructor's arguments, the state and what was loaded."""
-        weights = self.ngram_embedding.weight
-        arguments = dict(placement=self.table.placement, weight_dtype=weights.dtype,
+        arguments = dict(placement=self.table.placement, weight_dtype=self.table.format.name,
                          hot_rows=getattr(self.table.storage, "hot_rows", None),
-                         return_stored_rows=self.return_stored_rows)
+                         return_stored_rows=self.return_stored_rows,
+                         scale_rounding=self.table.scale_rounding)
         loaded = (set(self._loaded_shards), self._scale_loaded, self.allow_missing_weights)
         # As integer bits: torch cannot unpickle float8 tensors (torch 2.13: UntypedStorage).
         state = {name: (value.view(_TORCH_BITS[value.element_size()]), value.dtype)
@@ -376,8 +426,9 @@ class NGramEmbeddingModule(torch.nn.Module):
                              f"at index {i}: got {int(got[i])}, the layout derives {int(want[i])}")
 
     def _check_rows(self, name: str, value: torch.Tensor, rows: int) -> None:
-        """A block of table rows must be ``[rows, head_dim]`` of the storage dtype."""
-        shape = (rows, self.layout.head_dim)
+        """A block of table rows must be ``[rows, head_dim]`` of the storage dtype (NVFP4:
+        ``[rows, head_dim / 2]`` packed bytes)."""
+        shape = (rows, self.table.format.row_width(self.layout.head_dim))
         if tuple(value.shape) != shape:
             raise ValueError(f"{name} has shape {tuple(value.shape)} but must be {shape}")
         if value.dtype != self.ngram_embedding.weight.dtype:
@@ -391,9 +442,34 @@ class NGramEmbeddingModule(torch.nn.Module):
             raise ValueError(f"{name}: shard index {index} is at or past "
                              f"split_ngram_parts={parts}")
         start, stop = split_rows(self.layout.padded_rows, parts, index)
+        if self.table.format.blocked:  # rows and their block scales are written together
+            self._load_block_scaled_shard(name, index, start, stop, value)
+            return
         self._check_rows(name, value, stop - start)
         self.table.write_rows(start, value.detach())
         self._loaded_shards.add(index)
+
+    def _load_block_scaled_shard(self, name: str, index: int, start: int, stop: int,
+                                 value: torch.Tensor) -> None:
+        """Keep one half of an NVFP4 shard (rows or block scales) until the other arrives, then
+        write both (one shard held at most while a checkpoint streams by)."""
+        pending = self._pending.setdefault(index, {})
+        if name.endswith("weight_scale"):
+            fmt = self.table.format
+            shape = (stop - start, fmt.scale_width(self.layout.head_dim))
+            if tuple(value.shape) != shape or value.dtype not in (torch.float8_e4m3fn,
+                                                                  torch.uint8):
+                raise ValueError(f"{name} must be float8_e4m3fn of shape {shape} (one scale per "
+                                 f"{fmt.block} values), got {value.dtype} of shape "
+                                 f"{tuple(value.shape)}")
+            pending["scales"] = value.detach()
+        else:
+            self._check_rows(name, value, stop - start)
+            pending["rows"] = value.detach()
+        if len(pending) == 2:
+            self.table.write_rows(start, pending["rows"], pending["scales"])
+            del self._pending[index]
+            self._loaded_shards.add(index)
 
     def _load_scale(self, value: torch.Tensor) -> None:
         """The float8 table's scale: one floating value."""
@@ -424,9 +500,19 @@ class NGramEmbeddingModule(torch.nn.Module):
                 raise ValueError(f"{name} is on the meta device: it holds no values to load")
             if name in BUFFERS:
                 self._check_buffer(name, value)
-            elif match := _SHARD.fullmatch(name):
+            elif match := _SHARD.fullmatch(name) or (
+                    self.table.format.blocked and _SHARD_SCALES.fullmatch(name)):
                 self._load_shard(name, int(match.group(1)), value)
-                name = WEIGHT
+                name = WEIGHT if name.endswith("weight") else SCALE
+            elif name == GLOBAL_SCALE and self.table.format.blocked:
+                if value.numel() != 1 or not value.dtype.is_floating_point:
+                    raise ValueError(f"{name} must hold one floating value, got {value.dtype} "
+                                     f"of shape {tuple(value.shape)}")
+                self.ngram_embedding.set_global_scale(value)
+                self._scale_loaded = True
+            elif name in (WEIGHT, SCALE) and self.table.format.blocked:
+                raise ValueError(f"{name}: an unsharded {self.table.format.name} tensor is "
+                                 "refused; load shard_{i}.weight and shard_{i}.weight_scale")
             elif name == SCALE:
                 self._load_scale(value)
             elif name == WEIGHT:
@@ -472,7 +558,7 @@ class NGramEmbeddingModule(torch.nn.Module):
             check_scale(SCALE, float(scale.detach().to("cpu", torch.float32).reshape(())))
         if prefix + WEIGHT in state_dict:
             self._loaded_shards.update(range(self.layout.config.split_ngram_parts))
-        if prefix + SCALE in state_dict and hasattr(self.ngram_embedding, "weight_scale"):
+        if self.scale_name is not None and prefix + self.scale_name in state_dict:
             self._scale_loaded = True
 
     def extra_repr(self) -> str:

@@ -100,3 +100,13 @@ def simulate(monkeypatch):
     import simulator
 
     simulator.install(monkeypatch)
+
+
+@pytest.fixture(scope="session")
+def host_gather():
+    """kernels/gather.cu built once by g++ (cached by source text) and run thread by thread."""
+    import host_kernels
+
+    if host_kernels.compiler() is None:
+        pytest.skip("no g++ on PATH: gather.cu cannot be built for the host")
+    return host_kernels.HostGather(host_kernels.build())

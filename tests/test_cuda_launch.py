@@ -81,7 +81,8 @@ def test_fused_kernel_abi(code, out_code, head_dim):
             ids_cuda.layout_params(layout), np.int64(3),
             fused_cuda.table_words(rows, dequant.FORMATS[code].itemsize), np.int64(0),
             np.float32(1), np.bool_(True), np.zeros((4, 16), np.int64),
-            np.zeros((4, 16 * head_dim), dequant.FORMATS[out_code].raw))
+            np.zeros((4, 16 * head_dim), dequant.FORMATS[out_code].raw),
+            np.zeros((10, 1), np.uint8))  # block scales: a placeholder for these formats
     check_both(kernel, args)
 
 

@@ -18,12 +18,13 @@ import ngram_cupy as nc
 from ngram_cupy.ids import fused_cuda, ids_cuda
 from ngram_cupy.tables import dequant, gather_cupy
 from ngram_cupy.tables.dequant import FORMATS, OUTPUT_CODES, reference_lookup
+from ngram_cupy.tables.formats import PLAIN_FORMATS  # NVFP4's own tests: test_nvfp4
 from ngram_cupy.tables.gather_numba import gather_rows
 
 
 def test_every_format_pair_has_instances():
     names = gather_cupy.all_instances()
-    assert len(names) == len(set(names)) == 2 * 2 * 3 * (3 + 4 + 4 + 5)  # tiered or not
+    assert len(names) == len(set(names)) == 2 * 2 * 3 * (3 + 4 + 4 + 5 + 5 + 5)  # tiered or not
     assert "gather_rows<3, 2, 16, long long>" in names
     assert "gather_tiered_rows<3, 2, 16, long long>" in names
     assert "gather_rows<0, 0, 2, int>" not in names  # no load narrower than a value
@@ -89,7 +90,7 @@ def patterns(fmt) -> np.ndarray:
                            rng.integers(0, 1 << 32, 200_000, dtype=np.uint64).astype(np.uint32)])
 
 
-@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", PLAIN_FORMATS, ids=lambda f: f.name)
 def test_cuda_dequant_header_equals_the_python_one(host_dequant, fmt):
     bits = patterns(fmt)
     table = bits.astype(fmt.raw).reshape(-1, 1)
@@ -110,14 +111,6 @@ def test_cuda_dequant_header_equals_the_python_one(host_dequant, fmt):
 
 
 # ---------------------------------------------------------------- gather.cu executed on the host
-
-
-@pytest.fixture(scope="session")
-def host_gather():
-    """kernels/gather.cu built once by g++ (cached by source text) and run thread by thread."""
-    if host_kernels.compiler() is None:
-        pytest.skip("no g++ on PATH: gather.cu cannot be built for the host")
-    return host_kernels.HostGather(host_kernels.build())
 
 
 def offset_array(shape, dtype, offset: int) -> np.ndarray:
@@ -150,7 +143,7 @@ def numba_gather(table, code, row_start, scale, ids, out_shape, out_code, expect
 
 
 @pytest.mark.parametrize("out_code", OUTPUT_CODES)
-@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", PLAIN_FORMATS, ids=lambda f: f.name)
 def test_host_built_gather_equals_numba(host_gather, fmt, out_code):
     """Every head_dim, id type, T x H not a multiple of the block, shard edges, out-of-range ids,
     and table / out views offset from 16-byte alignment: the plan picks narrower vectors, and no
@@ -256,7 +249,7 @@ def fused(layout, table, tokens, starts, context, out_format, block, write_ids=T
     ids = np.full((num_tokens if write_ids else 1, layout.num_heads), -1, np.int64)
     raw = table.host_view.view(table.format.raw)
     words = fused_cuda.table_words(raw, table.format.itemsize) if words is None else words
-    scale = 1.0 if table.scale is None else table.scale
+    scale = table.lookup_scale(out_format)
     fused_cuda.launch_fused(layout, tokens, starts, context, ids_cuda.layout_params(layout),
                             words, table.format.code, table.row_start, scale, write_ids, ids, out,
                             out_format.code, block=block)
@@ -276,7 +269,7 @@ def every_pattern_table(rng, rows, head_dim, fmt):
     return bits.astype(fmt.raw).view(fmt.dtype)
 
 
-@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", PLAIN_FORMATS, ids=lambda f: f.name)
 def test_simulated_fused_kernel_equals_the_cpu_path(simulate, fmt):
     """Every output format, a row shard, a partial last block, EOS-heavy tokens."""
     rng = np.random.default_rng(1 + fmt.code)
@@ -380,7 +373,7 @@ def device_lookup(weight, ids, out_dtype, scale, **table_kwargs):
 @pytest.mark.gpu
 @pytest.mark.parametrize("out_dtype", [np.float32, np.float16, ml_dtypes.bfloat16],
                          ids=lambda d: np.dtype(d).name)
-@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", PLAIN_FORMATS, ids=lambda f: f.name)
 def test_gpu_equals_cpu_on_every_bit_pattern(fmt, out_dtype):
     bits = patterns(fmt)
     for head_dim in (160, 8, 3):

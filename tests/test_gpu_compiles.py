@@ -75,16 +75,19 @@ def test_every_kernel_compiles_with_nvrtc(path, arch):
 @pytest.mark.parametrize("code, out_code, head_dim", [
     (dequant.FLOAT8_E4M3, dequant.BFLOAT16, 160),  # the released rows: 8-byte words
     (dequant.FLOAT32, dequant.FLOAT16, 3),  # 4-byte words (test_cuda_launch shares both builds)
+    (dequant.NVFP4, dequant.BFLOAT16, 160),  # NVFP4 rows: 80 bytes, 8-byte words, block scales
 ])
 def test_fused_kernel_ptx(cc, code, out_code, head_dim):
     kernel, _ = fused_cuda.fused_kernel(3, 8, head_dim, code, out_code)
-    width = fused_cuda.word_bytes(head_dim * FORMATS[code].itemsize, FORMATS[code].itemsize)
+    fmt = FORMATS[code]
+    width = fused_cuda.word_bytes(fmt.row_width(head_dim) * fmt.itemsize, fmt.itemsize)
     matrix = lambda dtype: types.Array(dtype, 2, "C")  # noqa: E731
     vector = types.Array(types.int64, 1, "C")
     signature = types.void(vector, vector, matrix(types.int64), matrix(types.int64), types.int64,
                            matrix(getattr(types, f"uint{8 * width}")), types.int64,
                            types.float32, types.boolean, matrix(types.int64),
-                           matrix(getattr(types, f"uint{8 * FORMATS[out_code].itemsize}")))
+                           matrix(getattr(types, f"uint{8 * FORMATS[out_code].itemsize}")),
+                           matrix(types.uint8))
     ptx = kernel_builds.build(kernel.py_func, signature.args, cc).ptx
     assert f".target sm_{cc[0]}{cc[1]}" in ptx
     assert "bar.sync" in ptx and "mul.hi.u64" in ptx  # ids staged; division-free modulo

@@ -216,7 +216,8 @@ def test_the_kernel_set_records_what_the_launchers_pass(monkeypatch):
     ((kernel, signature, cc),) = built
     assert signature == (vector, vector, matrix(types.int64), matrix(types.int64), types.int64,
                          matrix(types.uint64), types.int64, types.float32, types.boolean,
-                         matrix(types.int64), matrix(types.uint16)) and cc == (9, 0)
+                         matrix(types.int64), matrix(types.uint16), matrix(types.uint8)) \
+        and cc == (9, 0)  # the last: block scales (a placeholder for an fp8 table)
     assert kernel is fused_cuda.fused_kernel(3, 8, 160, 3, 2, None, 8, False)[0]
     with cuda_launch.recorded_launches() as launches:
         ids_cuda.launch_ngram_ids(kernel_set.SCHEMES["released"].layout, np.zeros(0, np.int64),

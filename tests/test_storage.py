@@ -227,7 +227,7 @@ def test_close_waits_for_lookups_and_is_refused_during_a_capture():
 def test_a_gpu_tables_gather_reports_its_stream(monkeypatch):
     from ngram_cupy.tables.storage import gpu
 
-    monkeypatch.setattr(gpu, "gather_device", lambda rows, code, job: None)
+    monkeypatch.setattr(gpu, "gather_device", lambda rows, code, job, scales=None: None)
     storage = gpu.GpuStorage(np.zeros((4, 2), np.uint32), storage_format("float32"))
     stream = FakeStream([], "lookup")
     storage.gather(Gather(DEVICE, None, None, 0, 0, np.float32(1), stream=stream))

@@ -4,7 +4,9 @@ verification, prefix detection, and loading into / saving from an embedding tabl
 One layer under prefix ``P`` holds the int64 buffers ``P.layer_multipliers``,
 ``P.ngram_heads_vocab_sizes`` and ``P.ngram_heads_offsets``, the table rows split into
 ``P.ngram_embedding.shard_{i}.weight`` for ``i < split_ngram_parts``, and for float8 tables the
-scalar ``P.ngram_embedding.weight_scale``.
+scalar ``P.ngram_embedding.weight_scale``. NVFP4 tables (SPEC 10.2) store vLLM's names: per shard
+the packed ``shard_{i}.weight`` (U8) and its block scales ``shard_{i}.weight_scale`` (F8_E4M3),
+and the float32 global scale ``P.ngram_embedding.weight_scale_2``.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from ..runtime.backends import HOST, unwrap_torch
 from ..tables.formats import (
     BY_SAFETENSORS,
     FORMATS,
+    NVFP4,
+    PLAIN_FORMATS,
     SCALE_FORMATS,
     Format,
     find_format,
@@ -34,13 +38,13 @@ from ..tables.formats import (
 from ..tables.hot_rows import check_hot_rows
 from ..tables.mapped import MappedTable
 from ..tables.storage.shared import SharedStorage
-from ..tables.table import EmbeddingTable
+from ..tables.table import EmbeddingTable, block_scale_bits
 from .atomic import atomic_file
 from .safetensors_files import DTYPES, Checkpoint, write_checkpoint
 
 # Safetensors dtype codes of table rows, and which of them carry a scale.
 TABLE_DTYPES = tuple(BY_SAFETENSORS)
-SCALED_DTYPES = tuple(fmt.safetensors for fmt in FORMATS if fmt.scaled)
+SCALED_DTYPES = tuple(fmt.safetensors for fmt in PLAIN_FORMATS if fmt.scaled)
 SCALE_DTYPES = tuple(fmt.safetensors for fmt in SCALE_FORMATS)
 BUFFERS = ("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets")
 _SHARD = re.compile(r"^ngram_embedding\.shard_(\d+)\.weight$")
@@ -60,6 +64,16 @@ def shard_key(prefix: str, index: int) -> str:
 def scale_key(prefix: str) -> str:
     """The name of the float8 table's scale under ``prefix``."""
     return f"{prefix}.ngram_embedding.weight_scale"
+
+
+def block_scales_key(prefix: str, index: int) -> str:
+    """The name of shard ``index``'s block scales (NVFP4) under ``prefix``."""
+    return f"{prefix}.ngram_embedding.shard_{index}.weight_scale"
+
+
+def global_scale_key(prefix: str) -> str:
+    """The name of an NVFP4 table's float32 global scale under ``prefix``."""
+    return f"{prefix}.ngram_embedding.weight_scale_2"
 
 
 def default_prefix(layout: LayerLayout) -> str:
@@ -157,10 +171,13 @@ def verify_buffers(checkpoint: Checkpoint, prefix: str, layout: LayerLayout) -> 
             )
 
 
-def table_shards(checkpoint: Checkpoint, prefix: str, layout: LayerLayout) -> tuple[str, list]:
+def table_shards(checkpoint: Checkpoint, prefix: str, layout: LayerLayout,
+                 fmt: Format | None = None) -> tuple[str, list]:
     """Check every shard's presence, index, shape and dtype from the headers alone; return the
     table's safetensors dtype and the shard names by index (None for an empty shard the
-    checkpoint leaves out, as vLLM's writer does for the zero-row tail shards)."""
+    checkpoint leaves out, as vLLM's writer does for the zero-row tail shards). With a
+    block-scaled ``fmt`` (NVFP4) the shards must be its packed bytes (a cast would reinterpret
+    them)."""
     parts = layout.config.split_ngram_parts
     found: dict[int, str] = {}
     for name in checkpoint.tensors:
@@ -182,17 +199,23 @@ def table_shards(checkpoint: Checkpoint, prefix: str, layout: LayerLayout) -> tu
     names = [found.get(i) for i in range(parts)]
     first = found[min(found)]
     dtype = checkpoint.info(first).dtype
-    if dtype not in TABLE_DTYPES:
+    width = layout.head_dim
+    if fmt is not None:
+        width = fmt.row_width(layout.head_dim)
+        if dtype != fmt.safetensors:
+            raise ValueError(f"{first} has dtype {dtype}, but {fmt.name} rows are packed "
+                             f"{fmt.safetensors} bytes: a cast would reinterpret them")
+    elif dtype not in TABLE_DTYPES:
         raise ValueError(f"{first} has dtype {dtype}; tables are {', '.join(TABLE_DTYPES)}")
     for index, name in enumerate(names):
         if name is None:
             continue
         info = checkpoint.info(name)
         start, stop = bounds[index]
-        if info.shape != (stop - start, layout.head_dim):
+        if info.shape != (stop - start, width):
             raise ValueError(
                 f"{name} has shape {info.shape} but shard {index} of {layout.padded_rows} rows "
-                f"in {parts} parts must be {(stop - start, layout.head_dim)}"
+                f"in {parts} parts must be {(stop - start, width)}"
             )
         if info.dtype != dtype:
             raise ValueError(f"{name} has dtype {info.dtype} but {first} has {dtype}")
@@ -215,6 +238,56 @@ def read_scale(checkpoint: Checkpoint, prefix: str, dtype: str) -> float | None:
     return check_scale(name, float(checkpoint.read(name).reshape(())))
 
 
+def is_block_scaled(checkpoint: Checkpoint, prefix: str, config: NGramConfig) -> bool:
+    """Whether the layer's table is NVFP4: the config says so, or the checkpoint holds its
+    global scale or block scales (a config naming another dtype then is a ValueError)."""
+    named = find_format(config.ple_embedding_dtype) if config.ple_embedding_dtype else None
+    stored = global_scale_key(prefix) in checkpoint or block_scales_key(prefix, 0) in checkpoint
+    if stored and named is not None and named.code != NVFP4:
+        raise ValueError(f"{prefix} holds an NVFP4 table ({global_scale_key(prefix)}, "
+                         f"{block_scales_key(prefix, 0)}) but the config's ple_embedding_dtype "
+                         f"is {config.ple_embedding_dtype!r}")
+    return stored or (named is not None and named.code == NVFP4)
+
+
+def block_scale_shards(checkpoint: Checkpoint, prefix: str, layout: LayerLayout,
+                       fmt: Format) -> tuple[list[str | None], float]:
+    """The checked names of every shard's block scales and the checked global scale of a
+    block-scaled (NVFP4) table; an unsharded weight is refused."""
+    unsharded = f"{prefix}.ngram_embedding.weight"
+    if unsharded in checkpoint:
+        raise ValueError(f"{unsharded}: an unsharded {fmt.name} weight is refused; its rows are "
+                         f"stored per shard (shard_{{i}}.weight with shard_{{i}}.weight_scale)")
+    parts = layout.config.split_ngram_parts
+    bounds = [split_rows(layout.padded_rows, parts, index) for index in range(parts)]
+    names = [block_scales_key(prefix, index) if block_scales_key(prefix, index) in checkpoint
+             or stop > start else None for index, (start, stop) in enumerate(bounds)]
+    missing = [index for index, name in enumerate(names)
+               if name is not None and name not in checkpoint]
+    if missing:
+        shown = ", ".join(map(str, missing[:20])) + (", ..." if len(missing) > 20 else "")
+        raise ValueError(f"{len(missing)} of {parts} block scale shards (shard_{{i}}.weight_scale) "
+                         f"missing under {prefix}: indexes {shown}")
+    for index, name in enumerate(names):
+        if name is None:  # an empty shard's scales, left out like its rows
+            continue
+        info = checkpoint.info(name)
+        start, stop = bounds[index]
+        shape = (stop - start, fmt.scale_width(layout.head_dim))
+        if info.dtype != fmt.block_scale_safetensors or info.shape != shape:
+            raise ValueError(f"{name} must be {fmt.block_scale_safetensors} of shape {shape} (one "
+                             f"scale per {fmt.block} values), got {info.dtype} of shape "
+                             f"{info.shape}")
+    name = global_scale_key(prefix)
+    if name not in checkpoint:
+        raise ValueError(f"{name} (the {fmt.name} table's float32 global scale) is missing")
+    info = checkpoint.info(name)
+    if info.dtype not in SCALE_DTYPES or len(info.shape) > 1 or np.prod(info.shape) != 1:
+        raise ValueError(f"{name} must hold one float (F32), got {info.dtype} of shape "
+                         f"{info.shape}")
+    return names, check_scale(name, float(checkpoint.read(name).reshape(())))
+
+
 def check_scale(name: str, value: float) -> float:
     """A table scale must be finite and positive: zero loads as an all-zero table, NaN or an
     infinity as NaN rows, a negative one flips every sign."""
@@ -234,6 +307,7 @@ def load_ngram_embedding(
     progress: bool | None = None,
     hot_rows=None,
     weight_dtype=None,
+    scale_rounding: str = "output",
 ):
     """Load one PLE layer from a safetensors checkpoint into a ready ``NGramEmbedding``.
 
@@ -253,6 +327,7 @@ def load_ngram_embedding(
     config's ``ple_embedding_dtype`` when it names one (bf16 rows for a float8 config are refused,
     naming both: they would load at twice the memory); ``"stored"`` takes whatever the checkpoint
     holds; a dtype converts unscaled rows (float32, float16, bfloat16) to it while loading.
+    ``scale_rounding``: how a float8 table's scale rounds (``EmbeddingTable``).
     """
     if not isinstance(config, NGramConfig):
         raise TypeError(f"config must be an NGramConfig, got {type(config).__name__}")
@@ -276,26 +351,34 @@ def load_ngram_embedding(
     if prefix is None:
         prefix = find_prefix(checkpoint.tensors, config, layer)
     verify_buffers(checkpoint, prefix, layout)
-    dtype, shards = table_shards(checkpoint, prefix, layout)
-    target = loaded_format(BY_SAFETENSORS[dtype], config, weight_dtype, placement)
-    scale = read_scale(checkpoint, prefix, dtype)
-    pieces = [  # (shard name, rows [a, b) of the shard, their first global row)
-        (shards[index], lo - first, hi - first, lo)
+    block_fmt = FORMATS[NVFP4] if is_block_scaled(checkpoint, prefix, config) else None
+    dtype, shards = table_shards(checkpoint, prefix, layout, block_fmt)
+    if block_fmt is None:
+        target = loaded_format(BY_SAFETENSORS[dtype], config, weight_dtype, placement)
+        scale = read_scale(checkpoint, prefix, dtype)
+        scale_shards = [None] * len(shards)
+    else:
+        target = loaded_format(block_fmt, config, weight_dtype, placement)
+        scale_shards, scale = block_scale_shards(checkpoint, prefix, layout, block_fmt)
+    pieces = [  # (shard name, its block scales' name, rows [a, b) of the shard, first global row)
+        (shards[index], scale_shards[index], lo - first, hi - first, lo)
         for index, first, lo, hi in owned_pieces(
             layout.padded_rows, config.split_ngram_parts, row_start, row_stop
         )
     ]
     if placement == "mmap":
         table = MappedTable(
-            [(lo, checkpoint.view(name)[a:b]) for name, a, b, lo in pieces],
-            layout.head_dim, DTYPES[dtype], scale, row_start, row_stop, layout.padded_rows,
-            guard=checkpoint.check_mapped,
+            [(lo, checkpoint.view(name)[a:b])
+             + (() if scales is None else (checkpoint.view(scales)[a:b],))
+             for name, scales, a, b, lo in pieces],
+            layout.head_dim, target, scale, row_start, row_stop, layout.padded_rows,
+            guard=checkpoint.check_mapped, scale_rounding=scale_rounding,
         )
         return NGramEmbedding(layout, table)
     if placement == "shared" and row_stop > row_start:
 
         def fill(rows: np.ndarray) -> None:
-            for name, a, b, lo in pieces:
+            for name, _, a, b, lo in pieces:
                 block = checkpoint.read(name, a, b)
                 if block.dtype != target.dtype:  # exact to float32, then rounded once
                     block = block.astype(np.float32).astype(target.dtype)
@@ -305,23 +388,25 @@ def load_ngram_embedding(
                          row_stop, target.name)
         storage = SharedStorage(key, row_stop - row_start, layout.head_dim, target, fill)
         table = EmbeddingTable(storage, scale, row_start=row_start,
-                               total_rows=layout.padded_rows, hot_rows=hot_rows)
+                               total_rows=layout.padded_rows, hot_rows=hot_rows,
+                               scale_rounding=scale_rounding)
         return NGramEmbedding(layout, table)
     table = EmbeddingTable.empty(
-        row_stop - row_start, layout.head_dim, target.dtype, placement=placement, scale=scale,
+        row_stop - row_start, layout.head_dim, target, placement=placement, scale=scale,
         row_start=row_start, total_rows=layout.padded_rows, hot_rows=hot_rows,
+        scale_rounding=scale_rounding,
     )
-    row_bytes = layout.head_dim * DTYPES[dtype].itemsize
+    row_bytes = target.row_bytes(layout.head_dim)
     with tqdm(
         total=(row_stop - row_start) * row_bytes, unit="B", unit_scale=True, unit_divisor=1024,
         desc=f"loading {prefix}", disable=None if progress is None else not progress,
         delay=1.0 if progress is None else 0.0,
     ) as bar:
-        for name, a, b, lo in pieces:
+        for name, scales, a, b, lo in pieces:
             rows = checkpoint.read(name, a, b)
             if rows.dtype != target.dtype:  # exact to float32, then rounded once
                 rows = rows.astype(np.float32).astype(target.dtype)
-            table.write_rows(lo, rows)
+            table.write_rows(lo, rows, None if scales is None else checkpoint.read(scales, a, b))
             bar.update((b - a) * row_bytes)
     return NGramEmbedding(layout, table)
 
@@ -379,10 +464,12 @@ def ngram_tensors(
     scale=None,
     parts: int | None = None,
     prefix: str | None = None,
+    block_scales=None,
 ) -> dict[str, np.ndarray]:
     """One layer's tensors in the checkpoint layout: buffers, shards (views of ``weight``, no
-    copies) and the float8 scale. ``parts`` defaults to ``split_ngram_parts``; ``prefix`` to
-    :func:`default_prefix`."""
+    copies) and the float8 scale; for an NVFP4 table (``block_scales`` given) the packed shards,
+    their block scales and the global ``scale`` in vLLM's names. ``parts`` defaults to
+    ``split_ngram_parts``; ``prefix`` to :func:`default_prefix`."""
     check_layout(layout)
     weight = _host_values(weight, "weight")
     parts = layout.config.split_ngram_parts if parts is None else parts
@@ -390,6 +477,8 @@ def ngram_tensors(
             or not 1 <= parts <= MAX_SPLIT_PARTS:
         raise ValueError(f"parts must be an integer in [1, {MAX_SPLIT_PARTS}], got {parts!r}")
     prefix = default_prefix(layout) if prefix is None else prefix
+    if block_scales is not None:
+        return block_scaled_tensors(layout, weight, scale, block_scales, parts, prefix)
     fmt = find_format(weight.dtype)
     if fmt is None or weight.dtype != fmt.dtype:
         raise TypeError(
@@ -426,6 +515,50 @@ def ngram_tensors(
     return tensors
 
 
+def _buffer_tensors(layout: LayerLayout, prefix: str) -> dict[str, np.ndarray]:
+    """The three int64 hash buffers of a layer, named under ``prefix``."""
+    return {
+        f"{prefix}.{buffer}": np.array(values, dtype=np.int64)
+        for buffer, values in zip(
+            BUFFERS, (layout.multipliers, layout.head_sizes, layout.head_offsets), strict=True
+        )
+    }
+
+
+def block_scaled_tensors(layout: LayerLayout, weight: np.ndarray, scale, block_scales,
+                         parts: int, prefix: str) -> dict[str, np.ndarray]:
+    """``ngram_tensors`` of an NVFP4 table: ``weight`` the packed uint8 ``[padded_rows,
+    head_dim / 2]`` bytes, ``block_scales`` their E4M3 ``[padded_rows, head_dim / 16]`` scales
+    (or bits), ``scale`` the float32 global scale; all checked before anything is built."""
+    fmt = FORMATS[NVFP4]
+    fmt.check_head_dim(layout.head_dim)
+    shape = (layout.padded_rows, fmt.row_width(layout.head_dim))
+    if weight.dtype != np.uint8:
+        raise ValueError(f"weight must be the packed uint8 bytes of an {fmt.name} table (a cast "
+                         f"would reinterpret them), got {weight.dtype}")
+    if weight.shape != shape:
+        raise ValueError(f"weight must have shape (padded_rows, head_dim / 2) = {shape}, got "
+                         f"{tuple(weight.shape)}")
+    block_scales, block_format = unwrap_torch(block_scales)
+    block_scales = HOST.asarray(block_scales)
+    bits = block_scale_bits(fmt, block_scales, block_format, layout.padded_rows,
+                            layout.head_dim).view(fmt.block_scale)
+    if scale is None:
+        raise ValueError(f"scale (weight_scale_2, the global scale) is required for {fmt.name} "
+                         "tables")
+    scale = _host_values(scale, "scale")
+    if scale.size != 1:
+        raise ValueError(f"scale must be a single value, got shape {scale.shape}")
+    global_scale = np.float32(check_scale("scale", float(scale.reshape(()))))
+    tensors = _buffer_tensors(layout, prefix)
+    for index in range(parts):
+        start, stop = split_rows(layout.padded_rows, parts, index)
+        tensors[shard_key(prefix, index)] = weight[start:stop]
+        tensors[block_scales_key(prefix, index)] = bits[start:stop]
+    tensors[global_scale_key(prefix)] = np.array(global_scale, dtype=np.float32)
+    return tensors
+
+
 def save_ngram_embedding(
     path: str | os.PathLike,
     config: NGramConfig | LayerLayout,
@@ -437,6 +570,7 @@ def save_ngram_embedding(
     prefix: str | None = None,
     num_files: int = 1,
     write_config: bool = True,
+    block_scales=None,
 ) -> list[str]:
     """Write one layer in the checkpoint layout, atomically; return the files written.
 
@@ -449,6 +583,10 @@ def save_ngram_embedding(
     (then with ``scale``); ``parts`` defaults to ``config.split_ngram_parts``. To write several
     layers in one checkpoint, merge their :func:`ngram_tensors` and call
     :func:`write_checkpoint` once. The older form ``(path, layout, weight, scale)`` is accepted.
+    An NVFP4 table is its packed uint8 ``weight`` ``[padded_rows, head_dim / 2]`` with
+    ``block_scales`` (E4M3 ``[padded_rows, head_dim / 16]``) and the float32 global ``scale``,
+    written in vLLM's names (``shard_{i}.weight``, ``shard_{i}.weight_scale``,
+    ``weight_scale_2``).
     """
     if isinstance(config, LayerLayout):  # the older form: (path, layout, weight, scale)
         layout, weight, scale = config, layer, weight
@@ -458,7 +596,7 @@ def save_ngram_embedding(
     else:
         raise TypeError(f"layout must be a LayerLayout, or config an NGramConfig with an integer "
                         f"layer; got {type(config).__name__} and {type(layer).__name__}")
-    tensors = ngram_tensors(layout, weight, scale, parts, prefix)  # checks them all first
+    tensors = ngram_tensors(layout, weight, scale, parts, prefix, block_scales)  # checks first
     config_too = write_config and not os.fspath(path).endswith(".safetensors")
     if config_too:  # checked before anything is written: the pair must load back
         if parts is not None and parts != layout.config.split_ngram_parts:

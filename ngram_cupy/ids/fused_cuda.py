@@ -7,6 +7,8 @@ through global memory. The load width divides the row and the table's address al
 adopted from an offset view is read in narrower words rather than faulting on a misaligned load.
 Over a hot-row tier (``hot_rows``) the tiered variant reads each hot row from the tier, found by
 the same ``hot_slot`` the tiered gathers use, and counts the rows read per tier as they do.
+Block-scaled rows (NVFP4) are read the same way, several values a byte, each multiplied by its
+block's scale from the scales array beside the rows (``dequant.convert_blocked``).
 The simulator runs this very kernel in CI against the CPU path.
 """
 
@@ -21,7 +23,7 @@ from ..hashing.arithmetic import clamp, stage_token_ids
 from ..runtime.backends import cupy_module
 from ..runtime.cuda_launch import NumbaKernel
 from ..runtime.jitable import inline_jitable
-from ..tables.dequant import convert
+from ..tables.dequant import convert, convert_blocked
 from ..tables.formats import FORMATS, Format
 from ..tables.gather_cupy import data_address
 from ..tables.hot_rows import hot_slot
@@ -80,6 +82,20 @@ def store_word(packed, inside, per_word, bits, mask, code, scale, out_code, out,
             out[t, column + k] = 0
 
 
+@inline_jitable
+def store_blocked_word(packed, inside, per_word, bits, mask, code, scale, out_code, out, t,
+                       column, scales, row, first_value, block):
+    """``store_word`` for a block-scaled format: value ``first_value + k`` of row ``row`` is
+    multiplied by its block's scale byte ``scales[row, (first_value + k) // block]``."""
+    for k in range(per_word):
+        if inside:
+            value = (packed >> uint64(k * bits)) & uint64(mask)
+            block_bits = scales[row, (first_value + k) // block]
+            out[t, column + k] = convert_blocked(value, block_bits, code, scale, out_code)
+        else:
+            out[t, column + k] = 0
+
+
 @cache
 def fused_kernel(ngram_size: int, heads_per_ngram: int, head_dim: int, code: int, out_code: int,
                  block: int | None = None, word: int | None = None, tiered: bool = False):
@@ -89,20 +105,24 @@ def fused_kernel(ngram_size: int, heads_per_ngram: int, head_dim: int, code: int
     widest that tiles a row, for an aligned table). ``tiered``: the kernel takes a hot tier
     (``hot_words``, ``hot_ranks``: the slot map; ``hot``: the hot rows as words, like the table)
     and reads each hot row from it, counting each row read per tier into ``counts`` (uint64
-    ``[lanes, 2]``: hot, cold; the lane picked by block), as ``gather_tiered_rows`` does.
+    ``[lanes, 2]``: hot, cold; the lane picked by block), as ``gather_tiered_rows`` does. A
+    block-scaled format's kernel reads the block scales from ``scales`` (``hot_scales`` for hot
+    rows); other formats take any uint8 2-D placeholders there.
     """
     heads = (ngram_size - 1) * heads_per_ngram
     shape = staging_shape(heads, block)
     block = shape[0]
-    itemsize = FORMATS[code].itemsize
-    word = word_bytes(head_dim * itemsize, itemsize) if word is None else word
-    per_word = word // itemsize
+    fmt = FORMATS[code]
+    itemsize, pack, blocked, values_per_scale = fmt.itemsize, fmt.pack, fmt.blocked, fmt.block
+    row_bytes = fmt.row_width(head_dim) * itemsize
+    word = word_bytes(row_bytes, itemsize) if word is None else word
+    per_word = word // itemsize * pack  # values per word
     words = head_dim // per_word
-    bits = 8 * itemsize
+    bits = 8 * itemsize // pack
     mask = (1 << bits) - 1
 
     def fused_ids_gather(tokens, query_start_loc, context, params, eos, table, row_start, scale,
-                         write_ids, ids_out, out):
+                         write_ids, ids_out, out, scales):
         staged = cuda.shared.array(shape, int64)
         lane = cuda.threadIdx.x
         first = cuda.blockIdx.x * block
@@ -115,12 +135,17 @@ def fused_kernel(ngram_size: int, heads_per_ngram: int, head_dim: int, code: int
             local = staged[row, head] - row_start
             inside = 0 <= local < rows
             packed = uint64(table[local, word]) if inside else uint64(0)
-            store_word(packed, inside, per_word, bits, mask, code, scale, out_code, out,
-                       first + row, head * head_dim + word * per_word)
+            if blocked:
+                store_blocked_word(packed, inside, per_word, bits, mask, code, scale, out_code,
+                                   out, first + row, head * head_dim + word * per_word, scales,
+                                   local, word * per_word, values_per_scale)
+            else:
+                store_word(packed, inside, per_word, bits, mask, code, scale, out_code, out,
+                           first + row, head * head_dim + word * per_word)
 
     def fused_tiered_ids_gather(tokens, query_start_loc, context, params, eos, table, row_start,
                                 scale, write_ids, ids_out, out, hot_words, hot_ranks, hot,
-                                counts):
+                                counts, scales, hot_scales):
         staged = cuda.shared.array(shape, int64)
         lane = cuda.threadIdx.x
         first = cuda.blockIdx.x * block
@@ -134,20 +159,28 @@ def fused_kernel(ngram_size: int, heads_per_ngram: int, head_dim: int, code: int
             local = staged[row, head] - row_start
             inside = 0 <= local < rows
             packed = uint64(0)
+            slot = int64(-1)
             if inside:
                 slot = hot_slot(hot_words, hot_ranks, local)
                 if word == 0:  # each row read counted once, in its tier
                     cuda.atomic.add(counts, (counter, 0 if slot >= 0 else 1), uint64(1))
                 packed = uint64(hot[slot, word]) if slot >= 0 else uint64(table[local, word])
-            store_word(packed, inside, per_word, bits, mask, code, scale, out_code, out,
-                       first + row, head * head_dim + word * per_word)
+            if blocked:
+                store_blocked_word(packed, inside, per_word, bits, mask, code, scale, out_code,
+                                   out, first + row, head * head_dim + word * per_word,
+                                   hot_scales if slot >= 0 else scales,
+                                   slot if slot >= 0 else local, word * per_word,
+                                   values_per_scale)
+            else:
+                store_word(packed, inside, per_word, bits, mask, code, scale, out_code, out,
+                           first + row, head * head_dim + word * per_word)
 
     return NumbaKernel(fused_tiered_ids_gather if tiered else fused_ids_gather), block
 
 
 def launch_fused(layout, tokens, query_start_loc, context, params, table_words, code: int,
                  row_start: int, scale, write_ids: bool, ids_out, out, out_code: int, stream=None,
-                 block: int | None = None, hot=None, counts=None):
+                 block: int | None = None, hot=None, counts=None, scales=None, hot_scales=None):
     """Launch on device arrays (simulator arrays in tests).
 
     ``table_words`` is the table as ``[rows, words]`` unsigned words (see ``word_bytes``),
@@ -155,9 +188,14 @@ def launch_fused(layout, tokens, query_start_loc, context, params, table_words, 
     int64) when ``write_ids``, else ``ids_out`` is any int64 placeholder. With ``hot = ((words,
     ranks), hot rows)`` (the slot map, see ``hot_rows``, and the hot rows as words of the
     table's width) hot rows are read from the hot rows and each row read is counted in
-    ``counts`` (uint64 ``[COUNTER_LANES, 2]``: hot, cold), as the tiered gather does.
+    ``counts`` (uint64 ``[COUNTER_LANES, 2]``: hot, cold), as the tiered gather does. A
+    block-scaled table's rows come with their uint8 block ``scales`` (and the hot rows' with
+    ``hot_scales``).
     """
     num_tokens = tokens.shape[0]
+    placeholder = table_words.view(np.uint8)  # never read: only block-scaled kernels read scales
+    if FORMATS[code].blocked and (scales is None or (hot is not None and hot_scales is None)):
+        raise ValueError(f"{FORMATS[code].name} rows need their block scales")
     if num_tokens:
         head_dim = out.shape[1] // layout.num_heads
         kernel, block = fused_kernel(layout.ngram_size, layout.heads_per_ngram, head_dim, code,
@@ -172,6 +210,9 @@ def launch_fused(layout, tokens, query_start_loc, context, params, table_words, 
                 raise ValueError(f"the hot rows must be words of the table's width "
                                  f"({table_words.dtype}), got {hot_words.dtype}")
             args += (words, ranks, hot_words, counts)
+        args += (placeholder if scales is None else scales,)
+        if hot is not None:
+            args += (placeholder if hot_scales is None else hot_scales,)
         kernel(-(-num_tokens // block), block, args, stream)
     return out
 
@@ -198,25 +239,27 @@ def placeholder_ids(device: int):
 
 
 def fused_lookup_cuda(layout, rows, fmt: Format, row_start: int, scale, tokens, query_start_loc,
-                      context, out, out_code: int, ids_out, stream, tier=None):
+                      context, out, out_code: int, ids_out, stream, tier=None, scales=None):
     """Fused ids + gather on checked, contiguous CuPy arrays, on the CuPy ``stream``.
 
     ``rows`` is the table's raw ``[rows, head_dim]`` CuPy view (``EmbeddingTable.device_rows``)
     of format ``fmt``, holding global rows from ``row_start``; ``scale`` its scale or None;
     ``out`` the raw output array; ``ids_out`` an int64 ``[T, H]`` CuPy array or None. ``tier``:
-    a hot tier over ``rows`` (``TieredStorage.device_tier``: slot map, raw hot rows, counters),
-    or None.
+    a hot tier over ``rows`` (``TieredStorage.device_tier``: slot map, raw hot rows, counters,
+    hot block scales), or None. ``scales``: a block-scaled table's block scales beside ``rows``.
     """
     device = out.device.id
     write_ids = ids_out is not None
     if not write_ids:
         ids_out = placeholder_ids(device)
-    hot = counts = None
+    hot = counts = hot_scales = None
     if tier is None:
         words = table_words(rows, fmt.itemsize)
     else:
         words = table_words(rows, fmt.itemsize, tier.rows)
         hot, counts = (tier.map, tier.rows.view(words.dtype)), tier.counts
+        hot_scales = tier.scales
     return launch_fused(layout, tokens, query_start_loc, context, device_params(layout, device),
                         words, fmt.code, row_start, 1.0 if scale is None else scale, write_ids,
-                        ids_out, out, out_code, stream, hot=hot, counts=counts)
+                        ids_out, out, out_code, stream, hot=hot, counts=counts, scales=scales,
+                        hot_scales=hot_scales)

@@ -112,8 +112,11 @@ def fused_variants(scheme: Scheme) -> list[Variant]:
         fmt, out_fmt = FORMATS[code], FORMATS[out_code]
         tokens, starts, context = (np.zeros(shape, dtype) for shape, dtype in
                                    zip((1, 2, (1, layout.ngram_size - 1)), types, strict=True))
-        width = word_bytes(layout.head_dim * fmt.itemsize, fmt.itemsize)
-        table = np.zeros((1, layout.head_dim * fmt.itemsize // width), np.dtype(f"u{width}"))
+        row_bytes = fmt.row_width(layout.head_dim) * fmt.itemsize
+        width = word_bytes(row_bytes, fmt.itemsize)
+        table = np.zeros((1, row_bytes // width), np.dtype(f"u{width}"))
+        scales = (np.zeros((1, fmt.scale_width(layout.head_dim)), np.uint8) if fmt.blocked
+                  else None)
         out = np.zeros((1, layout.num_heads * layout.head_dim), out_fmt.raw)
         ids = np.zeros((1, layout.num_heads), np.int64)
         hot = counts = None
@@ -124,7 +127,8 @@ def fused_variants(scheme: Scheme) -> list[Variant]:
                f"{','.join(np.dtype(t).name for t in types)}{' tiered' if tiered else ''}")
         variants += recorded(f"fused[{tag}]", launch_fused, layout, tokens, starts, context,
                              layout_params(layout), table, code, 0, 1.0, True, ids, out,
-                             out_code, hot=hot, counts=counts)
+                             out_code, hot=hot, counts=counts, scales=scales,
+                             hot_scales=scales if tiered else None)
     return variants
 
 

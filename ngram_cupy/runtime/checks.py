@@ -42,7 +42,10 @@ def check_destination(name: str, value) -> None:
 
 def check_integer(name: str, value, minimum: int | None = None) -> int:
     """``value`` as a Python int: a TypeError for non-integers (bools included), a ValueError
-    below ``minimum``; both name the argument."""
+    below ``minimum``; both name the argument. A 0-d integer array (a scalar read from an
+    ``.npz``) counts as its integer."""
+    if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "iu":
+        value = value[()]
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name} must be an integer, got {value!r}")
     if minimum is not None and value < minimum:

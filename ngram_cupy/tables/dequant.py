@@ -1,9 +1,10 @@
 """Storage formats of table rows and their exact decoding, shared by the Numba CPU and CUDA code.
 
 Rows are stored as float32, float16, bfloat16 or float8 e4m3 (the formats of ``formats.py``:
-``ml_dtypes`` types on the NumPy side, raw unsigned bits everywhere else). A value is decoded to
-float32, multiplied by the table's float32 scale, and rounded once, to nearest even, to the
-output type. Every function here works on
+``ml_dtypes`` types on the NumPy side, raw unsigned bits everywhere else), or block-scaled as
+NVFP4 (E2M1 codes with an E4M3 scale per 16 values). A value is decoded to float32, multiplied
+by its block scale (block-scaled formats; exact) and the table's float32 scale, and rounded
+once, to nearest even, to the output type. Every function here works on
 integer bit patterns, so the CPU, the CUDA simulator and compiled CUDA give the same bits; NaNs
 come out as one canonical quiet NaN (CUDA and x86 disagree on NaN payloads). ``kernels/dequant.cuh``
 is the CUDA C twin of this file and is tested against it.
@@ -11,6 +12,7 @@ is the CUDA C twin of this file and is tested against it.
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 from llvmlite import ir
 from numba import float32, int64, types, uint32
@@ -23,6 +25,8 @@ from .formats import (
     FLOAT16,
     FLOAT32,
     FORMATS,
+    MXFP8,
+    NVFP4,
     OUTPUT_CODES,
     Format,
     default_output,
@@ -33,23 +37,83 @@ from .formats import (
 # The format registry lives in formats.py; its names stay importable from here.
 __all__ = [
     "BFLOAT16", "FLOAT16", "FLOAT32", "FLOAT8_E4M3", "FORMATS", "OUTPUT_CODES", "Format",
-    "convert", "decode", "default_output", "encode", "output_format", "reference_lookup",
-    "storage_format",
+    "MXFP8", "NVFP4", "SCALE_ROUNDINGS", "block_value", "check_scale_rounding", "convert",
+    "convert_blocked", "decode", "default_output", "encode", "output_format",
+    "reference_block_lookup", "reference_lookup", "rounded_scale", "storage_format",
 ]
 
 
-def reference_lookup(table: np.ndarray, ids: np.ndarray, scale, out_dtype) -> np.ndarray:
-    """Plain NumPy / ml_dtypes definition of a lookup: ``(float32(table[ids]) * scale)`` rounded.
+SCALE_ROUNDINGS = ("output", "float32")
+
+
+def check_scale_rounding(scale_rounding) -> str:
+    """``"output"`` (vLLM 0.33) or ``"float32"``; a ValueError naming the argument otherwise."""
+    if scale_rounding not in SCALE_ROUNDINGS:
+        raise ValueError(f"scale_rounding must be 'output' or 'float32', got {scale_rounding!r}")
+    return scale_rounding
+
+
+def rounded_scale(scale, out_dtype, scale_rounding: str = "output") -> np.float32:
+    """The float32 scale a lookup multiplies by. ``"output"``: the scale first rounded (to
+    nearest even) to the output dtype, as vLLM 0.33's ``rows.to(dtype) * scale.to(dtype)``
+    does (SPEC 10.1; a float8 value is exact in the output dtype, so only the scale and the
+    product round); ``"float32"``: the scale as it is (one rounding of the product)."""
+    scale = np.float32(scale)
+    if check_scale_rounding(scale_rounding) == "float32":
+        return scale
+    with np.errstate(over="ignore"):  # a scale past float16's range is inf there, as in torch
+        return np.float32(scale.astype(np.dtype(out_dtype)))
+
+
+def reference_lookup(table: np.ndarray, ids: np.ndarray, scale, out_dtype,
+                     scale_rounding: str = "output") -> np.ndarray:
+    """Plain NumPy / ml_dtypes definition of a lookup: ``(float32(table[ids]) * scale)`` rounded
+    to ``out_dtype``, the scale first rounded as ``scale_rounding`` says (``rounded_scale``).
 
     Ids outside ``[0, rows)`` give zero rows. Tests compare every backend with this.
     """
     ids = np.asarray(ids, dtype=np.int64)
     valid = (ids >= 0) & (ids < table.shape[0])
+    scale = rounded_scale(scale, out_dtype, scale_rounding)
     with np.errstate(over="ignore", invalid="ignore"):  # inf * 0 and overflow are intended
-        rows = table[np.where(valid, ids, 0)].astype(np.float32) * np.float32(scale)
+        rows = table[np.where(valid, ids, 0)].astype(np.float32) * scale
         rows[~valid] = 0
         rows = rows.astype(out_dtype)
     return rows.reshape(ids.shape[0], ids.shape[1] * table.shape[1])
+
+
+E2M1_MAGNITUDES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float32)
+
+
+def reference_block_lookup(fmt: Format, weight: np.ndarray, block_scales: np.ndarray, scale,
+                           ids: np.ndarray, out_dtype, row_start: int = 0) -> np.ndarray:
+    """Plain NumPy / ml_dtypes definition of a block-scaled lookup (SPEC 10.2, 11):
+    ``(value * block scale) * scale`` in float32, rounded once to ``out_dtype``.
+
+    NVFP4: ``weight`` the packed ``[rows, head_dim / 2]`` bytes (low nibble first),
+    ``block_scales`` the ``[rows, head_dim / 16]`` E4M3 bytes. MXFP8: ``weight`` E4M3
+    ``[rows, head_dim]`` (or its bytes), ``block_scales`` ``[rows, head_dim / 32]`` UE8M0 bytes
+    read as the float32 of bits ``byte << 23``. Owned global rows start at ``row_start``; other
+    ids give zero rows.
+    """
+    scale_bytes = np.asarray(block_scales).view(np.uint8)
+    if fmt.code == MXFP8:
+        values = np.asarray(weight).view(np.uint8).view(ml_dtypes.float8_e4m3fn).astype(
+            np.float32)
+        blocks = (scale_bytes.astype(np.uint32) << 23).view(np.float32)
+    else:
+        assert fmt.code == NVFP4
+        codes = np.stack([weight & 0xF, weight >> 4], axis=-1).reshape(weight.shape[0], -1)
+        values = np.where(codes & 8, -E2M1_MAGNITUDES[codes & 7], E2M1_MAGNITUDES[codes & 7])
+        blocks = scale_bytes.view(fmt.block_scale).astype(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        decoded = (values * np.repeat(blocks, fmt.block, axis=1)) * np.float32(scale)
+    local = np.asarray(ids, dtype=np.int64) - row_start
+    valid = (local >= 0) & (local < weight.shape[0])
+    rows = decoded[np.where(valid, local, 0)]
+    rows[~valid] = 0
+    with np.errstate(over="ignore", invalid="ignore"):
+        return rows.astype(out_dtype).reshape(local.shape[0], -1)
 
 
 # ---- bit casts: NumPy views in Python (the CUDA simulator), one LLVM bitcast when compiled ----
@@ -112,6 +176,11 @@ def decode(bits, code):
         if exponent == 0x1F:  # infinity or NaN
             return bits_to_float32(sign | 0x7F800000 | (mantissa << 13))
         return bits_to_float32(sign | ((exponent + 112) << 23) | (mantissa << 13))
+    if code == NVFP4:  # one E2M1 code: S.EE.M, [0, .5, 1, 1.5, 2, 3, 4, 6]
+        magnitude = b & 0x7
+        if magnitude < 2:  # zero or the subnormal 0.5
+            return bits_to_float32(((b & 0x8) << 28) | (0x3F000000 if magnitude else 0))
+        return bits_to_float32(((b & 0x8) << 28) | ((magnitude + 252) << 22))
     # FLOAT8_E4M3 ("fn": no infinities, NaN only at S.1111.111)
     sign = (b & 0x80) << 24
     exponent = (b >> 3) & 0xF
@@ -168,3 +237,20 @@ def encode(value, code):
 def convert(bits, code, scale, out_code):
     """Output bits of one stored value: decode, multiply by the float32 scale, round once."""
     return encode(decode(bits, code) * scale, out_code)
+
+
+@inline_jitable
+def block_value(bits, code):
+    """The float32 value of a block scale byte of block-scaled format ``code``: NVFP4's E4M3;
+    MXFP8's UE8M0 as vLLM reads it, the float32 of bits ``byte << 23`` (``2**(byte - 127)``, 0.0
+    for byte 0, +inf for 255)."""
+    if code == MXFP8:
+        return bits_to_float32(int64(bits) << 23)
+    return decode(bits, FLOAT8_E4M3)
+
+
+@inline_jitable
+def convert_blocked(bits, block_bits, code, scale, out_code):
+    """Output bits of one value of a block-scaled format: ``(value * block) * scale`` in
+    float32 (the first product is exact), rounded once (SPEC 10.2's order)."""
+    return encode((decode(bits, code) * block_value(block_bits, code)) * scale, out_code)

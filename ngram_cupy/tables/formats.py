@@ -5,6 +5,12 @@ For each format: the code every kernel is compiled for (the same numbers in
 CuPy, DLPack and the kernels move), its torch dtype name, its safetensors dtype code, whether
 checkpoints store a scale with it, and whether it can be an output type. Adding a format is
 adding an entry here (and its decoding in ``dequant.py``).
+
+A block-scaled format (NVFP4, SPEC 10.2; MXFP8, SPEC 11) packs ``pack`` values per stored byte
+and keeps one scale byte per ``block`` values in a second array beside the rows (``[rows,
+head_dim / block]``, carried by every storage); its value is ``(value * block scale) * scale``
+in float32. Such formats are found by name only: their bytes are plain ``uint8`` (or float8) to
+NumPy and safetensors.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import ml_dtypes
 import numpy as np
 
 # Format codes: compile-time constants of every kernel (the same numbers in dequant.cuh).
-FLOAT32, FLOAT16, BFLOAT16, FLOAT8_E4M3 = 0, 1, 2, 3
+FLOAT32, FLOAT16, BFLOAT16, FLOAT8_E4M3, NVFP4, MXFP8 = 0, 1, 2, 3, 4, 5
 
 
 @dataclass(frozen=True)
@@ -31,11 +37,40 @@ class Format:
     safetensors: str  # dtype code in safetensors headers
     scaled: bool  # checkpoints store a float scale beside tables of this format
     output: bool  # lookups can produce it
+    label: str = ""  # the format's name where the dtype's is not (packed formats)
+    pack: int = 1  # values per stored element
+    block: int = 0  # values per block scale; 0: no block scales
+    block_scale: Any = None  # ml_dtypes type of the block scale bytes
+    block_scale_safetensors: str = ""  # their dtype code in checkpoints
 
     @property
     def name(self) -> str:
-        """The NumPy / ml_dtypes name, e.g. ``float8_e4m3fn``."""
-        return self.dtype.name
+        """The NumPy / ml_dtypes name, e.g. ``float8_e4m3fn``, or the label (``nvfp4``)."""
+        return self.label or self.dtype.name
+
+    @property
+    def blocked(self) -> bool:
+        """Whether rows carry block scales in a second array."""
+        return self.block > 0
+
+    def row_width(self, head_dim: int) -> int:
+        """Stored elements per row of ``head_dim`` values."""
+        return head_dim // self.pack
+
+    def scale_width(self, head_dim: int) -> int:
+        """Block scale bytes per row (0 without block scales)."""
+        return head_dim // self.block if self.block else 0
+
+    def row_bytes(self, head_dim: int) -> int:
+        """Bytes per row, block scales included (NVFP4 head_dim 160: 80 + 10)."""
+        return self.row_width(head_dim) * self.itemsize + self.scale_width(head_dim)
+
+    def check_head_dim(self, head_dim: int, name: str = "head_dim") -> None:
+        """Packed and block-scaled rows need whole bytes and whole blocks: a ValueError."""
+        unit = max(self.pack, self.block)
+        if unit > 1 and head_dim % unit:
+            raise ValueError(f"{self.name} tables need a head_dim that is a multiple of {unit} "
+                             f"({name} gives {head_dim})")
 
     @property
     def itemsize(self) -> int:
@@ -57,11 +92,21 @@ FORMATS = (
            False, True),
     Format(FLOAT8_E4M3, np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(np.uint8), "float8_e4m3fn",
            "F8_E4M3", True, False),
+    # Two E2M1 codes a byte (low nibble first), an E4M3 scale per 16 values, a float32 global.
+    Format(NVFP4, np.dtype(np.uint8), np.dtype(np.uint8), "uint8", "U8", True, False,
+           label="nvfp4", pack=2, block=16, block_scale=np.dtype(ml_dtypes.float8_e4m3fn),
+           block_scale_safetensors="F8_E4M3"),
+    # OCP MXFP8 (SPEC 11): E4M3 values, a UE8M0 scale byte per 32 values, no global scale.
+    Format(MXFP8, np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(np.uint8), "float8_e4m3fn",
+           "F8_E4M3", False, False, label="mxfp8", block=32,
+           block_scale=np.dtype(ml_dtypes.float8_e8m0fnu), block_scale_safetensors="F8_E8M0"),
 )
 OUTPUT_CODES = tuple(fmt.code for fmt in FORMATS if fmt.output)
 # Formats a float8 table's scale may be stored in.
 SCALE_FORMATS = tuple(fmt for fmt in FORMATS if fmt.output)
-BY_SAFETENSORS = {fmt.safetensors: fmt for fmt in FORMATS}
+# Formats a dtype or a safetensors code names by itself (not the block-scaled ones).
+PLAIN_FORMATS = tuple(fmt for fmt in FORMATS if not fmt.blocked)
+BY_SAFETENSORS = {fmt.safetensors: fmt for fmt in PLAIN_FORMATS}
 _ALIASES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16", "f8_e4m3": "float8_e4m3fn",
             "float8_e4m3": "float8_e4m3fn", "fp8": "float8_e4m3fn", "half": "float16"}
 
@@ -72,8 +117,11 @@ def names() -> str:
 
 
 def find_format(dtype: Any) -> Format | None:
-    """The format of a NumPy / ml_dtypes / torch dtype, a name or a safetensors code; or None.
-    Remembered per hashable dtype: every lookup asks, and a dtype's name is slow to build."""
+    """The format of a NumPy / ml_dtypes / torch dtype, a name or a safetensors code (or a
+    ``Format`` itself); or None. Remembered per hashable dtype: every lookup asks, and a dtype's
+    name is slow to build."""
+    if isinstance(dtype, Format):
+        return dtype
     try:
         return _cached_format(dtype)
     except TypeError:  # unhashable: not remembered
@@ -99,7 +147,7 @@ def _format_of(dtype: Any) -> Format | None:
         numpy_dtype = np.dtype(dtype)
     except TypeError:
         return None
-    return next((fmt for fmt in FORMATS if numpy_dtype == fmt.dtype), None)
+    return next((fmt for fmt in PLAIN_FORMATS if numpy_dtype == fmt.dtype), None)
 
 
 def storage_format(dtype: Any, name: str = "dtype") -> Format:

@@ -102,10 +102,11 @@ def _kernel(name: str, device_id: int):
 
 
 def vector_bytes(row_bytes: int, itemsize: int, out_itemsize: int, table_address: int,
-                 out_address: int) -> int:
-    """Widest load (<= 16 bytes) that divides the row and keeps every load and store aligned."""
+                 out_address: int, pack: int = 1) -> int:
+    """Widest load (<= 16 bytes) that divides the row and keeps every load and store aligned
+    (``pack`` values per stored element)."""
     for width in VECTOR_BYTES:
-        store = min(16, width // itemsize * out_itemsize)
+        store = min(16, width // itemsize * pack * out_itemsize)
         if (width >= itemsize and row_bytes % width == 0 and table_address % width == 0
                 and out_address % store == 0):
             return width
@@ -129,19 +130,23 @@ class Launch:
 
 
 def launch_plan(table, code: int, row_start: int, scale, ids, out, out_code: int,
-                expected=None, hot=None, counts=None) -> Launch | None:
+                expected=None, hot=None, counts=None, scales=None,
+                hot_scales=None) -> Launch | None:
     """The launch that gathers ``table[ids - row_start]`` into ``out``; None when there is nothing
     to do. Works on CuPy or NumPy arrays alike (only shapes, dtypes and addresses are read).
-    With ``hot = ((words, ranks), hot rows)``, the tiered gather counting into ``counts``."""
+    With ``hot = ((words, ranks), hot rows)``, the tiered gather counting into ``counts``.
+    A block-scaled table's rows come with their ``scales`` (and a hot tier's ``hot_scales``)."""
+    if FORMATS[code].blocked and (scales is None or (hot is not None and hot_scales is None)):
+        raise ValueError(f"{FORMATS[code].name} rows need their block scales")
     num_items = ids.size
-    rows, head_dim = table.shape
-    if num_items == 0 or head_dim == 0:
+    rows, row_width = table.shape
+    if num_items == 0 or row_width == 0:
         return None
     itemsize = table.dtype.itemsize
     address = data_address(table) | (0 if hot is None else data_address(hot[1]))
-    width = vector_bytes(head_dim * itemsize, itemsize, out.dtype.itemsize, address,
-                         data_address(out))
-    chunks = head_dim * itemsize // width
+    width = vector_bytes(row_width * itemsize, itemsize, out.dtype.itemsize, address,
+                         data_address(out), FORMATS[code].pack)
+    chunks = row_width * itemsize // width
     blocks = -(-num_items * chunks // THREADS_PER_BLOCK)
     args = (table, np.int64(rows), np.int64(row_start), ids,
             np.uint64(0) if expected is None else expected, np.int64(num_items),
@@ -149,12 +154,16 @@ def launch_plan(table, code: int, row_start: int, scale, ids, out, out_code: int
     if hot is not None:
         (words, ranks), hot_table = hot
         args += (words, ranks, hot_table, counts)
+    args += (np.uint64(0) if scales is None else scales,)
+    if hot is not None:
+        args += (np.uint64(0) if hot_scales is None else hot_scales,)
     name = instance_name(code, out_code, width, ids.dtype, hot is not None)
     return Launch(name, blocks, THREADS_PER_BLOCK, args)
 
 
 def gather_rows(table, code: int, row_start: int, scale, ids, out, out_code: int,
-                expected=None, stream=None, hot=None, counts=None):
+                expected=None, stream=None, hot=None, counts=None, scales=None,
+                hot_scales=None):
     """Launch the gather: raw rows ``table[ids - row_start]`` dequantised into raw ``out``.
 
     ``table`` is a CuPy ``[rows, head_dim]`` array of raw bits (device memory or mapped host
@@ -162,11 +171,13 @@ def gather_rows(table, code: int, row_start: int, scale, ids, out, out_code: int
     ``[T, H * head_dim]`` CuPy array; ``expected`` an optional int64 ``[T, H]`` array of ids whose
     rows ``out`` already holds. With ``hot = ((words, ranks), hot rows)`` (CuPy; see
     ``hot_rows``) hot rows are read from the hot rows and each row read is counted in ``counts``
-    (uint64 ``[COUNTER_LANES, 2]``: hot, cold). Runs on ``stream`` (default: CuPy's current
-    stream); no host sync.
+    (uint64 ``[COUNTER_LANES, 2]``: hot, cold). Block-scaled rows (``[rows, head_dim / pack]``)
+    come with their ``scales`` (``[rows, head_dim / block]``; ``hot_scales`` for the hot tier).
+    Runs on ``stream`` (default: CuPy's current stream); no host sync.
     """
     cupy = cupy_module()
-    plan = launch_plan(table, code, row_start, scale, ids, out, out_code, expected, hot, counts)
+    plan = launch_plan(table, code, row_start, scale, ids, out, out_code, expected, hot, counts,
+                       scales, hot_scales)
     if plan is None:
         return out
     device = ids.device.id
@@ -178,7 +189,7 @@ def gather_rows(table, code: int, row_start: int, scale, ids, out, out_code: int
 
 
 def gather_unique_rows(table, code: int, row_start: int, scale, ids, out, out_code: int,
-                       stream=None):
+                       stream=None, scales=None):
     """The gather with repeated ids fetched once: each row crosses PCIe (or HBM) a single time.
 
     ``cupy.unique`` finds the distinct ids (its result size makes it wait for the GPU, so this
@@ -190,8 +201,9 @@ def gather_unique_rows(table, code: int, row_start: int, scale, ids, out, out_co
         return out
     with stream if stream is not None else cupy.cuda.get_current_stream():
         unique, inverse = cupy.unique(ids.ravel(), return_inverse=True)
-        head_dim = table.shape[1]
+        head_dim = table.shape[1] * FORMATS[code].pack
         rows = cupy.empty((unique.size, head_dim), dtype=out.dtype)
-        gather_rows(table, code, row_start, scale, unique.reshape(-1, 1), rows, out_code)
+        gather_rows(table, code, row_start, scale, unique.reshape(-1, 1), rows, out_code,
+                    scales=scales)
         gather_rows(rows, out_code, 0, 1.0, inverse.reshape(ids.shape), out, out_code)
     return out

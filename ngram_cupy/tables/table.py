@@ -18,6 +18,7 @@ import numpy as np
 
 from ..runtime.backends import DEVICE, HOST, Backend, Call, bind, cuda_stream
 from ..runtime.checks import check_destination, check_index_array, check_integer, check_out
+from .dequant import check_scale_rounding, rounded_scale
 from .formats import BFLOAT16, Format, default_output, holds, output_format, storage_format
 from .hot_rows import check_hot_rows
 from .prefetch import Prefetcher
@@ -41,6 +42,39 @@ def scale_value(scale) -> np.float32 | None:
     if not np.isfinite(value):
         raise ValueError(f"scale must be finite, got {value}")
     return value
+
+
+def table_scale(fmt: Format, scale) -> np.float32 | None:
+    """``scale_value`` of a table's scale; block-scaled formats without a global scale (MXFP8)
+    refuse one (vLLM's lookup has none: a product would round twice)."""
+    if scale is not None and fmt.blocked and not fmt.scaled:
+        raise ValueError(f"{fmt.name} tables take no scale (their block scales are the only "
+                         f"ones), got scale={scale!r}")
+    return scale_value(scale)
+
+
+def block_scale_bits(fmt: Format, scales, torch_format: Format | None, num_rows: int,
+                     head_dim: int):
+    """A block-scaled format's ``block_scales`` checked (``[num_rows, head_dim / block]``, of the
+    block scale type or its uint8 bits) and viewed as uint8; None for other formats, which
+    refuse them. ValueErrors name the argument."""
+    if not fmt.blocked:
+        if scales is not None:
+            raise ValueError(f"block_scales are only for block-scaled tables (nvfp4, mxfp8), not "
+                             f"{fmt.name}")
+        return None
+    kind = fmt.block_scale.name
+    shape = (num_rows, fmt.scale_width(head_dim))
+    if scales is None:
+        raise ValueError(f"block_scales are required for {fmt.name} tables: {kind} {shape}, "
+                         f"one per {fmt.block} values")
+    if tuple(scales.shape) != shape:
+        raise ValueError(f"block_scales must have shape {shape} (one per {fmt.block} values), "
+                         f"got {tuple(scales.shape)}")
+    dtype = torch_format.dtype if torch_format is not None else np.dtype(scales.dtype)
+    if dtype != fmt.block_scale and not (dtype.kind in "iu" and dtype.itemsize == 1):
+        raise ValueError(f"block_scales must be {kind} or its uint8 bits, got {dtype}")
+    return scales.view(np.uint8)
 
 
 def public_dtype(side: Backend, fmt: Format):
@@ -79,17 +113,27 @@ class EmbeddingTable:
     graph-capturable). ``hot_rows`` (sorted unique int64 global row ids, e.g. from
     ``ngram-cupy stats --save-hot-rows``) are copied into a hot tier (GPU memory for a pinned
     table on a GPU, else host memory) that each lookup reads them from, in the same launch;
-    ``counters`` then counts the rows read from each tier.
+    ``counters`` then counts the rows read from each tier. ``dtype="nvfp4"`` (``weight``: uint8
+    ``[rows, head_dim / 2]``, two E2M1 codes a byte; ``scale``: the float32 global scale) and
+    ``dtype="mxfp8"`` (E4M3 ``[rows, head_dim]``, no scale) are block-scaled: ``block_scales``
+    (``[rows, head_dim / block]``, E4M3 / UE8M0 or their uint8 bits) live beside the rows in
+    every placement. ``scale_rounding``: ``"output"``
+    (vLLM 0.33's dequantisation: the scale rounded to the output dtype, then the product) or
+    ``"float32"`` (the float32 product rounded once).
     """
 
     def __init__(self, weight, scale=None, placement: str = "cpu", row_start: int = 0,
                  total_rows: int | None = None, *, dtype=None, dedup: bool = False,
-                 hot_rows=None):
+                 hot_rows=None, scale_rounding: str = "output", block_scales=None):
+        check_scale_rounding(scale_rounding)
         if isinstance(weight, Storage):
+            if block_scales is not None:
+                raise ValueError("block_scales come with the storage's rows, not beside them")
             storage = self._tiered(weight, hot_rows, row_start)
-            self._setup(storage, weight.placement, scale, row_start, total_rows, dedup)
+            self._setup(storage, weight.placement, scale, row_start, total_rows, dedup,
+                        scale_rounding)
             return
-        call = bind(weight=weight)
+        call = bind(weight=weight, block_scales=block_scales)
         array, torch_format = call["weight"], call.formats.get("weight")
         if array.ndim != 2:
             raise ValueError(f"weight must be 2-D [rows, head_dim], got shape {array.shape}")
@@ -97,27 +141,36 @@ class EmbeddingTable:
                              "dtype" if torch_format is None else "weight")
         if not holds(array.dtype, fmt):
             raise TypeError(f"weight of dtype {array.dtype} cannot hold {fmt.name} values")
+        head_dim = array.shape[1] * fmt.pack
+        fmt.check_head_dim(head_dim, "weight.shape[1] * 2" if fmt.pack == 2 else "weight")
+        scales = block_scale_bits(fmt, call["block_scales"], call.formats.get("block_scales"),
+                                  array.shape[0], head_dim)
+        table_scale(fmt, scale)  # checked before anything is allocated
         placement = canonical_placement(placement)
-        self._check_geometry(array.shape[0], array.shape[1], row_start, total_rows)
+        self._check_geometry(array.shape[0], head_dim, row_start, total_rows)
         storage = adopt(placement, call.side, array, fmt)
         if storage is None:
-            storage = allocate(placement, array.shape[0], array.shape[1], fmt)
+            storage = allocate(placement, array.shape[0], head_dim, fmt)
             with call.on():
-                storage.write_rows(0, array.view(fmt.raw))
+                storage.write_rows(0, array.view(fmt.raw), scales)
         self._setup(self._tiered(storage, hot_rows, row_start), placement, scale, row_start,
-                    total_rows, dedup)
+                    total_rows, dedup, scale_rounding)
 
     @classmethod
     def empty(cls, num_rows: int, head_dim: int, dtype, placement: str = "cpu", scale=None,
               row_start: int = 0, total_rows: int | None = None, *,
-              dedup: bool = False, hot_rows=None) -> EmbeddingTable:
+              dedup: bool = False, hot_rows=None,
+              scale_rounding: str = "output") -> EmbeddingTable:
         """Allocated, unfilled storage, to be filled with ``write_rows`` (checkpoint loading)."""
+        check_scale_rounding(scale_rounding)
         fmt = storage_format(dtype)
         placement = canonical_placement(placement)
         cls._check_geometry(num_rows, head_dim, row_start, total_rows)
+        fmt.check_head_dim(head_dim)
+        table_scale(fmt, scale)
         return cls(allocate(placement, int(num_rows), int(head_dim), fmt), scale,
                    row_start=row_start, total_rows=total_rows, dedup=dedup,
-                   hot_rows=hot_rows)._named(placement)
+                   hot_rows=hot_rows, scale_rounding=scale_rounding)._named(placement)
 
     # ---- construction ----
 
@@ -146,18 +199,19 @@ class EmbeddingTable:
         return TieredStorage(storage, hot - int(row_start))
 
     def _setup(self, storage: Storage, placement: str, scale, row_start, total_rows,
-               dedup: bool) -> None:
+               dedup: bool, scale_rounding: str) -> None:
         """Adopt ``storage`` with the global geometry, scale and a prefetcher."""
         self._check_geometry(storage.num_rows, storage.head_dim, row_start, total_rows)
         self.storage = storage
         self.num_rows, self.head_dim, self.format = storage.num_rows, storage.head_dim, \
             storage.format
         self.dtype = self.format.dtype
-        self.scale = scale_value(scale)
+        self.scale = table_scale(storage.format, scale)
+        self.scale_rounding = scale_rounding
         self.placement = placement
         self.row_start = int(row_start)
         self.total_rows = self.num_rows if total_rows is None else int(total_rows)
-        self.nbytes = self.num_rows * self.head_dim * self.format.itemsize
+        self.nbytes = self.num_rows * self.format.row_bytes(self.head_dim)
         self.dedup = bool(dedup)
         self.prefetcher = Prefetcher()
         weakref.finalize(self, self.prefetcher.close, False)  # never joins the worker
@@ -188,6 +242,12 @@ class EmbeddingTable:
         return self.storage.host_view
 
     @property
+    def host_scales(self) -> np.ndarray | None:
+        """The block scales (uint8 ``[num_rows, head_dim / block]``) beside ``host_view``, for a
+        block-scaled table in host memory; else None."""
+        return self.storage.host_scales
+
+    @property
     def device_rows(self):
         """The raw-bit ``[num_rows, head_dim]`` CuPy view GPU kernels read (device memory, or
         pinned host memory through its mapped address); None when the GPU cannot read the table."""
@@ -207,20 +267,32 @@ class EmbeddingTable:
         storage.used_on(stream)
         return rows, storage.device_tier if tiered else None
 
-    def write_rows(self, start: int, rows) -> None:
+    @property
+    def device_scales(self):
+        """The block scales beside ``device_rows`` (the cold rows' of a tiered table), uint8
+        ``[num_rows, head_dim / block]`` on the GPU; None for other formats or off the GPU."""
+        storage = self.storage
+        return (storage.cold if isinstance(storage, TieredStorage) else storage).device_scales
+
+    def write_rows(self, start: int, rows, block_scales=None) -> None:
         """Copy a block of rows into global rows ``[start, start + len(rows))``, in place.
 
-        The block must lie inside the owned rows and match ``head_dim`` and ``dtype``. Host
-        placements write straight into their memory; ``"gpu"`` copies just this block over.
-        GPU lookups still running (on any stream) finish first, so none reads a half-written
-        row; during a CUDA graph capture of a lookup this is a RuntimeError. When this returns,
-        every later lookup sees the rows, on any stream or graph replay.
+        The block must lie inside the owned rows and match ``head_dim`` and ``dtype`` (a
+        block-scaled table's packed ``[n, head_dim / 2]`` bytes come with their
+        ``block_scales``). Host placements write straight into their memory; ``"gpu"`` copies
+        just this block over. GPU lookups still running (on any stream) finish first, so none
+        reads a half-written row; during a CUDA graph capture of a lookup this is a RuntimeError.
+        When this returns, every later lookup sees the rows, on any stream or graph replay.
         """
-        call = bind(rows=rows)
+        call = bind(rows=rows, block_scales=block_scales)
         rows, torch_format = call["rows"], call.formats.get("rows")
-        if rows.ndim != 2 or rows.shape[1] != self.head_dim:
-            raise ValueError(f"rows must have shape [n, head_dim={self.head_dim}], got "
+        width = self.format.row_width(self.head_dim)
+        if rows.ndim != 2 or rows.shape[1] != width:
+            shown = f"head_dim / {self.format.pack}" if self.format.pack > 1 else "head_dim"
+            raise ValueError(f"rows must have shape [n, {shown}={width}], got "
                              f"{tuple(rows.shape)}")
+        scales = block_scale_bits(self.format, call["block_scales"],
+                                  call.formats.get("block_scales"), rows.shape[0], self.head_dim)
         if not (holds(rows.dtype, self.format) if torch_format is None
                 else torch_format == self.format):
             shown = rows.dtype if torch_format is None else f"torch.{torch_format.torch_name}"
@@ -235,7 +307,8 @@ class EmbeddingTable:
             raise ValueError("the table's storage is read-only")
         self.storage.wait_for_readers("write rows")
         with call.on():
-            self.storage.write_rows(int(start) - self.row_start, rows.view(self.format.raw))
+            self.storage.write_rows(int(start) - self.row_start, rows.view(self.format.raw),
+                                    scales)
 
     def refresh_hot_rows(self) -> None:
         """Copy the hot tier's rows again from the table's rows (nothing without ``hot_rows``).
@@ -307,14 +380,24 @@ class EmbeddingTable:
         stream: the caller's, or the prefetch's private one)."""
         self.storage.gather(Gather(
             request.side, ids, out.view(request.out_format.raw), request.out_format.code,
-            self.row_start, np.float32(1.0) if self.scale is None else self.scale, expected,
+            self.row_start, self.lookup_scale(request.out_format), expected,
             worker, self.dedup, cuda_stream() if request.side is DEVICE else None))
+
+    def lookup_scale(self, out_format: Format) -> np.float32:
+        """The float32 scale lookups to ``out_format`` multiply by (``scale_rounding``; a
+        block-scaled format's global scale is never rounded first, as in vLLM's kernel)."""
+        if self.scale is None:
+            return np.float32(1.0)
+        if self.format.blocked:
+            return self.scale
+        return rounded_scale(self.scale, out_format.dtype, self.scale_rounding)
 
     def lookup(self, ids, out=None, out_dtype=None, stream=None):
         """Rows of ``ids[T, H]`` as ``[T, H * head_dim]``: heads in order, dequantised.
 
         ``float(value) * scale`` is computed in float32 and rounded once (to nearest even) to
-        ``out_dtype``: by default float32 for float32 tables, float16 for float16 tables and
+        ``out_dtype``, the scale first rounded to ``out_dtype`` unless ``scale_rounding`` is
+        ``"float32"``: by default float32 for float32 tables, float16 for float16 tables and
         bfloat16 for bfloat16 and float8 ones (or the dtype of ``out``). NumPy ids give a NumPy
         array, CuPy ids a CuPy array (bfloat16 as raw uint16 bits), torch ids a torch tensor
         (bfloat16 typed), and a given ``out`` is what is returned. GPU lookups run on

@@ -14,9 +14,13 @@ The interface (``Storage`` in ``base``; each placement is one module: ``cpu``, `
 - ``reads(side) -> bool``: whether lookups with ids on ``side`` (``backends.HOST`` /
   ``backends.DEVICE``) can gather from it.
 - ``writable``: whether ``write_rows`` may be called.
-- ``write_rows(local_start, rows)``: copy a raw-bits block (NumPy or CuPy, ``[n, head_dim]`` of
-  ``format.raw``) into local rows ``[local_start, local_start + n)``. When it returns, the rows
-  are visible to every later gather, on any stream and in any CUDA graph replay.
+- ``write_rows(local_start, rows, scales=None)``: copy a raw-bits block (NumPy or CuPy,
+  ``[n, head_dim]`` of ``format.raw``; a block-scaled format's packed ``[n, head_dim / pack]``
+  bytes with their ``[n, head_dim / block]`` uint8 block scales) into local rows
+  ``[local_start, local_start + n)``. When it returns, the rows are visible to every later
+  gather, on any stream and in any CUDA graph replay.
+- ``host_scales`` / ``device_scales``: the block scales beside ``host_view`` / ``device_view``
+  (block-scaled formats; else None): every placement carries them with the rows.
 - ``gather(job: Gather)``: write the dequantised rows of ``job.ids`` into ``job.out`` on
   ``job.side`` (on ``job.stream`` on the GPU, without a host synchronisation); ids outside
   ``[job.row_start, job.row_start + num_rows)`` give zero rows and are never read.
@@ -68,33 +72,37 @@ def canonical_placement(placement: str) -> str:
 
 
 def allocate(placement: str, num_rows: int, head_dim: int, fmt: Format) -> Storage:
-    """Unfilled storage of a placement. ``"pinned"`` without a GPU is ordinary host memory
-    (nothing could read it over PCIe anyway)."""
+    """Unfilled storage of a placement (with its block scales for a block-scaled format).
+    ``"pinned"`` without a GPU is ordinary host memory (nothing could read it over PCIe
+    anyway)."""
     placement = canonical_placement(placement)
-    shape = (num_rows, head_dim)
+    shape = (num_rows, fmt.row_width(head_dim))
+    scale_shape = (num_rows, fmt.scale_width(head_dim))
     if placement == "gpu":
         if not gpu_available():
             raise RuntimeError("placement='gpu' needs CuPy and a CUDA device")
-        return GpuStorage(DEVICE.empty(shape, fmt.raw), fmt)
+        scales = DEVICE.empty(scale_shape, np.uint8) if fmt.blocked else None
+        return GpuStorage(DEVICE.empty(shape, fmt.raw), fmt, scales)
     if placement == "shared" and num_rows * head_dim:
         raise ValueError("placement='shared' names its segment from the rows: pass the weight "
                          "(EmbeddingTable(weight, placement='shared')) or load a checkpoint "
                          "(load_ngram_embedding(..., placement='shared'))")
     if placement == "pinned" and gpu_available() and num_rows * head_dim > 0:
         return PinnedStorage(num_rows, head_dim, fmt)
+    scales = np.empty(scale_shape, np.uint8) if fmt.blocked else None
     if num_rows * head_dim == 0:
-        return CpuStorage(np.empty(shape, fmt.dtype), fmt)
-    memory = anonymous_memory(num_rows * head_dim * fmt.itemsize)  # huge pages where offered
-    return CpuStorage(np.frombuffer(memory, fmt.dtype).reshape(shape), fmt)
+        return CpuStorage(np.empty(shape, fmt.dtype), fmt, scales)
+    memory = anonymous_memory(shape[0] * shape[1] * fmt.itemsize)  # huge pages where offered
+    return CpuStorage(np.frombuffer(memory, fmt.dtype).reshape(shape), fmt, scales)
 
 
 def adopt(placement: str, side: Backend, array, fmt: Format) -> Storage | None:
     """A storage over the caller's ``array`` itself (no copy) when the placement allows it:
-    C-contiguous host arrays for ``"cpu"``, C-contiguous device arrays for ``"gpu"``. For
-    ``"shared"``, the segment named by the rows' content hash (filled from ``array`` by the first
-    process, attached by the others)."""
+    C-contiguous host arrays for ``"cpu"``, C-contiguous device arrays for ``"gpu"`` (block-scaled
+    rows are always copied, with their scales). For ``"shared"``, the segment named by the rows'
+    content hash (filled from ``array`` by the first process, attached by the others)."""
     placement = canonical_placement(placement)
-    if placement == "shared" and array.size:
+    if placement == "shared" and (array.size or fmt.blocked):
         rows = array if side is HOST else array.get()
         raw = np.ascontiguousarray(rows).view(fmt.raw)
 
@@ -102,7 +110,7 @@ def adopt(placement: str, side: Backend, array, fmt: Format) -> Storage | None:
             destination[...] = raw
 
         return SharedStorage(content_key(raw, fmt), raw.shape[0], raw.shape[1], fmt, fill)
-    if not array.flags.c_contiguous:
+    if not array.flags.c_contiguous or fmt.blocked:
         return None
     if placement == "cpu" and side is HOST:
         return CpuStorage(array.view(fmt.dtype), fmt)

@@ -41,6 +41,8 @@ class Storage:
     writable = True
     host_view: np.ndarray | None = None
     device_view: Any = None
+    host_scales: np.ndarray | None = None  # block scales beside ``host_view`` (blocked formats)
+    device_scales: Any = None  # block scales beside ``device_view``
 
     def __init__(self, num_rows: int, head_dim: int, fmt: Format):
         self.num_rows, self.head_dim, self.format = num_rows, head_dim, fmt
@@ -48,15 +50,15 @@ class Storage:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the rows."""
-        return self.num_rows * self.head_dim * self.format.itemsize
+        """Bytes of the rows, block scales included."""
+        return self.num_rows * self.format.row_bytes(self.head_dim)
 
     def reads(self, side: Backend) -> bool:
         """Whether ids on ``side`` can gather from this storage."""
         return (self.host_view if side is HOST else self.device_view) is not None
 
-    def write_rows(self, local_start: int, rows) -> None:
-        """Copy a raw block into local rows ``[local_start, +len(rows))``."""
+    def write_rows(self, local_start: int, rows, scales=None) -> None:
+        """Copy a raw block (and its block scales) into local rows ``[local_start, +len(rows))``."""
         raise NotImplementedError
 
     def gather(self, job: Gather) -> None:

@@ -11,17 +11,18 @@ from ..formats import Format
 from .base import Gather, Storage
 
 
-def gather_device(rows, code: int, job: Gather) -> None:
-    """The GPU gather of raw ``rows`` (device memory, or host memory mapped for the GPU) on
-    ``job.stream``; with ``job.dedup`` each distinct id is fetched once."""
+def gather_device(rows, code: int, job: Gather, scales=None) -> None:
+    """The GPU gather of raw ``rows`` (device memory, or host memory mapped for the GPU) and
+    their block ``scales`` on ``job.stream``; with ``job.dedup`` each distinct id is fetched
+    once."""
     from .. import gather_cupy
 
     if job.dedup and job.expected is None:
         gather_cupy.gather_unique_rows(rows, code, job.row_start, job.scale, job.ids, job.out,
-                                       job.out_code, stream=job.stream)
+                                       job.out_code, stream=job.stream, scales=scales)
     else:
         gather_cupy.gather_rows(rows, code, job.row_start, job.scale, job.ids, job.out,
-                                job.out_code, job.expected, stream=job.stream)
+                                job.out_code, job.expected, stream=job.stream, scales=scales)
 
 
 def fill(destination, rows, stream: Any) -> None:
@@ -41,22 +42,27 @@ def fill(destination, rows, stream: Any) -> None:
 
 
 class GpuStorage(Storage):
-    """``[num_rows, head_dim]`` raw bits of ``fmt`` in a CuPy array (the caller's, or new)."""
+    """``[num_rows, head_dim]`` raw bits of ``fmt`` in a CuPy array (the caller's, or new); a
+    block-scaled format's packed rows with their block ``scales``."""
 
     placement = "gpu"
 
-    def __init__(self, rows, fmt: Format):
-        super().__init__(rows.shape[0], rows.shape[1], fmt)
+    def __init__(self, rows, fmt: Format, scales=None):
+        super().__init__(rows.shape[0], rows.shape[1] * fmt.pack, fmt)
         self.device_view = rows
+        self.device_scales = scales
 
-    def write_rows(self, local_start: int, rows) -> None:
+    def write_rows(self, local_start: int, rows, scales=None) -> None:
         """Copy the block over on CuPy's current stream, finished when this returns."""
         with self.device_view.device:
             fill(self.device_view[local_start : local_start + rows.shape[0]], rows,
                  cuda_stream())
+            if scales is not None:
+                fill(self.device_scales[local_start : local_start + scales.shape[0]], scales,
+                     cuda_stream())
 
     def gather(self, job: Gather) -> None:
         """The CUDA gather."""
         assert job.side is DEVICE
         self.used_on(job.stream)
-        gather_device(self.device_view, self.format.code, job)
+        gather_device(self.device_view, self.format.code, job, self.device_scales)

@@ -57,25 +57,28 @@ def device_block(rows: np.ndarray, raw) -> object:
 class MappedStorage(Storage):
     """Local rows ``[0, sum of block rows)`` as read-only mapped blocks, read on the CPU.
 
-    ``blocks``: ``(first local row, raw-or-typed rows)`` pairs tiling the rows in order;
-    ``guard``, called before every gather, raises if the files behind them changed (a read past
-    a shrunk file's end is a SIGBUS, not an exception). ``pageable``: whether the GPU can read
-    the mapped pages (default: ``gpu_reads_pageable()``).
+    ``blocks``: ``(first local row, raw-or-typed rows)`` pairs tiling the rows in order (a
+    block-scaled format's: ``(first local row, packed rows, block scales)``); ``guard``, called
+    before every gather, raises if the files behind them changed (a read past a shrunk file's
+    end is a SIGBUS, not an exception). ``pageable``: whether the GPU can read the mapped pages
+    (default: ``gpu_reads_pageable()``).
     """
 
     placement = "mmap"
     writable = False
 
-    def __init__(self, blocks: Sequence[tuple[int, np.ndarray]], head_dim: int, fmt: Format,
+    def __init__(self, blocks: Sequence[tuple], head_dim: int, fmt: Format,
                  guard: Callable[[], None] | None = None, pageable: bool | None = None):
-        super().__init__(sum(rows.shape[0] for _, rows in blocks), head_dim, fmt)
+        super().__init__(sum(block[1].shape[0] for block in blocks), head_dim, fmt)
         self.guard = guard
-        self.starts = np.array([start for start, _ in blocks], dtype=np.int64)
-        self.blocks = [rows.view(fmt.raw) for _, rows in blocks]
+        self.starts = np.array([block[0] for block in blocks], dtype=np.int64)
+        self.blocks = [block[1].view(fmt.raw) for block in blocks]
+        self.scale_blocks = [block[2].view(np.uint8) if fmt.blocked else None
+                             for block in blocks]
         self.pageable = gpu_reads_pageable() if pageable is None else bool(pageable)
         self.device_blocks = None
-        self.pages = PagePrefetcher(self.blocks, self.starts, head_dim * fmt.itemsize,
-                                    self.num_rows)
+        self.pages = PagePrefetcher(self.blocks, self.starts,
+                                    fmt.row_width(head_dim) * fmt.itemsize, self.num_rows)
 
     def reads(self, side: Backend) -> bool:
         """CPU lookups; GPU ones where the device reads pageable memory."""
@@ -89,7 +92,7 @@ class MappedStorage(Storage):
         """Advise the pages of these rows ``MADV_WILLNEED``, off the caller's thread."""
         self.pages.submit(ids, row_start, stream)
 
-    def write_rows(self, local_start: int, rows) -> None:
+    def write_rows(self, local_start: int, rows, scales=None) -> None:
         """Refused: the rows are the checkpoint's, mapped read-only."""
         raise ValueError("an mmap table serves the checkpoint's rows as they are: it is read-only")
 
@@ -118,7 +121,7 @@ class MappedStorage(Storage):
             gather_numba.gather_rows(
                 self.blocks[block[lo]], self.format.code, int(self.starts[block[lo]]), job.scale,
                 local[lo:hi].reshape(-1, 1), gathered, job.out_code,
-                parallel=False if job.worker else None,
+                parallel=False if job.worker else None, scales=self.scale_blocks[block[lo]],
             )
             rows[where[lo:hi]] = gathered
 
@@ -126,17 +129,22 @@ class MappedStorage(Storage):
         """The UVA gather over the mapped blocks: one block directly; several, each into a zeroed
         buffer (ids of other blocks give zero rows), merged by OR of the bits, which is exact."""
         if self.device_blocks is None:
-            self.device_blocks = [device_block(rows, self.format.raw) for rows in self.blocks]
+            self.device_blocks = [
+                (device_block(rows, self.format.raw),
+                 None if scales is None else device_block(scales, np.uint8))
+                for rows, scales in zip(self.blocks, self.scale_blocks, strict=True)]
         if len(self.device_blocks) == 1:
-            gather_device(self.device_blocks[0], self.format.code, job)
+            rows, scales = self.device_blocks[0]
+            gather_device(rows, self.format.code, job, scales)
             return
         cupy = cupy_module()
         with job.stream:
             merged = cupy.zeros_like(job.out)
             part = cupy.empty_like(job.out)
-        for start, rows in zip(self.starts, self.device_blocks, strict=True):
+        for start, (rows, scales) in zip(self.starts, self.device_blocks, strict=True):
             gather_device(rows, self.format.code, dataclasses.replace(
-                job, out=part, row_start=job.row_start + int(start), expected=None, dedup=False))
+                job, out=part, row_start=job.row_start + int(start), expected=None, dedup=False),
+                scales)
             with job.stream:
                 merged |= part
         with job.stream:

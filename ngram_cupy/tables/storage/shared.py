@@ -45,6 +45,9 @@ class SharedStorage(Storage):
     def __init__(self, key: str, num_rows: int, head_dim: int, fmt: Format,
                  fill: Callable[[np.ndarray], None], *, huge_pages: bool | None = None,
                  timeout: float | None = None):
+        if fmt.blocked:
+            raise ValueError(f"placement='shared' holds tables of one array; {fmt.name} rows "
+                             "carry block scales beside them: use placement 'pinned' or 'cpu'")
         super().__init__(num_rows, head_dim, fmt)
         shape = (num_rows, head_dim)
 
@@ -66,7 +69,7 @@ class SharedStorage(Storage):
         if self.buffer is not None:
             self.device_view = self.buffer.device_array(shape, fmt.raw)
 
-    def write_rows(self, local_start: int, rows) -> None:
+    def write_rows(self, local_start: int, rows, scales=None) -> None:
         """Refused: other processes read these rows."""
         raise ValueError("a shared table's rows are read by every process on the node: they "
                          "are read-only")

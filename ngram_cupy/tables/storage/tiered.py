@@ -47,12 +47,13 @@ def upload(stream, *arrays) -> list:
 
 class DeviceTier(NamedTuple):
     """The GPU side of a hot tier, for kernels that read it: the slot map ``(words, ranks)``, the
-    raw hot rows ``[hot, head_dim]`` and the counters (uint64 ``[COUNTER_LANES, 2]``: hot,
-    cold)."""
+    raw hot rows ``[hot, head_dim]``, the counters (uint64 ``[COUNTER_LANES, 2]``: hot, cold)
+    and the hot rows' block scales (block-scaled formats; else None)."""
 
     map: tuple[Any, Any]
     rows: Any
     counts: Any
+    scales: Any = None
 
 
 class TieredStorage(Storage):
@@ -74,8 +75,10 @@ class TieredStorage(Storage):
         self.host_view = cold.host_view
         self.map = build_map(hot_rows, 0, cold.num_rows)
         self.host_hot = self.host_view.view(cold.format.raw)[hot_rows]
+        self.host_scales = cold.host_scales
+        self.host_hot_scales = None if cold.host_scales is None else cold.host_scales[hot_rows]
         self.host_counts = np.zeros(2, np.int64)
-        self.device_map = self.device_hot = self.device_counts = None
+        self.device_map = self.device_hot = self.device_counts = self.device_hot_scales = None
         self.streams = UsedStreams()  # those whose kernels add to device_counts
         if cold.device_view is not None:
             from .. import gather_cupy
@@ -85,18 +88,22 @@ class TieredStorage(Storage):
                     cuda_stream(), *self.map, self.host_hot,
                     np.zeros((gather_cupy.COUNTER_LANES, 2), np.uint64))
                 self.device_map = (words, ranks)
+                if self.host_hot_scales is not None:
+                    (self.device_hot_scales,) = upload(cuda_stream(), self.host_hot_scales)
 
     @property
     def device_tier(self) -> DeviceTier | None:
         """The tier on the GPU (over ``cold.device_view``), or None when the GPU cannot read it."""
         if self.device_hot is None:
             return None
-        return DeviceTier(self.device_map, self.device_hot, self.device_counts)
+        return DeviceTier(self.device_map, self.device_hot, self.device_counts,
+                          self.device_hot_scales)
 
     @property
     def hot_nbytes(self) -> int:
         """Bytes of the hot tier and its slot map (GPU memory when the GPU reads the table)."""
-        return self.host_hot.nbytes + self.map.nbytes
+        scales = 0 if self.host_hot_scales is None else self.host_hot_scales.nbytes
+        return self.host_hot.nbytes + scales + self.map.nbytes
 
     @property
     def writable(self) -> bool:
@@ -108,29 +115,37 @@ class TieredStorage(Storage):
         ``cold.device_view`` through ``device_tier``, never the cold rows alone)."""
         return self.cold.reads(side)
 
-    def write_rows(self, local_start: int, rows) -> None:
+    def write_rows(self, local_start: int, rows, scales=None) -> None:
         """Write the cold rows, then the hot copies of those among them."""
-        self.cold.write_rows(local_start, rows)
+        self.cold.write_rows(local_start, rows, scales)
         stop = local_start + rows.shape[0]
         first, last = np.searchsorted(self.hot_rows, [local_start, stop])
         if first == last:
             return
         index = self.hot_rows[first:last] - local_start
-        on_host = isinstance(rows, np.ndarray)
-        block = rows[index] if on_host else rows[DEVICE.asarray(index)]
-        self.host_hot[first:last] = block if on_host else block.get()
-        if self.device_hot is not None:
-            with self.device_hot.device:
-                fill(self.device_hot[first:last], block, cuda_stream())
+        copies = [(rows, self.host_hot, self.device_hot)]
+        if scales is not None:
+            copies.append((scales, self.host_hot_scales, self.device_hot_scales))
+        for source, host, device in copies:
+            on_host = isinstance(source, np.ndarray)
+            block = source[index] if on_host else source[DEVICE.asarray(index)]
+            host[first:last] = block if on_host else block.get()
+            if device is not None:
+                with device.device:
+                    fill(device[first:last], block, cuda_stream())
 
     def refresh(self) -> None:
         """Copy every hot row again from the cold rows: after they changed other than through
         ``write_rows`` (in place through ``host_view``, or a torch ``state_dict`` sharing it).
         Finished when this returns, as ``write_rows`` is."""
         self.host_hot[...] = self.host_view.view(self.cold.format.raw)[self.hot_rows]
-        if self.device_hot is not None:
-            with self.device_hot.device:
-                fill(self.device_hot, self.host_hot, cuda_stream())
+        if self.host_hot_scales is not None:
+            self.host_hot_scales[...] = self.host_scales[self.hot_rows]
+        for host, device in ((self.host_hot, self.device_hot),
+                             (self.host_hot_scales, self.device_hot_scales)):
+            if device is not None:
+                with device.device:
+                    fill(device, host, cuda_stream())
 
     def gather(self, job: Gather) -> None:
         """The tiered gather of the ids' side (``job.dedup`` is not used: one launch)."""
@@ -139,7 +154,8 @@ class TieredStorage(Storage):
             gather_numba.gather_rows(self.host_view.view(raw), self.format.code, job.row_start,
                                      job.scale, job.ids, job.out, job.out_code, job.expected,
                                      parallel=False if job.worker else None,
-                                     hot=(self.map, self.host_hot), counts=self.host_counts)
+                                     hot=(self.map, self.host_hot), counts=self.host_counts,
+                                     scales=self.host_scales, hot_scales=self.host_hot_scales)
             return
         from .. import gather_cupy
 
@@ -148,7 +164,8 @@ class TieredStorage(Storage):
         gather_cupy.gather_rows(self.cold.device_view, self.format.code, job.row_start,
                                 job.scale, job.ids, job.out, job.out_code, job.expected,
                                 stream=job.stream, hot=(self.device_map, self.device_hot),
-                                counts=self.device_counts)
+                                counts=self.device_counts, scales=self.cold.device_scales,
+                                hot_scales=self.device_hot_scales)
 
     @property
     def counters(self) -> dict[str, int]:
