@@ -35,11 +35,17 @@ def check_batch(layout: LayerLayout, input_ids, query_start_loc, ngram_context) 
     return num_tokens, num_requests
 
 
-def check_query_start_loc_values(query_start_loc: np.ndarray, num_tokens: int) -> None:
+def check_query_start_loc_values(query_start_loc: np.ndarray, num_tokens: int,
+                                 padded: bool = True) -> None:
     """Host-side: ``0 = q_0 <= q_1 <= ... <= q_R <= T``, so no kernel reads out of bounds
-    (tokens past ``q_R`` are padding, SPEC 10.3)."""
+    (tokens past ``q_R`` are padding, SPEC 10.3; ``padded=False``: ``q_R == T``)."""
     if query_start_loc[0] != 0:
         raise ValueError(f"query_start_loc must start at 0, got {int(query_start_loc[0])}")
+    if not padded and query_start_loc[-1] != num_tokens:
+        raise ValueError(
+            f"query_start_loc must end at the number of tokens {num_tokens} (no padding "
+            f"tokens), got {int(query_start_loc[-1])}"
+        )
     if query_start_loc[-1] > num_tokens:
         raise ValueError(
             f"query_start_loc must end at most at the number of tokens {num_tokens}, "

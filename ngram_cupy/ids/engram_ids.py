@@ -105,7 +105,7 @@ def _bind(layout: EngramLayout, stream, input_ids, positions, query_start_loc, l
             arrays[name] = (side.empty(shape, np.uint8) if mask is None
                             else side.contiguous(mask).view(np.uint8))
     if side is HOST:
-        check_query_start_loc_values(arrays["query_start_loc"], num_tokens)
+        check_query_start_loc_values(arrays["query_start_loc"], num_tokens, padded=False)
         _check_host_values(layout, arrays["input_ids"], arrays["positions"],
                            arrays["query_start_loc"], lookback)
     return call, arrays
@@ -176,7 +176,7 @@ def advance_engram_lookback(layout: EngramLayout, values, query_start_loc, lookb
                     else call.side.contiguous(lookback))
     fill = np.bool_(False) if is_mask else dtype.type(-1)
     if call.side is HOST:
-        check_query_start_loc_values(starts, values.shape[0])
+        check_query_start_loc_values(starts, values.shape[0], padded=False)
         advance_engram_lookback_numba(values, starts, lookback, fill, rolled)
     else:
         from .engram_cuda import launch_advance_lookback
