@@ -164,26 +164,7 @@ class NGramConfig:
     @classmethod
     def from_hf(cls, path_or_dict: str | os.PathLike | dict) -> NGramConfig:
         """Read a Hugging Face style ``config.json`` (a file, a model folder, or a dict)."""
-        if isinstance(path_or_dict, dict):
-            raw = path_or_dict
-        elif not isinstance(path_or_dict, (str, os.PathLike)):
-            raise TypeError(f"path_or_dict must be a path or a dict, got "
-                            f"{type(path_or_dict).__name__}")
-        else:
-            path = os.fspath(path_or_dict)
-            if os.path.isdir(path):
-                path = os.path.join(path, "config.json")
-            try:
-                with open(path, encoding="utf-8") as f:
-                    raw = json.load(f)
-            except FileNotFoundError:
-                raise ValueError(f"config file not found: {path}") from None
-            except json.JSONDecodeError as e:
-                raise ValueError(f"config file {path} is not valid JSON: {e}") from None
-        if not isinstance(raw, dict):
-            raise ValueError("config must be a JSON object")
-        if isinstance(raw.get("text_config"), dict):
-            raw = {**raw, **raw["text_config"]}
+        raw = read_hf_config(path_or_dict)
         required = ("vocab_size", "ngram_size", "heads_per_ngram", "ngram_vocab_size_base",
                     "eos_token_id")
         missing = [key for key in required if key not in raw]
@@ -207,3 +188,29 @@ class NGramConfig:
             ple_layer_ids=raw.get("ple_layer_ids"),
             ple_embedding_dtype=raw.get("ple_embedding_dtype"),
         )
+
+
+def read_hf_config(path_or_dict: str | os.PathLike | dict) -> dict:
+    """A Hugging Face ``config.json`` as one dict (a file, a model folder, or a dict), its
+    ``text_config`` fields merged in; clear errors for a missing file or bad JSON."""
+    if isinstance(path_or_dict, dict):
+        raw = path_or_dict
+    elif not isinstance(path_or_dict, (str, os.PathLike)):
+        raise TypeError(f"path_or_dict must be a path or a dict, got "
+                        f"{type(path_or_dict).__name__}")
+    else:
+        path = os.fspath(path_or_dict)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        try:
+            with open(path, encoding="utf-8") as f:
+                raw = json.load(f)
+        except FileNotFoundError:
+            raise ValueError(f"config file not found: {path}") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"config file {path} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ValueError("config must be a JSON object")
+    if isinstance(raw.get("text_config"), dict):
+        raw = {**raw, **raw["text_config"]}
+    return raw

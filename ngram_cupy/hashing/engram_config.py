@@ -8,14 +8,20 @@ ids are int32, so every layer's table has fewer than ``2**31`` rows; the multipl
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from .config import MAX_HEADS, MAX_LAYER_ID, MAX_LAYOUT_PRIMES, MAX_NGRAM_SIZE, MAX_VOCAB_SIZE
+from .config import (
+    MAX_HEADS,
+    MAX_LAYER_ID,
+    MAX_LAYOUT_PRIMES,
+    MAX_NGRAM_SIZE,
+    MAX_VOCAB_SIZE,
+    read_hf_config,
+)
 from .layout import primes_after
 
 # Ids are int32: a layer's rows (and so every prime head size) stay below 2**31.
@@ -127,26 +133,7 @@ class EngramConfig:
     def from_hf(cls, path_or_dict: str | os.PathLike | dict) -> EngramConfig:
         """Read a Hugging Face ``config.json`` (a file, a model folder, or a dict), its
         ``text_config`` included."""
-        if isinstance(path_or_dict, dict):
-            raw = path_or_dict
-        elif not isinstance(path_or_dict, (str, os.PathLike)):
-            raise TypeError(f"path_or_dict must be a path or a dict, got "
-                            f"{type(path_or_dict).__name__}")
-        else:
-            path = os.fspath(path_or_dict)
-            if os.path.isdir(path):
-                path = os.path.join(path, "config.json")
-            try:
-                with open(path, encoding="utf-8") as f:
-                    raw = json.load(f)
-            except FileNotFoundError:
-                raise ValueError(f"config file not found: {path}") from None
-            except json.JSONDecodeError as e:
-                raise ValueError(f"config file {path} is not valid JSON: {e}") from None
-        if not isinstance(raw, dict):
-            raise ValueError("config must be a JSON object")
-        if isinstance(raw.get("text_config"), dict):
-            raw = {**raw, **raw["text_config"]}
+        raw = read_hf_config(path_or_dict)
         missing = [name for name in FIELDS if name not in raw]
         if missing:
             raise ValueError(f"config is missing {', '.join(missing)} (not an Engram model?)")
