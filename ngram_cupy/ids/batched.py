@@ -32,14 +32,12 @@ def require_packed(input_ids, query_start_loc, ngram_context) -> None:
                              "input_ids [B, S] may leave it out")
 
 
-def row_batch_ids(layout: LayerLayout, input_ids, query_start_loc=None, ngram_context=None,
-                  out=None, *, stream=None):
-    """``[B, S, num_heads]`` int64 ids of ``input_ids[B, S]``, row ``b`` one sequence after the
-    tokens ``ngram_context[b]`` (oldest first; None: all EOS). ``query_start_loc`` must be None
-    (the rows are the requests)."""
-    # Imported here: ngram_ids dispatches 2-D input to this module at its top.
-    from .ngram_ids import compute_ngram_ids
-
+def pack_rows(layout: LayerLayout, input_ids, query_start_loc=None, ngram_context=None,
+              out=None, *, stream=None):
+    """``input_ids[B, S]`` (row ``b`` one sequence after the tokens ``ngram_context[b]``,
+    oldest first; None: all EOS) as one packed batch: ``(call, (tokens, query_start_loc,
+    ngram_context, out), shape)``, for ``compute_ngram_ids`` to hash and reshape to ``shape``
+    (``[B, S, num_heads]``). ``query_start_loc`` must be None (the rows are the requests)."""
     check_layout(layout)
     if query_start_loc is not None:
         raise ValueError("query_start_loc must be None for 2-D input_ids [B, S]: every row is "
@@ -61,5 +59,4 @@ def row_batch_ids(layout: LayerLayout, input_ids, query_start_loc=None, ngram_co
             check_out("out", call["out"], shape, np.int64)
             flat_out = call["out"].reshape(rows * length, layout.num_heads)
         flat = call.side.contiguous(tokens).reshape(rows * length)
-    ids = compute_ngram_ids(layout, flat, starts, context, flat_out, stream=call.stream)
-    return call.result(ids.reshape(shape))
+    return call, (flat, starts, context, flat_out), shape

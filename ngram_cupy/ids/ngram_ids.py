@@ -19,7 +19,7 @@ from ..hashing.layout import LayerLayout, check_layout
 from ..runtime.backends import HOST, Call, bind
 from ..runtime.checks import check_destination, check_out
 from .batch import check_batch, check_query_start_loc_values
-from .batched import is_row_batch, require_packed, row_batch_ids
+from .batched import is_row_batch, pack_rows, require_packed
 from .ids_numba import advance_context_numba, ngram_ids_numba
 
 
@@ -82,10 +82,12 @@ def compute_ngram_ids(layout: LayerLayout, input_ids, query_start_loc=None, ngra
     a CuPy or torch stream), with no host synchronisation; there ``query_start_loc`` is trusted,
     not checked. 2-D ``input_ids[B, S]`` are B sequences, one per row, with
     ``query_start_loc=None`` and ``ngram_context[B, n-1]`` or None (all EOS): ``[B, S,
-    num_heads]`` ids (``batched.row_batch_ids``).
+    num_heads]`` ids (``batched.pack_rows``).
     """
     if is_row_batch(input_ids):
-        return row_batch_ids(layout, input_ids, query_start_loc, ngram_context, out, stream=stream)
+        call, packed, shape = pack_rows(layout, input_ids, query_start_loc, ngram_context, out,
+                                        stream=stream)
+        return call.result(compute_ngram_ids(layout, *packed, stream=call.stream).reshape(shape))
     require_packed(input_ids, query_start_loc, ngram_context)
     batch = bind_batch(layout, stream, input_ids, query_start_loc, ngram_context, out=out)
     return batch.call.result(batch_ids(layout, batch, output(
