@@ -30,6 +30,7 @@ _EXPORTS = {
     "load_engram_embedding": "files.engram_checkpoint",
     "load_ngram_embedding": "files.checkpoint",
     "plan_placement": "placement",
+    "save_engram_embedding": "files.engram_checkpoint",
     "save_ngram_embedding": "files.checkpoint",
 }
 
@@ -53,6 +54,7 @@ __all__ = [
     "load_engram_embedding",
     "load_ngram_embedding",
     "plan_placement",
+    "save_engram_embedding",
     "save_ngram_embedding",
 ]
 
@@ -71,7 +73,7 @@ if TYPE_CHECKING:
     from .distributed import ShardedLookup
     from .embedding import EngramEmbedding, NGramEmbedding
     from .files.checkpoint import load_ngram_embedding, save_ngram_embedding
-    from .files.engram_checkpoint import load_engram_embedding
+    from .files.engram_checkpoint import load_engram_embedding, save_engram_embedding
     from .hashing.config import NGramConfig
     from .hashing.engram_config import EngramConfig
     from .hashing.engram_layout import EngramLayout, engram_layout

@@ -84,9 +84,11 @@ class CachedNGramEmbedding(torch.nn.Module):
         self.register_buffer("ngram_heads_offsets", torch.tensor(layout.head_offsets))
         self.register_buffer("out_like", torch.empty(0, dtype=dtype), persistent=False)
         if table.storage.writable:  # a mapped checkpoint is not a module's weight
-            scale = table.scale  # TableWeights starts a float8 table at scale 1
+            scale = table.scale  # TableWeights starts a scaled table at scale 1
             self.ngram_embedding = TableWeights(table, table.format.torch_dtype)
-            if hasattr(self.ngram_embedding, "weight_scale"):  # a float8 table's one scale
+            if hasattr(self.ngram_embedding, "weight_scale_2"):  # NVFP4's global scale
+                self.ngram_embedding.set_global_scale(torch.tensor(float(scale)))
+            elif table.format.scaled:  # a float8 table's one scale
                 self.ngram_embedding.set_scale(torch.tensor(float(scale)))
         self._prefetched: torch.Tensor | None = None
 

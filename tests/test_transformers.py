@@ -29,6 +29,8 @@ from transformers import (  # noqa: E402
 import ngram_cupy as nc  # noqa: E402
 from ngram_cupy.files.checkpoint import ngram_tensors  # noqa: E402
 from ngram_cupy.files.safetensors_files import write_checkpoint  # noqa: E402
+from ngram_cupy.tables.dequant import reference_block_lookup  # noqa: E402
+from ngram_cupy.tables.formats import FORMATS, NVFP4  # noqa: E402
 from ngram_cupy.transformers import CachedNGramEmbedding, ngram_config, use_ngram_cupy  # noqa: E402
 
 EOS, PAD, VOCAB = 2, 0, 512
@@ -223,6 +225,48 @@ def test_float8_checkpoint(tmp_path, dtype):
     layer = patched.get_submodule(NAMES[0])
     assert layer.table.format.name == "float8_e4m3fn" and float(layer.table.scale) == 0.0625
     assert_same_generation(reference, patched, prompts(), do_sample=False)
+
+
+def nvfp4_checkpoint(model, path, scale=0.75):
+    """Both PLE layers as NVFP4 tables in vLLM's names (random packed codes, E4M3 block scales
+    around 1, a float32 global scale), one file each by ``save_ngram_embedding``; returns the
+    files and the tables decoded by the plain reference (SPEC 10.2), in float32."""
+    config, rng = ngram_config(model.config), np.random.default_rng(10)
+    files, decoded = [], []
+    for layer, name in enumerate(NAMES):
+        layout = nc.layer_layout(config, layer)
+        packed = rng.integers(0, 256, (layout.padded_rows, layout.head_dim // 2), dtype=np.uint8)
+        blocks = rng.uniform(0.25, 4.0, (layout.padded_rows, layout.head_dim // 16))
+        blocks = blocks.astype(ml_dtypes.float8_e4m3fn)
+        files += nc.save_ngram_embedding(path / f"layer_{layer}.safetensors", config, layer,
+                                         packed, np.float32(scale), prefix=name,
+                                         block_scales=blocks)
+        decoded.append(torch.from_numpy(reference_block_lookup(
+            FORMATS[NVFP4], packed, blocks, scale, np.arange(layout.padded_rows), np.float32)))
+    return files, decoded
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nvfp4_checkpoint(tmp_path, dtype):
+    """An NVFP4 table against a model whose nn.Embedding holds its rows decoded in float32 (one
+    rounding to bf16, as the lookup rounds once)."""
+    reference = tiny_model(dtype)
+    patched = copy.deepcopy(reference)
+    files, decoded = nvfp4_checkpoint(reference, tmp_path)
+    with torch.no_grad():
+        for weight, rows in zip(tables(reference), decoded, strict=True):
+            weight.copy_(rows.to(dtype))
+    use_ngram_cupy(patched, checkpoint=files, placement="cpu")
+    layer = patched.get_submodule(NAMES[1])
+    assert layer.table.format.name == "nvfp4" and float(layer.table.scale) == 0.75
+    state = layer.state_dict()  # vLLM's buffers: packed rows, block scales, global scale
+    assert state["ngram_embedding.weight_scale"].dtype == torch.float8_e4m3fn
+    assert state["ngram_embedding.weight_scale"].shape == (layer.table.num_rows, 1)
+    assert float(state["ngram_embedding.weight_scale_2"]) == 0.75
+    ids = prompts()
+    with torch.no_grad():
+        assert torch.equal(patched(ids).logits, reference(ids).logits)
+    assert_same_generation(reference, patched, ids, do_sample=False)
 
 
 def test_save_pretrained_then_checkpoint(tmp_path, float32_pair):

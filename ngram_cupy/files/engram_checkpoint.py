@@ -7,14 +7,22 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
+import numpy as np
+
 from ..embedding import EngramEmbedding
 from ..hashing.engram_layout import EngramLayout, check_engram_layout
+from ..runtime.backends import HOST, unwrap_torch
 from ..runtime.checks import check_integer
-from ..tables.table import EmbeddingTable
-from .safetensors_files import DTYPES, Checkpoint
+from ..tables.formats import BY_SAFETENSORS, FORMATS, MXFP8, Format, storage_format
+from ..tables.mapped import MappedTable
+from ..tables.storage.shared import SharedStorage
+from ..tables.table import EmbeddingTable, block_scale_bits
+from .checkpoint import shared_key
+from .safetensors_files import Checkpoint, write_checkpoint
 
-PLACEMENTS = ("cpu", "gpu", "pinned", "host")
+PLACEMENTS = ("cpu", "gpu", "pinned", "host", "shared", "mmap")
 FLOAT_TABLES = ("F32", "F16", "BF16")
+MX = FORMATS[MXFP8]
 
 
 def engram_head_rows(layout: EngramLayout, layer: int, rank: int,
@@ -38,15 +46,52 @@ def engram_tensor_name(names, layer_id: int, suffix: str = "weight") -> str | No
     return found[0] if found else None
 
 
+def engram_table_format(checkpoint: Checkpoint, name: str, scales: str | None,
+                        layout: EngramLayout, index: int) -> Format:
+    """The checked format of Engram layer ``index``'s weight ``name`` (with its block scales
+    ``scales``, or None): float32 / float16 / bfloat16, or MXFP8 (F8_E4M3 weight with an
+    F8_E8M0 ``[rows, head_dim / 32]`` ``.scale``). Each ValueError names the tensor."""
+    info = checkpoint.info(name)
+    wanted = (layout.rows_per_layer[index], layout.head_dim)
+    if info.shape != wanted:
+        raise ValueError(f"{name} has shape {list(info.shape)}, the config needs "
+                         f"{list(wanted)} (engram_num_embeddings, engram_head_dim)")
+    if scales is None:
+        if info.dtype == MX.safetensors:
+            raise ValueError(f"{name} is {info.dtype} but its block scales "
+                             f"{name.removesuffix('weight')}scale ({MX.block_scale_safetensors}) "
+                             f"are missing: an MXFP8 table needs them")
+        if info.dtype not in FLOAT_TABLES:
+            raise ValueError(f"{name} is {info.dtype}: this loader takes "
+                             f"{', '.join(FLOAT_TABLES)} tables, or MXFP8 ({MX.safetensors} "
+                             f"with a {MX.block_scale_safetensors} .scale)")
+        return BY_SAFETENSORS[info.dtype]
+    if info.dtype != MX.safetensors:
+        raise ValueError(f"{name} is {info.dtype} with a block .scale ({scales}): an MXFP8 "
+                         f"table's weight must be {MX.safetensors}")
+    if layout.head_dim % MX.block:
+        raise ValueError(f"{name}: MXFP8 tables need engram_head_dim a multiple of {MX.block}, "
+                         f"got {layout.head_dim}")
+    scale_info = checkpoint.info(scales)
+    shape = (wanted[0], MX.scale_width(layout.head_dim))
+    if scale_info.dtype != MX.block_scale_safetensors or scale_info.shape != shape:
+        raise ValueError(f"{scales} must be {MX.block_scale_safetensors} of shape {list(shape)} "
+                         f"(one scale byte per {MX.block} values), got {scale_info.dtype} of "
+                         f"shape {list(scale_info.shape)}")
+    return MX
+
+
 def load_engram_embedding(path: str | os.PathLike | Sequence[str | os.PathLike],
                           layout: EngramLayout, placement: str = "cpu", rank: int = 0,
                           world_size: int = 1) -> EngramEmbedding:
     """Every Engram layer's table from a safetensors checkpoint, as a ready ``EngramEmbedding``.
 
     ``path`` as for ``load_ngram_embedding``. Each weight must be ``[engram_num_embeddings,
-    engram_head_dim]``; float32, float16 and bfloat16 tables load as they are (MXFP8 tables,
-    F8_E4M3 with an F8_E8M0 ``.scale``, need the mxfp8 table format). With ``world_size > 1``
-    only the rows of this rank's heads are read; the table answers zeros for the others.
+    engram_head_dim]``: float32, float16 and bfloat16 tables load as they are, MXFP8 tables
+    (F8_E4M3 with an F8_E8M0 ``.scale``, DeepSeek's layout) with their block scales (not
+    ``placement="shared"``, which holds one array). ``placement="mmap"`` serves the rows
+    straight from the mapped files. With ``world_size > 1`` only the rows of this rank's heads
+    are read; the table answers zeros for the others.
     """
     check_engram_layout(layout)
     if placement not in PLACEMENTS:
@@ -55,30 +100,87 @@ def load_engram_embedding(path: str | os.PathLike | Sequence[str | os.PathLike],
     rank = check_integer("rank", rank, 0)
     if rank >= world_size:
         raise ValueError(f"rank must lie in [0, world_size={world_size}), got {rank}")
-    checkpoint = Checkpoint.open(path)
-    names = {}
+    checkpoint = Checkpoint.open(path, random_access=placement == "mmap")
+    found = []
     for index, layer_id in enumerate(layout.layer_ids):  # every tensor checked before any read
         name = engram_tensor_name(checkpoint.tensors, layer_id)
         if name is None:
             raise ValueError(f"the checkpoint has no layers.{layer_id}.engram.embed.weight "
                              f"(Engram layer {index})")
-        info = checkpoint.info(name)
-        wanted = (layout.rows_per_layer[index], layout.head_dim)
-        if info.shape != wanted:
-            raise ValueError(f"{name} has shape {list(info.shape)}, the config needs "
-                             f"{list(wanted)} (engram_num_embeddings, engram_head_dim)")
-        if info.dtype not in FLOAT_TABLES:
-            scaled = engram_tensor_name(checkpoint.tensors, layer_id, "scale") is not None
-            kind = " with a block .scale (MXFP8)" if scaled else ""
-            raise ValueError(f"{name} is {info.dtype}{kind}: this loader takes "
-                             f"{', '.join(FLOAT_TABLES)} tables")
-        names[index] = name
+        scales = engram_tensor_name(checkpoint.tensors, layer_id, "scale")
+        fmt = engram_table_format(checkpoint, name, scales, layout, index)
+        if placement == "shared" and fmt.blocked:
+            raise ValueError(f"{name}: placement='shared' holds tables of one array; MXFP8 "
+                             "rows carry block scales beside them: use placement 'pinned' or "
+                             "'cpu'")
+        found.append((index, name, scales, fmt))
     tables = []
-    for index, name in names.items():
+    for index, name, scales, fmt in found:
         start, stop = engram_head_rows(layout, index, rank, world_size)
-        dtype = DTYPES[checkpoint.info(name).dtype]
-        table = EmbeddingTable.empty(stop - start, layout.head_dim, dtype, placement=placement,
-                                     row_start=start, total_rows=layout.rows_per_layer[index])
-        table.write_rows(start, checkpoint.read(name, start, stop))
-        tables.append(table)
+        total = layout.rows_per_layer[index]
+        if placement == "mmap":
+            block = (start, checkpoint.view(name)[start:stop])
+            if scales is not None:
+                block += (checkpoint.view(scales)[start:stop],)
+            tables.append(MappedTable([block], layout.head_dim, fmt, None, start, stop, total,
+                                      guard=checkpoint.check_mapped))
+        elif placement == "shared" and stop > start:
+
+            def fill(rows: np.ndarray, name=name, start=start, stop=stop) -> None:
+                rows[:] = checkpoint.read(name, start, stop).view(rows.dtype)
+
+            key = shared_key(checkpoint, name, [name], index, start, stop, fmt.name)
+            storage = SharedStorage(key, stop - start, layout.head_dim, fmt, fill)
+            tables.append(EmbeddingTable(storage, row_start=start, total_rows=total))
+        else:
+            table = EmbeddingTable.empty(stop - start, layout.head_dim, fmt,
+                                         placement=placement, row_start=start, total_rows=total)
+            table.write_rows(start, checkpoint.read(name, start, stop),
+                             None if scales is None else checkpoint.read(scales, start, stop))
+            tables.append(table)
     return EngramEmbedding(layout, tables)
+
+
+def save_engram_embedding(path: str | os.PathLike, layout: EngramLayout, weights: Sequence,
+                          block_scales: Sequence | None = None, prefix: str = "model.",
+                          num_files: int = 1) -> list[str]:
+    """Write every Engram layer's table in DeepSeek's names, atomically; return the files.
+
+    ``weights[i]``: layer ``i``'s ``[engram_num_embeddings, engram_head_dim]`` rows (float32,
+    float16, bfloat16, or E4M3 with ``block_scales[i]``, its UE8M0 ``[rows, head_dim / 32]``
+    bytes: MXFP8), saved as ``{prefix}layers.{l}.engram.embed.weight`` and ``.scale``
+    (F8_E8M0). ``path`` and ``num_files`` as for ``write_checkpoint``.
+    """
+    check_engram_layout(layout)
+    if len(weights) != layout.num_layers or (
+            block_scales is not None and len(block_scales) != layout.num_layers):
+        raise ValueError(f"weights and block_scales need one table per Engram layer "
+                         f"({layout.num_layers})")
+    tensors = {}
+    for index, layer_id in enumerate(layout.layer_ids):
+        weight, torch_format = unwrap_torch(weights[index])
+        weight = HOST.asarray(weight)
+        if torch_format is not None:
+            weight = weight.view(torch_format.dtype)
+        wanted = (layout.rows_per_layer[index], layout.head_dim)
+        if weight.shape != wanted:
+            raise ValueError(f"weights[{index}] must have shape {list(wanted)}, got "
+                             f"{list(weight.shape)}")
+        name = f"{prefix}layers.{layer_id}.engram.embed."
+        if block_scales is None:
+            fmt = storage_format(weight.dtype, f"weights[{index}]")
+            if fmt.safetensors not in FLOAT_TABLES:
+                raise ValueError(f"weights[{index}] is {fmt.name}: a float8 table needs its "
+                                 f"block_scales (MXFP8)")
+            tensors[name + "weight"] = weight
+            continue
+        if weight.dtype != MX.dtype:
+            raise ValueError(f"weights[{index}] must be {MX.dtype.name} with block_scales, got "
+                             f"{weight.dtype}")
+        MX.check_head_dim(layout.head_dim, "engram_head_dim")
+        scales, scale_format = unwrap_torch(block_scales[index])
+        bits = block_scale_bits(MX, HOST.asarray(scales), scale_format, wanted[0],
+                                layout.head_dim)
+        tensors[name + "weight"] = weight
+        tensors[name + "scale"] = bits.view(MX.block_scale)
+    return write_checkpoint(path, tensors, num_files)

@@ -37,7 +37,8 @@ READ_ATTEMPTS = 3
 _GENERATION_FILE = re.compile(r"^model-\d{5}-of-\d{5}-[0-9a-f]{8}\.safetensors$")
 
 # Safetensors dtype codes and the NumPy (or ml_dtypes) types that hold them: the integer buffers
-# and float64 here, the table formats from the format registry.
+# and float64 here, UE8M0 block scales (MXFP8) as their bytes, the table formats from the format
+# registry.
 DTYPES: dict[str, np.dtype] = {
     "BOOL": np.dtype(np.bool_),
     "U8": np.dtype(np.uint8),
@@ -49,6 +50,7 @@ DTYPES: dict[str, np.dtype] = {
     "I64": np.dtype(np.int64),
     "U64": np.dtype(np.uint64),
     "F64": np.dtype(np.float64),
+    "F8_E8M0": np.dtype(np.uint8),
     **{code: fmt.dtype for code, fmt in BY_SAFETENSORS.items()},
 }
 
