@@ -25,7 +25,7 @@ from .report import Row, Section
 from .timers import paired, timeit
 
 GIB = 1 << 30
-MEMORY_CASES = ("transformers bf16", "ngram_cupy bf16", "ngram_cupy fp8")
+MEMORY_CASES = ("transformers bf16", "ngram_cupy bf16", "ngram_cupy fp8", "ngram_cupy nvfp4")
 
 
 def tiny_config(**overrides):
@@ -67,8 +67,8 @@ def rss_bytes(field: str = "VmRSS") -> int:
 
 
 def write_checkpoints(hf_config, folder: str) -> int:
-    """The big layer's table in fp8 (with a scale) and in bf16, as two checkpoints in
-    ``folder``; returns the table's rows."""
+    """The big layer's table in fp8 (with a scale), bf16 and NVFP4 (vLLM's names), as three
+    checkpoints in ``folder``; returns the table's rows."""
     import ngram_cupy as nc
     from ngram_cupy.files.checkpoint import ngram_tensors
     from ngram_cupy.files.safetensors_files import write_checkpoint
@@ -83,8 +83,13 @@ def write_checkpoints(hf_config, folder: str) -> int:
     write_checkpoint(os.path.join(folder, "fp8"), ngram_tensors(
         layout, fp8, np.array(0.5, ml_dtypes.bfloat16), prefix=prefix), 4)
     bf16 = (bits.astype(np.uint16) | 0x3C00).view(ml_dtypes.bfloat16)  # finite, varied values
+    packed = np.ascontiguousarray(bits[:, : layout.head_dim // 2])  # E2M1 code pairs
+    block_scales = np.full((layout.padded_rows, layout.head_dim // 16), 0x38, np.uint8)  # 1.0
     del fp8, bits
     write_checkpoint(os.path.join(folder, "bf16"), ngram_tensors(layout, bf16, prefix=prefix), 4)
+    del bf16
+    write_checkpoint(os.path.join(folder, "nvfp4"), ngram_tensors(
+        layout, packed, np.float32(0.5), prefix=prefix, block_scales=block_scales), 4)
     return layout.padded_rows
 
 
