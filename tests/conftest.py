@@ -110,3 +110,29 @@ def host_gather():
     if host_kernels.compiler() is None:
         pytest.skip("no g++ on PATH: gather.cu cannot be built for the host")
     return host_kernels.HostGather(host_kernels.build())
+
+
+@pytest.fixture
+def shm_dir(monkeypatch):
+    """A fresh directory under /dev/shm for the test's shared segments; empty again at the end."""
+    from ngram_cupy.tables import shared_memory
+
+    root = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    folder = Path(tempfile.mkdtemp(prefix="ngram_cupy-test-", dir=root))
+    monkeypatch.setenv(shared_memory.SHM_DIR_ENV, str(folder))
+    yield folder
+    left = sorted(os.listdir(folder))
+    shutil.rmtree(folder)
+    assert not left, f"segments left behind: {left}"
+
+
+def assert_same(got, want, message=""):
+    """Equal bits, NaNs as a class (their payload and sign differ between platforms)."""
+    from ngram_cupy.tables.formats import find_format
+
+    want = np.asarray(want)
+    raw = find_format(want.dtype).raw
+    got = np.asarray(got).view(want.dtype)
+    nan = np.isnan(want.astype(np.float32))
+    np.testing.assert_array_equal(np.isnan(got.astype(np.float32)), nan, err_msg=message)
+    np.testing.assert_array_equal(got.view(raw)[~nan], want.view(raw)[~nan], err_msg=message)

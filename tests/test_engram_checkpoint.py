@@ -4,10 +4,6 @@ placement), head-sharded ranks, and the checks on each tensor."""
 from __future__ import annotations
 
 import dataclasses
-import os
-import shutil
-import tempfile
-from pathlib import Path
 
 import engram_cases
 import ml_dtypes
@@ -18,7 +14,6 @@ import ngram_cupy as nc
 from ngram_cupy.files.engram_checkpoint import engram_head_rows
 from ngram_cupy.files.safetensors_files import Checkpoint, write_checkpoint
 from ngram_cupy.hashing.token_map import TokenMap
-from ngram_cupy.tables import shared_memory
 
 
 @pytest.fixture(scope="module")
@@ -42,18 +37,6 @@ def model(tmp_path_factory):
 def expected_rows(weight, ids):
     """``weight[ids]`` in float32, heads side by side."""
     return weight[ids].astype(np.float32).reshape(len(ids), -1)
-
-
-@pytest.fixture
-def shm_dir(monkeypatch):
-    """A fresh directory under /dev/shm for shared segments; empty again at the end."""
-    root = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    folder = Path(tempfile.mkdtemp(prefix="ngram_cupy-test-", dir=root))
-    monkeypatch.setenv(shared_memory.SHM_DIR_ENV, str(folder))
-    yield folder
-    left = sorted(os.listdir(folder))
-    shutil.rmtree(folder)
-    assert not left, f"segments left behind: {left}"
 
 
 @pytest.mark.parametrize("placement", ["cpu", "pinned", "mmap", "shared"])

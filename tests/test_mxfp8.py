@@ -10,6 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import simulator
+from conftest import assert_same
 
 import ngram_cupy as nc
 from ngram_cupy.ids import fused_cuda, ids_cuda
@@ -22,16 +23,6 @@ from ngram_cupy.tables.mapped import MappedTable
 
 FMT = FORMATS[MXFP8]
 E4M3 = ml_dtypes.float8_e4m3fn
-
-
-def assert_same(got, want, message=""):
-    """Equal bits, NaNs as a class."""
-    want = np.asarray(want)
-    raw = find_format(want.dtype).raw
-    got = np.asarray(got).view(want.dtype)
-    nan = np.isnan(want.astype(np.float32))
-    np.testing.assert_array_equal(np.isnan(got.astype(np.float32)), nan, err_msg=message)
-    np.testing.assert_array_equal(got.view(raw)[~nan], want.view(raw)[~nan], err_msg=message)
 
 
 def every_pair_table():

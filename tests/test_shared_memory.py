@@ -12,12 +12,9 @@ import errno
 import fcntl
 import multiprocessing
 import os
-import shutil
 import signal
-import tempfile
 import time
 from dataclasses import asdict
-from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -37,16 +34,7 @@ SPAWN = multiprocessing.get_context("spawn")
 WAIT_S = 120
 
 
-@pytest.fixture(autouse=True)
-def shm_dir(monkeypatch):
-    """A fresh directory under /dev/shm for the test's segments; empty again at the end."""
-    root = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    folder = Path(tempfile.mkdtemp(prefix="ngram_cupy-test-", dir=root))
-    monkeypatch.setenv(sm.SHM_DIR_ENV, str(folder))
-    yield folder
-    left = sorted(os.listdir(folder))
-    shutil.rmtree(folder)
-    assert not left, f"segments left behind: {left}"
+pytestmark = pytest.mark.usefixtures("shm_dir")  # conftest: nothing left in /dev/shm
 
 
 @pytest.fixture(scope="module")
