@@ -532,7 +532,7 @@ class NGramEmbeddingModule(torch.nn.Module):
             return
         private = self.table
         table = EmbeddingTable(private.host_view, private.scale, placement="shared",
-                               hot_rows=self._hot_rows)
+                               hot_rows=self._hot_rows, scale_rounding=private.scale_rounding)
         self.embedding = self._embedding_over(table)
         self.ngram_embedding.table = table
         self.ngram_embedding.weight = _storage_view(table, self.ngram_embedding.weight.dtype)

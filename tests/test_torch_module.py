@@ -789,6 +789,35 @@ def test_a_shared_module_moves_its_loaded_rows_into_one_segment(tmp_path, monkey
     os.rmdir(folder)
 
 
+def test_a_shared_module_keeps_its_scale_rounding(monkeypatch):
+    """Moving the loaded rows into the node segment must not reset scale_rounding='float32'."""
+    import tempfile
+
+    from ngram_cupy.tables import shared_memory
+
+    folder = tempfile.mkdtemp(prefix="ngram_cupy-test-",
+                              dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    monkeypatch.setenv(shared_memory.SHM_DIR_ENV, folder)
+    config = small_config(split_ngram_parts=1)
+    layout = nc.layer_layout(config, 0)
+    codes = np.random.default_rng(0).integers(0, 120, (layout.padded_rows, layout.head_dim),
+                                              dtype=np.uint8)
+    weight = torch.from_numpy(codes).view(torch.float8_e4m3fn)
+    batch = packed(config, [[5, 6, 7, 8, 9]], [[1, 2]])
+    results = []
+    for placement in ("cpu", "shared"):
+        module = NGramEmbeddingModule(config, 0, placement=placement,
+                                      weight_dtype="float8_e4m3fn", scale_rounding="float32")
+        module.load_weights([("ngram_embedding.weight", weight),
+                             ("ngram_embedding.weight_scale", torch.tensor(1.3883328))])
+        assert module.table.scale_rounding == "float32"
+        results.append(bits(module(*batch)))
+        module.table.close()
+    np.testing.assert_array_equal(results[1], results[0])
+    assert os.listdir(folder) == []
+    os.rmdir(folder)
+
+
 # --- third hostile trial ---------------------------------------------------------------------
 
 
