@@ -606,6 +606,36 @@ def test_the_module_state_dict_round_trips():
     assert other.table.scale == np.float32(0.5)
 
 
+def test_a_float16_module_rounds_nvfp4_rows_once_to_float16():
+    """vLLM decodes NVFP4 rows in the lookup, to the model's dtype: an fp16 model's rows are
+    rounded once to fp16 (bf16 then fp16 loses bits), through forward, prefetch and a copy."""
+    import copy
+
+    import torch
+
+    from ngram_cupy.torch import NGramEmbeddingModule
+
+    layout = nc.layer_layout(CONFIG, 0)
+    weight, scales = random_nvfp4(layout, 5)
+    module = NGramEmbeddingModule(CONFIG, 0, placement="cpu", out_dtype=torch.float16,
+                                  return_stored_rows=True)
+    module.table.write_rows(0, weight, scales)
+    module.ngram_embedding.set_global_scale(torch.tensor(0.3))
+    batch = module_batch()
+    ids = module.compute_ngram_ids(*batch).numpy()
+    want = reference_block_lookup(FORMATS[NVFP4], weight, scales, np.float32(0.3), ids,
+                                  np.float16)
+    got = module(*batch)
+    assert got.dtype == torch.float16
+    assert_same(got.numpy(), want)
+    module.start_prefetch(*batch)
+    assert_same(module(*batch).numpy(), want)
+    assert_same(module.dequantize(got, torch.float16).numpy(), want)
+    assert_same(copy.deepcopy(module)(*batch).numpy(), want)
+    with pytest.raises(TypeError, match="out_dtype"):
+        NGramEmbeddingModule(CONFIG, 0, placement="cpu", out_dtype=torch.int8)
+
+
 @pytest.mark.parametrize("entry, error, match", [
     (("ngram_embedding.weight", np.zeros((420, 16), np.uint8)), ValueError, "unsharded nvfp4"),
     (("ngram_embedding.weight_scale", np.zeros((420, 2), np.uint8)), ValueError,
