@@ -80,10 +80,51 @@ def test_checkpoint_errors(model, tmp_path):
         ml_dtypes.float8_e4m3fn) for i, w in zip(layout.layer_ids, weights, strict=True)}
     fp8 |= {f"layers.{i}.engram.embed.scale": np.full((len(w), 1), 127, np.uint8)
             for i, w in zip(layout.layer_ids, weights, strict=True)}
-    write_checkpoint(tmp_path / "mx.safetensors", fp8)
-    with pytest.raises(ValueError, match=r"F8_E4M3 with a block \.scale \(MXFP8\)"):
-        nc.load_engram_embedding(tmp_path / "mx.safetensors", layout)
+    write_checkpoint(tmp_path / "bad_mx.safetensors", {
+        **fp8, "layers.3.engram.embed.scale": np.full((1000, 2), 127, np.uint8)})
+    with pytest.raises(ValueError, match=r"layers\.3\.engram\.embed\.scale must be F8_E8M0 "
+                                         r"\(or U8\) of shape \[1000, 1\]"):
+        nc.load_engram_embedding(tmp_path / "bad_mx.safetensors", layout)
+    del fp8["layers.3.engram.embed.scale"]
+    write_checkpoint(tmp_path / "unscaled.safetensors", fp8)
+    with pytest.raises(ValueError, match=r"is F8_E4M3: this loader takes F32, F16, BF16 tables, "
+                                         r"or F8_E4M3 with a block \.scale \(MXFP8\)"):
+        nc.load_engram_embedding(tmp_path / "unscaled.safetensors", layout)
     with pytest.raises(ValueError, match=r"rank must lie in \[0, world_size=2\)"):
         nc.load_engram_embedding(folder, layout, rank=2, world_size=2)
     with pytest.raises(ValueError, match="placement must be one of"):
         nc.load_engram_embedding(folder, layout, placement="mmap")
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_mxfp8_tables_load_in_deepseeks_dtypes(model, tmp_path, world_size):
+    """DeepSeek's MXFP8 tables (SPEC 11): F8_E4M3 weights with F8_E8M0 ``.scale`` bytes, one per
+    32 values, looked up exactly (the plain block reference), whole or head-sharded."""
+    import torch
+    from safetensors.torch import save_file
+
+    from ngram_cupy.tables.dequant import reference_block_lookup
+    from ngram_cupy.tables.formats import FORMATS, MXFP8
+
+    layout, _, _, ids = model
+    rng = np.random.default_rng(11)
+    tensors, tables = {}, []
+    for layer_id, rows in zip(layout.layer_ids, layout.rows_per_layer, strict=True):
+        weight = rng.integers(0, 256, (rows, layout.head_dim), dtype=np.uint8)
+        scales = rng.integers(100, 150, (rows, layout.head_dim // 32), dtype=np.uint8)
+        tensors[f"layers.{layer_id}.engram.embed.weight"] = torch.from_numpy(weight).view(
+            torch.float8_e4m3fn)
+        tensors[f"layers.{layer_id}.engram.embed.scale"] = torch.from_numpy(scales).view(
+            torch.float8_e8m0fnu)
+        tables.append((weight, scales))
+    save_file(tensors, tmp_path / "mx.safetensors")
+    ranks = [nc.load_engram_embedding(tmp_path / "mx.safetensors", layout, rank=r,
+                                      world_size=world_size) for r in range(world_size)]
+    for layer, (weight, scales) in enumerate(tables):
+        want = reference_block_lookup(FORMATS[MXFP8], weight, scales, 1.0, ids[:, layer],
+                                      ml_dtypes.bfloat16)
+        total = sum(engram.forward(layer, ids).astype(np.float32) for engram in ranks)
+        assert ranks[0].tables[layer].format.name == "mxfp8"
+        np.testing.assert_array_equal(np.isnan(total), np.isnan(want.astype(np.float32)))
+        finite = ~np.isnan(total)
+        np.testing.assert_array_equal(total[finite], want.astype(np.float32)[finite])

@@ -10,11 +10,14 @@ from collections.abc import Sequence
 from ..embedding import EngramEmbedding
 from ..hashing.engram_layout import EngramLayout, check_engram_layout
 from ..runtime.checks import check_integer
+from ..tables.formats import FORMATS
+from ..tables.formats import MXFP8 as MXFP8_CODE
 from ..tables.table import EmbeddingTable
 from .safetensors_files import DTYPES, Checkpoint
 
 PLACEMENTS = ("cpu", "gpu", "pinned", "host")
 FLOAT_TABLES = ("F32", "F16", "BF16")
+MXFP8 = FORMATS[MXFP8_CODE]
 
 
 def engram_head_rows(layout: EngramLayout, layer: int, rank: int,
@@ -44,9 +47,10 @@ def load_engram_embedding(path: str | os.PathLike | Sequence[str | os.PathLike],
     """Every Engram layer's table from a safetensors checkpoint, as a ready ``EngramEmbedding``.
 
     ``path`` as for ``load_ngram_embedding``. Each weight must be ``[engram_num_embeddings,
-    engram_head_dim]``; float32, float16 and bfloat16 tables load as they are (MXFP8 tables,
-    F8_E4M3 with an F8_E8M0 ``.scale``, need the mxfp8 table format). With ``world_size > 1``
-    only the rows of this rank's heads are read; the table answers zeros for the others.
+    engram_head_dim]``; float32, float16 and bfloat16 tables load as they are, MXFP8 tables
+    (F8_E4M3 with an F8_E8M0 or U8 ``.scale`` of ``[rows, head_dim / 32]``) as ``"mxfp8"``
+    tables. With ``world_size > 1`` only the rows of this rank's heads are read; the table
+    answers zeros for the others.
     """
     check_engram_layout(layout)
     if placement not in PLACEMENTS:
@@ -67,18 +71,30 @@ def load_engram_embedding(path: str | os.PathLike | Sequence[str | os.PathLike],
         if info.shape != wanted:
             raise ValueError(f"{name} has shape {list(info.shape)}, the config needs "
                              f"{list(wanted)} (engram_num_embeddings, engram_head_dim)")
-        if info.dtype not in FLOAT_TABLES:
-            scaled = engram_tensor_name(checkpoint.tensors, layer_id, "scale") is not None
-            kind = " with a block .scale (MXFP8)" if scaled else ""
-            raise ValueError(f"{name} is {info.dtype}{kind}: this loader takes "
-                             f"{', '.join(FLOAT_TABLES)} tables")
-        names[index] = name
+        scales = engram_tensor_name(checkpoint.tensors, layer_id, "scale")
+        if info.dtype == MXFP8.safetensors and scales is not None:
+            _check_block_scales(checkpoint.info(scales), wanted, layout.head_dim)
+        elif info.dtype not in FLOAT_TABLES:
+            raise ValueError(f"{name} is {info.dtype}: this loader takes "
+                             f"{', '.join(FLOAT_TABLES)} tables, or F8_E4M3 with a block .scale "
+                             "(MXFP8)")
+        names[index] = (name, scales if info.dtype == MXFP8.safetensors else None)
     tables = []
-    for index, name in names.items():
+    for index, (name, scales) in names.items():
         start, stop = engram_head_rows(layout, index, rank, world_size)
-        dtype = DTYPES[checkpoint.info(name).dtype]
+        dtype = MXFP8 if scales is not None else DTYPES[checkpoint.info(name).dtype]
         table = EmbeddingTable.empty(stop - start, layout.head_dim, dtype, placement=placement,
                                      row_start=start, total_rows=layout.rows_per_layer[index])
-        table.write_rows(start, checkpoint.read(name, start, stop))
+        table.write_rows(start, checkpoint.read(name, start, stop),
+                         None if scales is None else checkpoint.read(scales, start, stop))
         tables.append(table)
     return EngramEmbedding(layout, tables)
+
+
+def _check_block_scales(info, rows_shape: tuple[int, int], head_dim: int) -> None:
+    """An MXFP8 table's ``.scale``: UE8M0 bytes (F8_E8M0, or U8), one per 32 values a row."""
+    shape = (rows_shape[0], MXFP8.scale_width(head_dim))
+    if info.dtype not in (MXFP8.block_scale_safetensors, "U8") or info.shape != shape:
+        raise ValueError(f"{info.name} must be {MXFP8.block_scale_safetensors} (or U8) of shape "
+                         f"{list(shape)} (one scale per {MXFP8.block} values), got "
+                         f"{info.dtype} of shape {list(info.shape)}")

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
-from ..tables.formats import BY_SAFETENSORS
+from ..tables.formats import BY_SAFETENSORS, FORMATS
 from .atomic import atomic_file, remove_stale_temporaries
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -49,6 +49,7 @@ DTYPES: dict[str, np.dtype] = {
     "I64": np.dtype(np.int64),
     "U64": np.dtype(np.uint64),
     "F64": np.dtype(np.float64),
+    **{fmt.block_scale_safetensors: fmt.block_scale for fmt in FORMATS if fmt.blocked},
     **{code: fmt.dtype for code, fmt in BY_SAFETENSORS.items()},
 }
 
