@@ -559,13 +559,33 @@ class NGramEmbeddingModule(torch.nn.Module):
         if prefix + WEIGHT in state_dict:
             self._check_rows(WEIGHT, state_dict[prefix + WEIGHT], self.layout.padded_rows)
         scale = state_dict.get(prefix + SCALE)
-        if isinstance(scale, torch.Tensor) and hasattr(self.ngram_embedding, "weight_scale") \
+        fmt = self.table.format
+        if isinstance(scale, torch.Tensor) and fmt.blocked:
+            self._check_block_scales(scale)
+        elif isinstance(scale, torch.Tensor) and hasattr(self.ngram_embedding, "weight_scale") \
                 and scale.numel() == 1 and scale.dtype.is_floating_point:
             check_scale(SCALE, float(scale.detach().to("cpu", torch.float32).reshape(())))
+        scale = state_dict.get(prefix + GLOBAL_SCALE)
+        if isinstance(scale, torch.Tensor) and fmt.blocked and fmt.scaled:
+            if scale.numel() != 1 or not scale.dtype.is_floating_point:
+                raise ValueError(f"{GLOBAL_SCALE} must hold one floating value, got "
+                                 f"{scale.dtype} of shape {tuple(scale.shape)}")
+            check_scale(GLOBAL_SCALE, float(scale.detach().to("cpu", torch.float32).reshape(())))
         if prefix + WEIGHT in state_dict:
             self._loaded_shards.update(range(self.layout.config.split_ngram_parts))
         if self.scale_name is not None and prefix + self.scale_name in state_dict:
             self._scale_loaded = True
+
+    def _check_block_scales(self, scales: torch.Tensor) -> None:
+        """A state_dict's block scales: the table's ``[rows, head_dim / block]`` of the block
+        scale type (torch would convert other dtypes by value, not bits)."""
+        fmt = self.table.format
+        shape = (self.layout.padded_rows, fmt.scale_width(self.layout.head_dim))
+        dtype = getattr(torch, fmt.block_scale.name)
+        if tuple(scales.shape) != shape or scales.dtype != dtype:
+            raise ValueError(f"{SCALE} must be {dtype} of shape {shape} (one scale per "
+                             f"{fmt.block} values), got {scales.dtype} of shape "
+                             f"{tuple(scales.shape)}")
 
     def extra_repr(self) -> str:
         return (f"layer={self.layout.layer}, heads={self.layout.num_heads}, "
