@@ -562,15 +562,19 @@ class NGramEmbeddingModule(torch.nn.Module):
         fmt = self.table.format
         if isinstance(scale, torch.Tensor) and fmt.blocked:
             self._check_block_scales(scale)
-        elif isinstance(scale, torch.Tensor) and hasattr(self.ngram_embedding, "weight_scale") \
-                and scale.numel() == 1 and scale.dtype.is_floating_point:
+        elif isinstance(scale, torch.Tensor) and hasattr(self.ngram_embedding, "weight_scale"):
+            if scale.numel() != 1 or not scale.dtype.is_floating_point:  # as load_weights
+                raise ValueError(f"{SCALE} must hold one floating value, got {scale.dtype} of "
+                                 f"shape {tuple(scale.shape)}")
             check_scale(SCALE, float(scale.detach().to("cpu", torch.float32).reshape(())))
+            state_dict[prefix + SCALE] = scale.reshape(())  # the buffer's shape (torch's copy)
         scale = state_dict.get(prefix + GLOBAL_SCALE)
         if isinstance(scale, torch.Tensor) and fmt.blocked and fmt.scaled:
             if scale.numel() != 1 or not scale.dtype.is_floating_point:
                 raise ValueError(f"{GLOBAL_SCALE} must hold one floating value, got "
                                  f"{scale.dtype} of shape {tuple(scale.shape)}")
             check_scale(GLOBAL_SCALE, float(scale.detach().to("cpu", torch.float32).reshape(())))
+            state_dict[prefix + GLOBAL_SCALE] = scale.reshape(())
         if prefix + WEIGHT in state_dict:
             self._loaded_shards.update(range(self.layout.config.split_ngram_parts))
         if self.scale_name is not None and prefix + self.scale_name in state_dict:

@@ -821,6 +821,28 @@ def test_a_shared_module_keeps_its_scale_rounding(monkeypatch):
 # --- third hostile trial ---------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("scale, loads", [
+    (torch.ones(2), False), (torch.tensor(2), False), (torch.tensor([[0.5]]), True)])
+def test_a_misshaped_fp8_scale_in_a_state_dict(scale, loads):
+    """A weight_scale torch could not copy (or an integer one) is refused before the rows
+    count as loaded (it left missing_shards empty and the table at scale 1); one value in any
+    shape loads, as load_weights takes it."""
+    config = small_config(split_ngram_parts=2)
+    source, _, _ = loaded_module(config, 0, "float8_e4m3fn")
+    state = {**source.state_dict(), "ngram_embedding.weight_scale": scale}
+    module = NGramEmbeddingModule(config, 0, placement="cpu", weight_dtype="float8_e4m3fn")
+    if not loads:
+        with pytest.raises(ValueError, match="weight_scale must hold one floating value"):
+            module.load_state_dict(state)
+        assert module.missing_shards == [0, 1, "ngram_embedding.weight_scale"]
+        assert module.table.scale == 1.0
+        return
+    module.load_state_dict(state)
+    assert state["ngram_embedding.weight_scale"] is scale  # the caller's dict is left alone
+    assert module.missing_shards == [] and module.table.scale == np.float32(0.5)
+    assert float(module.ngram_embedding.weight_scale) == 0.5
+
+
 def test_silent_wrong_fp8_shards_without_their_scale_are_refused_until_it_arrives():
     """vLLM refuses a float8 table "missing its global scale"; rows at scale 1.0 are wrong."""
     config = small_config()
