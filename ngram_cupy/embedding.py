@@ -200,6 +200,9 @@ class EngramEmbedding:
         ids = self._ids if ids is None else ids
         if ids is None:
             raise ValueError("no ids: call start_step first, or pass ids")
+        if not hasattr(ids, "shape"):
+            raise TypeError(f"ids must be an array [T, L, H] (NumPy, CuPy or torch), got "
+                            f"{type(ids).__name__}")
         if ids.ndim != 3 or tuple(ids.shape[1:]) != (self.layout.num_layers,
                                                     self.layout.num_heads):
             raise ValueError(f"ids must have shape [T, {self.layout.num_layers}, "
