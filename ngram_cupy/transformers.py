@@ -86,7 +86,10 @@ class CachedNGramEmbedding(torch.nn.Module):
         if table.storage.writable:  # a mapped checkpoint is not a module's weight
             scale = table.scale  # TableWeights starts a float8 table at scale 1
             self.ngram_embedding = TableWeights(table, table.format.torch_dtype)
-            if hasattr(self.ngram_embedding, "weight_scale"):  # a float8 table's one scale
+            if table.format.blocked:  # weight_scale: the block scales; NVFP4's global scale
+                if table.format.scaled:
+                    self.ngram_embedding.set_global_scale(torch.tensor(float(scale)))
+            elif hasattr(self.ngram_embedding, "weight_scale"):  # a float8 table's one scale
                 self.ngram_embedding.set_scale(torch.tensor(float(scale)))
         self._prefetched: torch.Tensor | None = None
 

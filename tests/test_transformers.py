@@ -225,6 +225,44 @@ def test_float8_checkpoint(tmp_path, dtype):
     assert_same_generation(reference, patched, prompts(), do_sample=False)
 
 
+def test_nvfp4_checkpoint(tmp_path):
+    """An NVFP4 checkpoint (issue 20): the logits of a model holding the decoded rows, and the
+    layer's state_dict in vLLM's names (block scales, global scale) that loads back."""
+    from ngram_cupy.tables.dequant import reference_block_lookup
+    from ngram_cupy.tables.formats import FORMATS, NVFP4
+
+    reference = tiny_model()
+    patched = copy.deepcopy(reference)
+    config = ngram_config(reference.config)
+    rng = np.random.default_rng(3)
+    tensors = {}
+    with torch.no_grad():
+        for layer, name in enumerate(NAMES):
+            layout = nc.layer_layout(config, layer)
+            rows = layout.padded_rows
+            weight = rng.integers(0, 256, (rows, layout.head_dim // 2), dtype=np.uint8)
+            scales = rng.integers(0x30, 0x40, (rows, layout.head_dim // 16),
+                                  dtype=np.uint8).view(ml_dtypes.float8_e4m3fn)
+            tensors.update(ngram_tensors(layout, weight, np.float32(0.37), prefix=name,
+                                         block_scales=scales))
+            decoded = reference_block_lookup(FORMATS[NVFP4], weight, scales, np.float32(0.37),
+                                             np.arange(rows)[:, None], np.float32)
+            reference.get_submodule(name).ngram_embedding.weight.copy_(torch.from_numpy(decoded))
+    write_checkpoint(str(tmp_path / "fp4"), tensors, 2)
+    use_ngram_cupy(patched, checkpoint=tmp_path / "fp4", placement="cpu")
+    assert_same_generation(reference, patched, prompts(), do_sample=False)
+    layer = patched.get_submodule(NAMES[0])
+    state = layer.state_dict()
+    assert state["ngram_embedding.weight_scale"].dtype == torch.float8_e4m3fn
+    assert tuple(state["ngram_embedding.weight_scale"].shape) == (layer.table.num_rows,
+                                                                  layer.table.head_dim // 16)
+    assert float(state["ngram_embedding.weight_scale_2"]) == np.float32(0.37)
+    other = copy.deepcopy(reference)
+    use_ngram_cupy(other, checkpoint=tmp_path / "fp4", placement="cpu")
+    other.get_submodule(NAMES[0]).load_state_dict(state)
+    assert other.get_submodule(NAMES[0]).table.scale == np.float32(0.37)
+
+
 def test_save_pretrained_then_checkpoint(tmp_path, float32_pair):
     """transformers' own save (the shard layout), tables read from it into a model whose
     tables are on the meta device."""
