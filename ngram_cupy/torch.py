@@ -557,6 +557,10 @@ class NGramEmbeddingModule(torch.nn.Module):
             if prefix + name in state_dict:
                 self._check_buffer(name, state_dict[prefix + name])
         if prefix + WEIGHT in state_dict:
+            if not self.table.storage.writable:  # torch would copy into the node's segment
+                raise ValueError(f"{WEIGHT}: this layer's rows are in the node's shared segment "
+                                 "(placement='shared'), read by every process: they are "
+                                 "read-only; load into a new module")
             self._check_rows(WEIGHT, state_dict[prefix + WEIGHT], self.layout.padded_rows)
         scale = state_dict.get(prefix + SCALE)
         fmt = self.table.format

@@ -818,6 +818,33 @@ def test_a_shared_module_keeps_its_scale_rounding(monkeypatch):
     os.rmdir(folder)
 
 
+def test_a_shared_module_refuses_load_state_dict(monkeypatch):
+    """load_state_dict on a shared module would copy into the node's segment, changing every
+    process's rows: refused like load_weights, nothing changed."""
+    import tempfile
+
+    from ngram_cupy.tables import shared_memory
+
+    folder = tempfile.mkdtemp(prefix="ngram_cupy-test-",
+                              dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    monkeypatch.setenv(shared_memory.SHM_DIR_ENV, folder)
+    config = small_config()
+    first, weight, _ = loaded_module(config, 0, "bfloat16", placement="shared")
+    second, _, _ = loaded_module(config, 0, "bfloat16", placement="shared")
+    state = {name: value.clone() for name, value in first.state_dict().items()}
+    state["ngram_embedding.weight"].zero_()
+    for assign in (False, True):
+        with pytest.raises(ValueError, match="read-only"):
+            first.load_state_dict(state, assign=assign)
+    for module in (first, second):
+        assert np.array_equal(bits(module.state_dict()["ngram_embedding.weight"]),
+                              bits(as_torch(weight)))
+    first.table.close()
+    second.table.close()
+    assert os.listdir(folder) == []
+    os.rmdir(folder)
+
+
 # --- third hostile trial ---------------------------------------------------------------------
 
 
