@@ -78,11 +78,13 @@ class NGramEmbedding:
                 out = self._ids_buffers[call.side].get("ids", shape, np.int64)
         return batch_ids(self.layout, batch, out)
 
-    def prefetch(self, input_ids, query_start_loc, ngram_context, stream=None) -> None:
-        """Compute the ids and start gathering their rows (GPU side stream / CPU worker)."""
+    def prefetch(self, input_ids, query_start_loc, ngram_context, stream=None,
+                 out_dtype=None) -> None:
+        """Compute the ids and start gathering their rows (GPU side stream / CPU worker), in
+        ``out_dtype`` (pass the ``forward``'s: a prefetch of another dtype is discarded)."""
         batch = bind_batch(self.layout, stream, input_ids, query_start_loc, ngram_context,
                            ids_out=None)
-        self.table.prefetch(self._ids(batch), stream=batch.call.stream)
+        self.table.prefetch(self._ids(batch), out_dtype=out_dtype, stream=batch.call.stream)
         self._prefetched = True
 
     start_prefetch = prefetch
@@ -198,6 +200,9 @@ class EngramEmbedding:
         ids = self._ids if ids is None else ids
         if ids is None:
             raise ValueError("no ids: call start_step first, or pass ids")
+        if not hasattr(ids, "shape"):
+            raise TypeError(f"ids must be an array [T, L, H] (NumPy, CuPy or torch), got "
+                            f"{type(ids).__name__}")
         if ids.ndim != 3 or tuple(ids.shape[1:]) != (self.layout.num_layers,
                                                     self.layout.num_heads):
             raise ValueError(f"ids must have shape [T, {self.layout.num_layers}, "

@@ -157,6 +157,18 @@ def table_nbytes(table, dtype=None) -> int:
                     f"{table!r}")
 
 
+def _table_format(table, dtype=None):
+    """The storage ``Format`` of a table as ``table_nbytes`` reads it; None for a byte count
+    or a layout without a dtype."""
+    if isinstance(table, tuple) and len(table) == 2 and isinstance(table[0], LayerLayout):
+        table, dtype = table
+    if isinstance(table, EmbeddingTable):
+        return table.format
+    if isinstance(table, LayerLayout) and (dtype or table.config.ple_embedding_dtype):
+        return storage_format(dtype or table.config.ple_embedding_dtype)
+    return None
+
+
 def _default_name(table, index: int) -> str:
     """``layer L`` for layouts, else the position."""
     layout = table[0] if isinstance(table, tuple) else table
@@ -267,6 +279,15 @@ def plan_placement(tables: Mapping | Iterable, gpu_budget_bytes: int, host_budge
         named = [(str(name), table) for name, table in tables.items()]
     else:
         named = [(_default_name(table, i), table) for i, table in enumerate(tables)]
+    if processes_per_node > 1:
+        for name, table in named:
+            fmt = _table_format(table, dtype)
+            if fmt is not None and fmt.blocked:
+                raise ValueError(
+                    f"table {name} is {fmt.name}: placement 'shared' holds tables of one array "
+                    f"and {fmt.name} rows carry block scales beside them, so a node's "
+                    f"processes cannot share it; plan with processes_per_node=1 and one "
+                    f"process's host budget (each pins its own copy)")
     if hit_rates is None:
         plan = _plan_in_order(named, int(gpu_budget_bytes), int(host_budget_bytes), dtype)
     else:

@@ -183,7 +183,7 @@ class TableWeights(torch.nn.Module):
             raise TypeError(f"rows must be a torch.Tensor, got {type(rows).__name__}")
         decoded = default_output(fmt).torch_dtype
         if rows.dtype != fmt.torch_dtype:
-            if rows.dtype == decoded:
+            if rows.dtype == decoded or fmt.blocked and rows.is_floating_point():
                 return rows.to(out_format.torch_dtype)
             raise TypeError(f"rows must be the table's stored rows ({fmt.torch_dtype}) or rows "
                             f"its lookups decoded ({decoded}), got {rows.dtype}")
@@ -222,12 +222,15 @@ class NGramEmbeddingModule(torch.nn.Module):
     ``return_stored_rows=True``: ``forward`` returns the rows as stored (float8 rows unscaled, as
     float8), for ``dequantize`` to decode, as vLLM 0.33's layer does; formats vLLM decodes in the
     lookup (block-scaled) come back decoded. ``scale_rounding``: how the float8 scale rounds
-    (``EmbeddingTable``; default ``"output"``, as vLLM 0.33).
+    (``EmbeddingTable``; default ``"output"``, as vLLM 0.33). ``out_dtype``: the lookups'
+    dtype (bfloat16, float16 or float32, the model's; default as above), so that rows vLLM
+    decodes in the lookup (NVFP4) are rounded once, to it.
     """
 
     def __init__(self, config: NGramConfig, layer: int, *, placement: str = "gpu",
                  weight_dtype: torch.dtype | str | None = None, hot_rows=None,
-                 return_stored_rows: bool = False, scale_rounding: str = "output"):
+                 return_stored_rows: bool = False, scale_rounding: str = "output",
+                 out_dtype: torch.dtype | str | None = None):
         super().__init__()
         if not isinstance(config, NGramConfig):
             raise TypeError(f"config must be an NGramConfig, got {type(config).__name__}")
@@ -247,7 +250,8 @@ class NGramEmbeddingModule(torch.nn.Module):
                              "rows carry block scales beside them: use placement 'pinned' or "
                              "'cpu'")
         self.layout = layout
-        self.out_dtype = default_output(table.format).torch_dtype
+        self.out_dtype = (default_output(table.format) if out_dtype is None
+                          else output_format(out_dtype, "out_dtype")).torch_dtype
         self.return_stored_rows = bool(return_stored_rows)
         stored = stored_rows_format(table.format) if self.return_stored_rows else None
         self._stored_format = stored
@@ -309,7 +313,8 @@ class NGramEmbeddingModule(torch.nn.Module):
         arguments = dict(placement=self.table.placement, weight_dtype=self.table.format.name,
                          hot_rows=getattr(self.table.storage, "hot_rows", None),
                          return_stored_rows=self.return_stored_rows,
-                         scale_rounding=self.table.scale_rounding)
+                         scale_rounding=self.table.scale_rounding,
+                         out_dtype=self.out_dtype)
         loaded = (set(self._loaded_shards), self._scale_loaded, self.allow_missing_weights)
         # As integer bits: torch cannot unpickle float8 tensors (torch 2.13: UntypedStorage).
         state = {name: (value.view(_TORCH_BITS[value.element_size()]), value.dtype)
@@ -404,7 +409,8 @@ class NGramEmbeddingModule(torch.nn.Module):
             return
         self._check_loaded()
         input_ids, query_start_loc, ngram_context, stream = self._batch(*batch)
-        self.embedding.start_prefetch(input_ids, query_start_loc, ngram_context, stream=stream)
+        self.embedding.start_prefetch(input_ids, query_start_loc, ngram_context, stream=stream,
+                                      out_dtype=self._lookup_dtype)
 
     # ---- weights ----
 
@@ -532,7 +538,7 @@ class NGramEmbeddingModule(torch.nn.Module):
             return
         private = self.table
         table = EmbeddingTable(private.host_view, private.scale, placement="shared",
-                               hot_rows=self._hot_rows)
+                               hot_rows=self._hot_rows, scale_rounding=private.scale_rounding)
         self.embedding = self._embedding_over(table)
         self.ngram_embedding.table = table
         self.ngram_embedding.weight = _storage_view(table, self.ngram_embedding.weight.dtype)
@@ -551,15 +557,43 @@ class NGramEmbeddingModule(torch.nn.Module):
             if prefix + name in state_dict:
                 self._check_buffer(name, state_dict[prefix + name])
         if prefix + WEIGHT in state_dict:
+            if not self.table.storage.writable:  # torch would copy into the node's segment
+                raise ValueError(f"{WEIGHT}: this layer's rows are in the node's shared segment "
+                                 "(placement='shared'), read by every process: they are "
+                                 "read-only; load into a new module")
             self._check_rows(WEIGHT, state_dict[prefix + WEIGHT], self.layout.padded_rows)
         scale = state_dict.get(prefix + SCALE)
-        if isinstance(scale, torch.Tensor) and hasattr(self.ngram_embedding, "weight_scale") \
-                and scale.numel() == 1 and scale.dtype.is_floating_point:
+        fmt = self.table.format
+        if isinstance(scale, torch.Tensor) and fmt.blocked:
+            self._check_block_scales(scale)
+        elif isinstance(scale, torch.Tensor) and hasattr(self.ngram_embedding, "weight_scale"):
+            if scale.numel() != 1 or not scale.dtype.is_floating_point:  # as load_weights
+                raise ValueError(f"{SCALE} must hold one floating value, got {scale.dtype} of "
+                                 f"shape {tuple(scale.shape)}")
             check_scale(SCALE, float(scale.detach().to("cpu", torch.float32).reshape(())))
+            state_dict[prefix + SCALE] = scale.reshape(())  # the buffer's shape (torch's copy)
+        scale = state_dict.get(prefix + GLOBAL_SCALE)
+        if isinstance(scale, torch.Tensor) and fmt.blocked and fmt.scaled:
+            if scale.numel() != 1 or not scale.dtype.is_floating_point:
+                raise ValueError(f"{GLOBAL_SCALE} must hold one floating value, got "
+                                 f"{scale.dtype} of shape {tuple(scale.shape)}")
+            check_scale(GLOBAL_SCALE, float(scale.detach().to("cpu", torch.float32).reshape(())))
+            state_dict[prefix + GLOBAL_SCALE] = scale.reshape(())
         if prefix + WEIGHT in state_dict:
             self._loaded_shards.update(range(self.layout.config.split_ngram_parts))
         if self.scale_name is not None and prefix + self.scale_name in state_dict:
             self._scale_loaded = True
+
+    def _check_block_scales(self, scales: torch.Tensor) -> None:
+        """A state_dict's block scales: the table's ``[rows, head_dim / block]`` of the block
+        scale type (torch would convert other dtypes by value, not bits)."""
+        fmt = self.table.format
+        shape = (self.layout.padded_rows, fmt.scale_width(self.layout.head_dim))
+        dtype = getattr(torch, fmt.block_scale.name)
+        if tuple(scales.shape) != shape or scales.dtype != dtype:
+            raise ValueError(f"{SCALE} must be {dtype} of shape {shape} (one scale per "
+                             f"{fmt.block} values), got {scales.dtype} of shape "
+                             f"{tuple(scales.shape)}")
 
     def extra_repr(self) -> str:
         return (f"layer={self.layout.layer}, heads={self.layout.num_heads}, "

@@ -212,13 +212,32 @@ def _load_single_weight(checkpoint: Checkpoint, prefix: str, layout: LayerLayout
         table = MappedTable([(0, checkpoint.view(name))], layout.head_dim, fmt.dtype, scale, 0,
                             layout.padded_rows, layout.padded_rows, guard=checkpoint.check_mapped)
         return NGramEmbedding(layout, table)
-    table = EmbeddingTable.empty(layout.padded_rows, layout.head_dim, fmt.dtype,
-                                 placement=placement, scale=scale, hot_rows=hot_rows)
+    table = _private_table(layout, fmt.dtype, placement, scale, hot_rows)
     parts = layout.config.split_ngram_parts
     for index in range(parts):
         start, stop = split_rows(layout.padded_rows, parts, index)
         table.write_rows(start, checkpoint.read(name, start, stop))
-    return NGramEmbedding(layout, table)
+    return NGramEmbedding(layout, _placed(table, placement, hot_rows))
+
+
+def _private_table(layout: LayerLayout, dtype, placement: str, scale,
+                   hot_rows) -> EmbeddingTable:
+    """An empty table to fill block by block: for ``placement="shared"`` a private CPU one
+    (the node's segment is named by the rows, so it is made from them once filled)."""
+    if placement == "shared":
+        return EmbeddingTable.empty(layout.padded_rows, layout.head_dim, dtype, scale=scale)
+    return EmbeddingTable.empty(layout.padded_rows, layout.head_dim, dtype,
+                                placement=placement, scale=scale, hot_rows=hot_rows)
+
+
+def _placed(table: EmbeddingTable, placement: str, hot_rows) -> EmbeddingTable:
+    """``table`` itself, or for ``placement="shared"`` its rows moved into the node's segment
+    (the private copy closed)."""
+    if placement != "shared":
+        return table
+    shared = EmbeddingTable(table.host_view, table.scale, placement="shared", hot_rows=hot_rows)
+    table.close()
+    return shared
 
 
 def _from_model(module: Qwen4ExpTextNGramEmbedding, layout: LayerLayout, weight_dtype,
@@ -231,15 +250,14 @@ def _from_model(module: Qwen4ExpTextNGramEmbedding, layout: LayerLayout, weight_
     if fmt.scaled:
         raise ValueError(f"a {fmt.name} table needs its scale: pass checkpoint= (rows are only "
                          "cast, never quantised, from the model)")
-    table = EmbeddingTable.empty(layout.padded_rows, layout.head_dim, fmt.dtype,
-                                 placement=placement, hot_rows=hot_rows)
+    table = _private_table(layout, fmt.dtype, placement, None, hot_rows)
     parts = layout.config.split_ngram_parts
     with torch.no_grad():
         for index in range(parts):
             start, stop = split_rows(layout.padded_rows, parts, index)
             block = weight[start:stop].detach().to(fmt.torch_dtype)
             table.write_rows(start, block if table.host_view is None else block.cpu())
-    return NGramEmbedding(layout, table)
+    return NGramEmbedding(layout, _placed(table, placement, hot_rows))
 
 
 def _check_module(name: str, module: Qwen4ExpTextNGramEmbedding, layout: LayerLayout) -> None:
@@ -296,8 +314,9 @@ def use_ngram_cupy(model: torch.nn.Module, *, placement: str = "pinned",
     tables in the PLE checkpoint layout (shards) or as a single ``ngram_embedding.weight``; rows
     are read from it shard by shard and never exist in the model dtype, so a model whose tables
     are on the meta device works. ``placement``: ``"pinned"`` (page-locked host memory the GPU
-    reads; without a GPU, ordinary host memory), ``"gpu"``, ``"cpu"`` or ``"mmap"`` (checkpoint
-    only). ``hot_rows`` maps module names (or dense PLE layer indexes) to hot row ids.
+    reads; without a GPU, ordinary host memory), ``"gpu"``, ``"cpu"``, ``"shared"`` (one copy per
+    node, see ``EmbeddingTable``) or ``"mmap"`` (checkpoint only). ``hot_rows`` maps module
+    names (or dense PLE layer indexes) to hot row ids.
     ``table_options``: ``prefetch`` (None: on for CUDA inputs with a host table), ``dedup`` (GPU
     lookups fetch each distinct row once), ``progress`` (loading bar). Every check runs before
     any module is replaced.

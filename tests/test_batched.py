@@ -58,6 +58,15 @@ def test_each_row_is_its_own_sequence():
         np.testing.assert_array_equal(both[row], alone[0])
 
 
+def test_nested_lists_are_rows():
+    """A [B, S] nested list is rows, as a 1-D list is a packed batch (it was read as 1-D and
+    refused for a missing query_start_loc)."""
+    tokens = [[5, 6, 7, 8], [9, 10, 11, 12]]
+    got = nc.compute_ngram_ids(LAYOUT, tokens, None, [[1, 2], [3, 4]])
+    want = packed_reference(np.array(tokens), np.array([[1, 2], [3, 4]]))
+    np.testing.assert_array_equal(got, want)
+
+
 def test_torch_in_torch_out_int32_and_strided():
     tokens = torch.arange(24, dtype=torch.int32).reshape(3, 8) % CONFIG.vocab_size
     strided = tokens[:, ::2]  # not contiguous: copied, not refused

@@ -60,3 +60,5 @@ def test_bad_tables_and_layers(model):
         engram.forward(2, np.zeros((1, 2, 6), np.int32))
     with pytest.raises(ValueError, match="ids must have shape"):
         engram.forward(0, np.zeros((1, 6), np.int32))
+    with pytest.raises(TypeError, match=r"ids must be an array \[T, L, H\].*got list"):
+        engram.forward(0, [[[1] * 6] * 2])

@@ -163,6 +163,38 @@ def test_bad_mxfp8_tables_are_refused(kwargs, match):
         nc.EmbeddingTable.empty(4, 32, "mxfp8", scale=1.0)
 
 
+def test_torch_float8_e8m0fnu_block_scales():
+    """torch's UE8M0 dtype (what safetensors.torch reads DeepSeek's F8_E8M0 .scale as) is taken
+    as the scale bytes (it reached DLPack: 'Unsupported dtype'), and still refused by NVFP4."""
+    import torch
+
+    weight, scales = every_pair_table()
+    rows = torch.from_numpy(weight).view(torch.float8_e4m3fn)
+    ue8m0 = torch.from_numpy(scales).view(torch.float8_e8m0fnu)
+    table = nc.EmbeddingTable(rows, dtype="mxfp8", block_scales=ue8m0)
+    want = reference_block_lookup(FMT, weight, scales, 1.0, IDS, np.float32)
+    assert_same(table.lookup(torch.from_numpy(IDS), out_dtype="float32").numpy(), want)
+    table.write_rows(0, weight[:2], ue8m0[:2].flip(0))
+    assert np.array_equal(table.host_scales[:2], scales[:2][::-1])
+    with pytest.raises(ValueError, match="block_scales must be float8_e4m3fn"):
+        nc.EmbeddingTable(torch.zeros((4, 8), dtype=torch.uint8), dtype="nvfp4",
+                          block_scales=torch.zeros((4, 1), dtype=torch.float8_e8m0fnu))
+
+
+def test_write_rows_takes_torch_float8_rows():
+    """An MXFP8 table's rows are float8 e4m3: torch float8 rows are written (they were refused
+    as 'rows must have dtype mxfp8', though the constructor takes them)."""
+    import torch
+
+    weight, scales = every_pair_table()
+    table = nc.EmbeddingTable.empty(256, 256, "mxfp8")
+    table.write_rows(0, torch.from_numpy(weight).view(torch.float8_e4m3fn), scales)
+    want = reference_block_lookup(FMT, weight, scales, 1.0, IDS, np.float32)
+    assert_same(table.lookup(IDS, out_dtype="float32"), want)
+    with pytest.raises(TypeError, match="rows must have dtype mxfp8"):
+        table.write_rows(0, torch.zeros((1, 256), dtype=torch.bfloat16), scales[:1])
+
+
 def test_the_format_is_found_by_name_only():
     assert find_format("mxfp8") is FMT
     assert find_format(E4M3).code == 3 and find_format("F8_E4M3").code == 3  # plain float8

@@ -597,6 +597,68 @@ def test_the_module_state_dict_round_trips():
     assert other.table.scale == np.float32(0.5)
 
 
+@pytest.mark.parametrize("assign", [False, True])
+@pytest.mark.parametrize("name, value, match", [
+    ("ngram_embedding.weight_scale", lambda scales: scales.float(), "must be torch.float8_e4m3fn"),
+    ("ngram_embedding.weight_scale", lambda scales: scales[:3], r"of shape \(420, 2\)"),
+    ("ngram_embedding.weight_scale_2", lambda _: np.float32(np.nan), "finite positive"),
+    ("ngram_embedding.weight_scale_2", lambda _: np.ones(2, np.float32), "one floating"),
+])
+def test_a_bad_nvfp4_state_dict_changes_nothing(assign, name, value, match):
+    """load_state_dict refuses bad block scales or global scale before any buffer or the
+    table changes (assign=True would leave a foreign tensor, detached from the table; a NaN
+    global scale left in the buffer marked the table loaded at scale 1)."""
+    import torch
+
+    from ngram_cupy.torch import NGramEmbeddingModule
+
+    layout = nc.layer_layout(CONFIG, 0)
+    weight, scales = random_nvfp4(layout, 5)
+    source = NGramEmbeddingModule(CONFIG, 0, placement="cpu")
+    source.table.write_rows(0, weight, scales)
+    state = {key: tensor.clone() for key, tensor in source.state_dict().items()}
+    bad = value(state[name])
+    state[name] = bad if isinstance(bad, torch.Tensor) else torch.from_numpy(np.asarray(bad))
+    module = NGramEmbeddingModule(CONFIG, 0, placement="cpu")
+    before = module.ngram_embedding.weight_scale.data_ptr()
+    with pytest.raises(ValueError, match=match):
+        module.load_state_dict(state, assign=assign)
+    assert module.ngram_embedding.weight_scale.data_ptr() == before
+    assert module.ngram_embedding.weight_scale.dtype == torch.float8_e4m3fn
+    assert float(module.ngram_embedding.weight_scale_2) == 1.0 and module.table.scale == 1.0
+    assert module.missing_shards == [0, 1, 2, "ngram_embedding.weight_scale_2"]
+
+
+def test_a_float16_module_rounds_nvfp4_rows_once_to_float16():
+    """vLLM decodes NVFP4 rows in the lookup, to the model's dtype: an fp16 model's rows are
+    rounded once to fp16 (bf16 then fp16 loses bits), through forward, prefetch and a copy."""
+    import copy
+
+    import torch
+
+    from ngram_cupy.torch import NGramEmbeddingModule
+
+    layout = nc.layer_layout(CONFIG, 0)
+    weight, scales = random_nvfp4(layout, 5)
+    module = NGramEmbeddingModule(CONFIG, 0, placement="cpu", out_dtype=torch.float16,
+                                  return_stored_rows=True)
+    module.table.write_rows(0, weight, scales)
+    module.ngram_embedding.set_global_scale(torch.tensor(0.3))
+    batch = module_batch()
+    ids = module.compute_ngram_ids(*batch).numpy()
+    want = reference_block_lookup(FORMATS[NVFP4], weight, scales, np.float32(0.3), ids,
+                                  np.float16)
+    got = module(*batch)
+    assert got.dtype == torch.float16
+    assert_same(got.numpy(), want)
+    module.start_prefetch(*batch)
+    assert_same(module(*batch).numpy(), want)
+    assert_same(module.dequantize(got, torch.float16).numpy(), want)
+    assert_same(copy.deepcopy(module)(*batch).numpy(), want)
+    with pytest.raises(TypeError, match="out_dtype"):
+        NGramEmbeddingModule(CONFIG, 0, placement="cpu", out_dtype=torch.int8)
+
+
 @pytest.mark.parametrize("entry, error, match", [
     (("ngram_embedding.weight", np.zeros((420, 16), np.uint8)), ValueError, "unsharded nvfp4"),
     (("ngram_embedding.weight_scale", np.zeros((420, 2), np.uint8)), ValueError,

@@ -223,3 +223,20 @@ def test_host_tables_of_a_node_with_several_processes_are_shared():
     for bad in (0, 1.5, True):
         with pytest.raises(ValueError, match="processes_per_node"):
             nc.plan_placement([GiB], GiB, GiB, processes_per_node=bad)
+
+
+def test_block_scaled_tables_are_not_planned_as_shared():
+    """placement='shared' refuses NVFP4 / MXFP8 rows (their block scales live beside them): a
+    plan naming it for them would fail at load, with the node's budget counted once."""
+    config = nc.NGramConfig(vocab_size=1000, ngram_size=3, heads_per_ngram=2,
+                            ngram_vocab_size_base=500, eos_token_id=0, embedding_dim=64,
+                            split_ngram_parts=4, ple_embedding_dtype="nvfp4")
+    layout = nc.layer_layout(config, 0)
+    table = nc.EmbeddingTable.empty(8, 32, "mxfp8")
+    for tables, dtype in (({"t": layout}, None), ({"t": (layout, "nvfp4")}, None),
+                          ({"t": layout}, "nvfp4"), ({"t": table}, None)):
+        assert nc.plan_placement(tables, 0, 1 << 30, dtype).placement("t") == "pinned"
+        with pytest.raises(ValueError, match=r"table t is (nvfp4|mxfp8): placement 'shared'"):
+            nc.plan_placement(tables, 0, 1 << 30, dtype, processes_per_node=4)
+    assert nc.plan_placement({"t": layout}, 0, 1 << 30, "float8_e4m3fn",
+                             processes_per_node=4).placement("t") == "shared"

@@ -789,7 +789,85 @@ def test_a_shared_module_moves_its_loaded_rows_into_one_segment(tmp_path, monkey
     os.rmdir(folder)
 
 
+def test_a_shared_module_keeps_its_scale_rounding(monkeypatch):
+    """Moving the loaded rows into the node segment must not reset scale_rounding='float32'."""
+    import tempfile
+
+    from ngram_cupy.tables import shared_memory
+
+    folder = tempfile.mkdtemp(prefix="ngram_cupy-test-",
+                              dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    monkeypatch.setenv(shared_memory.SHM_DIR_ENV, folder)
+    config = small_config(split_ngram_parts=1)
+    layout = nc.layer_layout(config, 0)
+    codes = np.random.default_rng(0).integers(0, 120, (layout.padded_rows, layout.head_dim),
+                                              dtype=np.uint8)
+    weight = torch.from_numpy(codes).view(torch.float8_e4m3fn)
+    batch = packed(config, [[5, 6, 7, 8, 9]], [[1, 2]])
+    results = []
+    for placement in ("cpu", "shared"):
+        module = NGramEmbeddingModule(config, 0, placement=placement,
+                                      weight_dtype="float8_e4m3fn", scale_rounding="float32")
+        module.load_weights([("ngram_embedding.weight", weight),
+                             ("ngram_embedding.weight_scale", torch.tensor(1.3883328))])
+        assert module.table.scale_rounding == "float32"
+        results.append(bits(module(*batch)))
+        module.table.close()
+    np.testing.assert_array_equal(results[1], results[0])
+    assert os.listdir(folder) == []
+    os.rmdir(folder)
+
+
+def test_a_shared_module_refuses_load_state_dict(monkeypatch):
+    """load_state_dict on a shared module would copy into the node's segment, changing every
+    process's rows: refused like load_weights, nothing changed."""
+    import tempfile
+
+    from ngram_cupy.tables import shared_memory
+
+    folder = tempfile.mkdtemp(prefix="ngram_cupy-test-",
+                              dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    monkeypatch.setenv(shared_memory.SHM_DIR_ENV, folder)
+    config = small_config()
+    first, weight, _ = loaded_module(config, 0, "bfloat16", placement="shared")
+    second, _, _ = loaded_module(config, 0, "bfloat16", placement="shared")
+    state = {name: value.clone() for name, value in first.state_dict().items()}
+    state["ngram_embedding.weight"].zero_()
+    for assign in (False, True):
+        with pytest.raises(ValueError, match="read-only"):
+            first.load_state_dict(state, assign=assign)
+    for module in (first, second):
+        assert np.array_equal(bits(module.state_dict()["ngram_embedding.weight"]),
+                              bits(as_torch(weight)))
+    first.table.close()
+    second.table.close()
+    assert os.listdir(folder) == []
+    os.rmdir(folder)
+
+
 # --- third hostile trial ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scale, loads", [
+    (torch.ones(2), False), (torch.tensor(2), False), (torch.tensor([[0.5]]), True)])
+def test_a_misshaped_fp8_scale_in_a_state_dict(scale, loads):
+    """A weight_scale torch could not copy (or an integer one) is refused before the rows
+    count as loaded (it left missing_shards empty and the table at scale 1); one value in any
+    shape loads, as load_weights takes it."""
+    config = small_config(split_ngram_parts=2)
+    source, _, _ = loaded_module(config, 0, "float8_e4m3fn")
+    state = {**source.state_dict(), "ngram_embedding.weight_scale": scale}
+    module = NGramEmbeddingModule(config, 0, placement="cpu", weight_dtype="float8_e4m3fn")
+    if not loads:
+        with pytest.raises(ValueError, match="weight_scale must hold one floating value"):
+            module.load_state_dict(state)
+        assert module.missing_shards == [0, 1, "ngram_embedding.weight_scale"]
+        assert module.table.scale == 1.0
+        return
+    module.load_state_dict(state)
+    assert state["ngram_embedding.weight_scale"] is scale  # the caller's dict is left alone
+    assert module.missing_shards == [] and module.table.scale == np.float32(0.5)
+    assert float(module.ngram_embedding.weight_scale) == 0.5
 
 
 def test_silent_wrong_fp8_shards_without_their_scale_are_refused_until_it_arrives():

@@ -291,6 +291,36 @@ def test_single_weight_layout(tmp_path, float32_pair):
     assert_same_generation(reference, patched, prompts(), do_sample=False)
 
 
+@pytest.mark.parametrize("source", ["model", "single_weight"])
+def test_shared_placement(tmp_path, monkeypatch, float32_pair, source):
+    """placement="shared" (issue 24) from the model's own rows or a single-weight checkpoint:
+    the same generation, one node segment per table, none left once the tables close."""
+    import os
+    import tempfile
+
+    from ngram_cupy.tables import shared_memory
+
+    folder = tempfile.mkdtemp(prefix="ngram_cupy-test-",
+                              dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    monkeypatch.setenv(shared_memory.SHM_DIR_ENV, folder)
+    reference, _ = float32_pair
+    patched = copy.deepcopy(reference)
+    options = {}
+    if source == "single_weight":
+        state = {k: v for k, v in reference.state_dict().items() if ".ple.ple_embedding." in k}
+        save_file(state, tmp_path / "model.safetensors")
+        options["checkpoint"] = tmp_path / "model.safetensors"
+    use_ngram_cupy(patched, placement="shared", hot_rows={0: np.array([5, 900])}, **options)
+    assert_same_generation(reference, patched, prompts(), do_sample=False)
+    for name in NAMES:
+        assert patched.get_submodule(name).table.placement == "shared"
+    assert len([f for f in os.listdir(folder) if not f.endswith(".lock")]) == len(NAMES)
+    for name in NAMES:
+        patched.get_submodule(name).table.close()
+    assert os.listdir(folder) == []
+    os.rmdir(folder)
+
+
 def test_prefetch_and_hot_rows_change_nothing(float32_pair):
     reference, _ = float32_pair
     patched = copy.deepcopy(reference)

@@ -16,7 +16,8 @@ from ..runtime.checks import check_destination, check_index_array, check_out
 
 def is_row_batch(input_ids) -> bool:
     """Whether ``input_ids`` is 2-D, the ``[B, S]`` form of ``compute_ngram_ids``."""
-    return getattr(input_ids, "ndim", None) == 2
+    return getattr(input_ids, "ndim", None) == 2 or (
+        isinstance(input_ids, (list, tuple)) and np.ndim(input_ids) == 2)  # nested lists too
 
 
 def require_packed(input_ids, query_start_loc, ngram_context) -> None:

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from ..tables.formats import Format, bits_name, find_format, raw_torch_name
+from ..tables.formats import Format, bits_name, block_scale_type, find_format, raw_torch_name
 
 _DLPACK_CPU, _DLPACK_CUDA, _DLPACK_CUDA_HOST = 1, 2, 3
 
@@ -63,14 +63,19 @@ def is_torch(value: Any) -> bool:
 
 def unwrap_torch(value: Any) -> tuple[Any, Format | None]:
     """``(array, format)``: a torch bfloat16 / float8 tensor (which NumPy and DLPack consumers
-    cannot type) becomes a same-width integer view and its format; anything else passes."""
+    cannot type) becomes a same-width integer view and its format; a UE8M0 block-scale tensor
+    its bytes (on the CPU as the ``ml_dtypes`` type, with no format); anything else passes."""
     if not is_torch(value):
         return value, None
     raw = raw_torch_name(value.dtype)
-    if raw is None:
+    scale_type = None if raw is not None else block_scale_type(value.dtype)
+    if raw is None and scale_type is None:
         return value, None
     import torch
 
+    if scale_type is not None:  # UE8M0 block scales: bytes that DLPack cannot type either
+        bits = value.view(torch.uint8)
+        return (bits.numpy().view(scale_type) if bits.device.type == "cpu" else bits), None
     return value.view(getattr(torch, raw)), find_format(value.dtype)
 
 

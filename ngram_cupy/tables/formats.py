@@ -186,6 +186,14 @@ def bits_name(fmt: Format | None) -> str | None:
     return {1: "uint8", 2: "int16"}[fmt.itemsize]
 
 
+def block_scale_type(torch_dtype: Any) -> np.dtype | None:
+    """The ``ml_dtypes`` type of a torch dtype that only block scales have (UE8M0, which no
+    table format is), or None."""
+    name = str(torch_dtype).removeprefix("torch.")
+    return next((fmt.block_scale for fmt in FORMATS if fmt.blocked
+                 and fmt.block_scale.name == name), None)
+
+
 def raw_torch_name(torch_dtype: Any) -> str | None:
     """``bits_name`` of a torch dtype; None for dtypes that are not table formats."""
     return bits_name(find_format(torch_dtype)) if str(torch_dtype).startswith("torch.") else None

@@ -294,7 +294,7 @@ class EmbeddingTable:
         scales = block_scale_bits(self.format, call["block_scales"],
                                   call.formats.get("block_scales"), rows.shape[0], self.head_dim)
         if not (holds(rows.dtype, self.format) if torch_format is None
-                else torch_format == self.format):
+                else torch_format.dtype == self.format.dtype):  # MXFP8 rows are float8
             shown = rows.dtype if torch_format is None else f"torch.{torch_format.torch_name}"
             raise TypeError(f"rows must have dtype {self.format.name}, got {shown}")
         check_integer("start", start)
