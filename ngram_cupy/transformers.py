@@ -29,6 +29,7 @@ from .hashing.config import NGramConfig
 from .hashing.layout import LayerLayout, layer_layout, split_rows
 from .ids.ngram_ids import compute_ngram_ids
 from .runtime.backends import DEVICE
+from .tables.dequant import check_scale_rounding
 from .tables.formats import find_format, output_format, storage_format
 from .tables.mapped import MappedTable
 from .tables.table import EmbeddingTable
@@ -37,7 +38,7 @@ from .torch import TableWeights
 # The cache's conv state that holds each PLE layer's last n-1 tokens (transformers' layout).
 CONTEXT_STATE = 2
 SINGLE_WEIGHT = "ngram_embedding.weight"
-TABLE_OPTIONS = ("prefetch", "dedup", "progress")
+TABLE_OPTIONS = ("prefetch", "dedup", "progress", "scale_rounding")
 PathLike = str | os.PathLike
 
 
@@ -291,6 +292,8 @@ def _check_options(table_options: dict, hot_rows, names: Sequence[str], layers: 
     prefetch = table_options.get("prefetch")
     if prefetch is not None and not isinstance(prefetch, bool):
         raise TypeError(f"prefetch must be True, False or None, got {prefetch!r}")
+    if "scale_rounding" in table_options:
+        check_scale_rounding(table_options["scale_rounding"])
     if hot_rows is None:
         return
     if not isinstance(hot_rows, Mapping):
@@ -318,8 +321,10 @@ def use_ngram_cupy(model: torch.nn.Module, *, placement: str = "pinned",
     node, see ``EmbeddingTable``) or ``"mmap"`` (checkpoint only). ``hot_rows`` maps module
     names (or dense PLE layer indexes) to hot row ids.
     ``table_options``: ``prefetch`` (None: on for CUDA inputs with a host table), ``dedup`` (GPU
-    lookups fetch each distinct row once), ``progress`` (loading bar). Every check runs before
-    any module is replaced.
+    lookups fetch each distinct row once), ``progress`` (loading bar), ``scale_rounding`` (a
+    float8 table's scale: ``"output"``, vLLM 0.33's, the default, or ``"float32"``, one rounding
+    of ``f32(row) * f32(scale)``; see ``EmbeddingTable``). Every check runs before any module is
+    replaced.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -375,6 +380,7 @@ def use_ngram_cupy(model: torch.nn.Module, *, placement: str = "pinned",
                 progress=table_options.get("progress"), hot_rows=rows))
     for (name, module), embedding in zip(targets, embeddings, strict=True):
         embedding.table.dedup = bool(table_options.get("dedup", False))
+        embedding.table.scale_rounding = table_options.get("scale_rounding", "output")
         replacement = CachedNGramEmbedding(embedding, module.layer_idx,
                                            module.ngram_embedding.weight.dtype,
                                            table_options.get("prefetch"))

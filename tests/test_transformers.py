@@ -197,16 +197,15 @@ def test_bfloat16_table_in_a_float32_model():
     assert_same_generation(reference, patched, prompts(), do_sample=False)
 
 
-def fp8_checkpoint(model, path, scale=0.0625):
-    """Both PLE layers in float8 with a bf16-exact scale (the released layout); returns the
-    dequantised tables."""
+def fp8_checkpoint(model, path, scale=0.0625, scale_dtype=ml_dtypes.bfloat16):
+    """Both PLE layers in float8 with a scale (default: bf16-exact, the released layout);
+    returns the dequantised tables (float32 products)."""
     config = ngram_config(model.config)
     tensors, dequantised = {}, []
     for layer, (name, weight) in enumerate(zip(NAMES, tables(model), strict=True)):
         rows = (weight.detach().float() / scale).numpy().astype(ml_dtypes.float8_e4m3fn)
         layout = nc.layer_layout(config, layer)
-        tensors.update(ngram_tensors(layout, rows, np.array(scale, ml_dtypes.bfloat16),
-                                     prefix=name))
+        tensors.update(ngram_tensors(layout, rows, np.array(scale, scale_dtype), prefix=name))
         dequantised.append(torch.from_numpy(rows.astype(np.float32)) * scale)
     write_checkpoint(str(path), tensors, 2)
     return dequantised
@@ -224,6 +223,27 @@ def test_float8_checkpoint(tmp_path, dtype):
     use_ngram_cupy(patched, checkpoint=tmp_path / "fp8")
     layer = patched.get_submodule(NAMES[0])
     assert layer.table.format.name == "float8_e4m3fn" and float(layer.table.scale) == 0.0625
+    assert_same_generation(reference, patched, prompts(), do_sample=False)
+
+
+@pytest.mark.parametrize("scale_rounding", ["output", "float32"])
+def test_float8_checkpoint_with_vllms_float32_scale(tmp_path, scale_rounding):
+    """vLLM 0.33's float32 scale that bf16 cannot hold: by default rows.to(bf16) *
+    scale.to(bf16) as vLLM dequantises; with scale_rounding="float32" one rounding of the float32
+    product."""
+    scale = np.float32(1.3883328)
+    reference = tiny_model(torch.bfloat16)
+    patched = copy.deepcopy(reference)
+    fp8_checkpoint(reference, tmp_path / "fp8", float(scale), np.float32)
+    with torch.no_grad():
+        for weight in tables(reference):
+            rows = (weight.float() / float(scale)).to(torch.float8_e4m3fn).float()
+            if scale_rounding == "output":
+                weight.copy_(rows.to(torch.bfloat16) * torch.tensor(scale).to(torch.bfloat16))
+            else:
+                weight.copy_((rows * torch.tensor(scale)).to(torch.bfloat16))
+    use_ngram_cupy(patched, checkpoint=tmp_path / "fp8", scale_rounding=scale_rounding)
+    assert patched.get_submodule(NAMES[0]).table.scale_rounding == scale_rounding
     assert_same_generation(reference, patched, prompts(), do_sample=False)
 
 
