@@ -276,6 +276,36 @@ def test_a_config_file_is_a_scheme(tmp_path, cache, capsys):
     assert status == 2 and err.startswith(f"ngram-cupy: error: bad config {bad}")
 
 
+def test_an_engram_config_file_is_a_scheme_of_its_kernels(tmp_path, monkeypatch):
+    """An Engram config builds the Engram ids and lookback kernels of its shape, for the very
+    signature compute_engram_ids launches with int64 inputs (on a stand-in device)."""
+    import json
+
+    from numba import types
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"text_config": dict(
+        engram_layer_ids=[2, 14], engram_max_ngram_size=3, engram_n_heads=4,
+        engram_head_dim=64, engram_vocab_size=1000, engram_num_embeddings=[9000, 9000],
+        engram_compressed_vocab_size=7, engram_pad_token_id=2)}))
+    variants = kernel_set.kernel_variants([kernel_set.scheme_from_config(str(config))])
+    names = [v.name for v in variants]
+    assert names[0] == "gather.cu" and not any(n.startswith(("ids[", "fused[")) for n in names)
+    assert sum(n.startswith("engram_ids[") for n in names) == len(kernel_set.INDEX_TYPES)
+    assert "advance_engram_lookback[dead mask]" in names
+    built = []
+    monkeypatch.setattr(cuda_launch.NumbaKernel, "compiled",
+                        lambda kernel, signature, cc: built.append(signature))
+    (ids,) = [v for v in variants if v.name == f"engram_ids[{config} int64,int64]"]
+    ids.build((9, 0))
+    vector, matrix = (lambda dtype: types.Array(dtype, 1, "C")), \
+        (lambda dtype: types.Array(dtype, 2, "C"))
+    assert built == [(vector(types.int64), vector(types.int64), vector(types.int64),
+                      vector(types.uint8), matrix(types.int64), matrix(types.uint8),
+                      vector(types.int32), types.int64, types.Array(types.int64, 3, "C"),
+                      matrix(types.int32))]
+
+
 @pytest.mark.gpu
 def test_a_new_process_first_gpu_call_loads_from_the_cache(tmp_path):
     """On a GPU: a process fills the cache with its first call's kernels; the next process's

@@ -16,12 +16,16 @@ from itertools import product
 
 import numpy as np
 
-from ..hashing.config import NGramConfig
+from ..hashing.config import NGramConfig, read_hf_config
+from ..hashing.engram_config import EngramConfig
+from ..hashing.engram_layout import engram_layout
 from ..hashing.layout import LayerLayout, layer_layout
+from ..hashing.token_map import TokenMap
 from ..runtime.cuda_launch import NumbaKernel, numba_type, recorded_launches
 from ..tables import gather_cupy
 from ..tables.formats import BFLOAT16, FLOAT8_E4M3, FORMATS, default_output, find_format
 from ..tables.hot_rows import build_map
+from .engram_cuda import engram_params, launch_advance_lookback, launch_engram_ids
 from .fused_cuda import launch_fused, word_bytes
 from .ids_cuda import launch_advance_context, launch_ngram_ids, layout_params
 
@@ -32,11 +36,12 @@ INDEX_TYPES = ((np.int64, np.int64, np.int64), (np.int32, np.int32, np.int64))
 
 @dataclass(frozen=True)
 class Scheme:
-    """A model shape whose Numba kernels are built ahead: its config (layer 0's shape: every
-    layer shares it) and the (storage, output) format codes its fused lookups use."""
+    """A model shape whose Numba kernels are built ahead: its config (Qwen4Exp: layer 0's
+    shape, which every layer shares; or an Engram config, all layers) and the (storage,
+    output) format codes its fused lookups use."""
 
     name: str
-    config: NGramConfig
+    config: NGramConfig | EngramConfig
     formats: tuple[tuple[int, int], ...]
 
     @property
@@ -54,8 +59,12 @@ SCHEMES = {"released": Scheme("released", RELEASED, ((FLOAT8_E4M3, BFLOAT16),))}
 
 def scheme_from_config(path: str) -> Scheme:
     """A scheme for a model config file: its shape, its table format (all formats when the
-    config names none) read into that format's default output."""
-    config = NGramConfig.from_hf(path)
+    config names none) read into that format's default output; an Engram config (its
+    ``engram_*`` fields) gives the Engram kernels of its shape."""
+    raw = read_hf_config(path)
+    if "engram_layer_ids" in raw:
+        return Scheme(path, EngramConfig.from_hf(raw), ())
+    config = NGramConfig.from_hf(raw)
     if config.embedding_dim is None:
         raise ValueError(f"{path}: the config has no ple_embed_dim, so no table to build for")
     storage = [find_format(config.ple_embedding_dtype)] if config.ple_embedding_dtype \
@@ -89,6 +98,8 @@ def recorded(name: str, launcher: Callable[..., object], *args, **kwargs) -> lis
 
 def ids_variants(scheme: Scheme) -> list[Variant]:
     """The ids and context-rolling kernels for each index type set."""
+    if not isinstance(scheme.config, NGramConfig):
+        return []
     layout = scheme.layout
     variants = []
     for types in INDEX_TYPES:
@@ -106,6 +117,8 @@ def ids_variants(scheme: Scheme) -> list[Variant]:
 
 def fused_variants(scheme: Scheme) -> list[Variant]:
     """The fused ids + gather kernel, plain and tiered, per format pair and index type set."""
+    if not isinstance(scheme.config, NGramConfig):
+        return []
     layout = scheme.layout
     variants = []
     for (code, out_code), types, tiered in product(scheme.formats, INDEX_TYPES, (False, True)):
@@ -132,6 +145,37 @@ def fused_variants(scheme: Scheme) -> list[Variant]:
     return variants
 
 
+def engram_variants(scheme: Scheme) -> list[Variant]:
+    """The Engram ids (all layers) and lookback-rolling kernels of an Engram scheme's shape, for
+    each index type set (the kernels depend on the shape, not on the tokenizer: a stand-in
+    token map of the config's CV builds them)."""
+    config = scheme.config
+    if not isinstance(config, EngramConfig):
+        return []
+    size = config.engram_compressed_vocab_size
+    stand_in = TokenMap(np.arange(size, dtype=np.int32), size, "kernel-set")
+    layout = engram_layout(config, stand_in)
+    width = layout.ngram_size - 1
+    variants = []
+    for types in INDEX_TYPES:
+        tokens, starts = np.zeros(1, types[0]), np.zeros(2, types[1])
+        positions = np.zeros(1, types[1])
+        lookback = np.zeros((1, width), np.int64)
+        dead, lookback_dead = np.zeros(1, np.uint8), np.zeros((1, width), np.uint8)
+        out = np.zeros((1, layout.num_layers * layout.num_heads), np.int32)
+        tag = ",".join(np.dtype(t).name for t in types[:2])
+        variants += recorded(f"engram_ids[{scheme.name} {tag}]", launch_engram_ids, layout,
+                             tokens, positions, starts, dead, lookback, lookback_dead,
+                             layout.token_map, engram_params(layout), out)
+        rolled = np.zeros((1, width), np.result_type(tokens, lookback))
+        variants += recorded(f"advance_engram_lookback[{tag}]", launch_advance_lookback,
+                             tokens, starts, lookback, rolled.dtype.type(-1), rolled)
+    masks = np.zeros(1, np.bool_), np.zeros(2, np.int64), np.zeros((1, width), np.bool_)
+    variants += recorded("advance_engram_lookback[dead mask]", launch_advance_lookback, *masks,
+                         np.bool_(False), np.zeros((1, width), np.bool_))
+    return variants
+
+
 def gather_variants(scheme: Scheme | None = None) -> list[Variant]:
     """The CUDA C gather module (every instance; the same for every scheme)."""
     return [Variant("gather.cu", lambda cc: gather_cupy.module_build(f"sm_{cc[0]}{cc[1]}"))]
@@ -139,7 +183,7 @@ def gather_variants(scheme: Scheme | None = None) -> list[Variant]:
 
 # The kernels the library launches, per kind: one entry per family of variants.
 VARIANTS: tuple[Callable[[Scheme], list[Variant]], ...] = (
-    gather_variants, ids_variants, fused_variants)
+    gather_variants, ids_variants, fused_variants, engram_variants)
 
 
 def kernel_variants(schemes: list[Scheme]) -> list[Variant]:
