@@ -60,22 +60,28 @@ FLOAT32_MAX = np.finfo(np.float32).max
 
 
 @njit(inline="always", boundscheck=False)
-def fp8_row_to_bf16(source, dest, scale):
-    """``dest[c]`` = ``convert(source[c], FLOAT8_E4M3, scale, BFLOAT16)`` for one row and a finite
-    ``scale``, with selects instead of branches or a table lookup, so that LLVM vectorises it.
+def fp8_to_bf16(bits, scale):
+    """``convert(bits, FLOAT8_E4M3, scale, BFLOAT16)`` for a finite ``scale``, with selects
+    instead of branches or a table lookup, so that LLVM vectorises the loops around it.
 
     The magnitude is scaled and rounded (nearest even is symmetric), then the stored sign flips
     the result's; the NaN pattern (magnitude 0x7F) gives the canonical NaN.
     """
+    magnitude = bits & uint32(0x7F)
+    normal = bits_to_float32((magnitude << uint32(20)) + uint32(120 << 23))  # rebias 7 -> 127
+    value = normal if magnitude >= uint32(8) else float32(magnitude) * FLOAT8_SUBNORMAL_UNIT
+    product = float32_to_bits(value * scale)
+    rounded = (product + uint32(0x7FFF) + ((product >> uint32(16)) & uint32(1))) >> uint32(16)
+    signed = uint16(rounded) ^ uint16((bits & uint32(0x80)) << uint32(8))
+    return uint16(0x7FC0) if magnitude == uint32(0x7F) else signed
+
+
+@njit(inline="always", boundscheck=False)
+def fp8_row_to_bf16(source, dest, scale):
+    """``dest[c]`` = ``convert(source[c], FLOAT8_E4M3, scale, BFLOAT16)`` for one row and a finite
+    ``scale`` (``fp8_to_bf16``)."""
     for c in range(source.shape[0]):
-        bits = uint32(source[c])
-        magnitude = bits & uint32(0x7F)
-        normal = bits_to_float32((magnitude << uint32(20)) + uint32(120 << 23))  # rebias 7 -> 127
-        value = normal if magnitude >= uint32(8) else float32(magnitude) * FLOAT8_SUBNORMAL_UNIT
-        product = float32_to_bits(value * scale)
-        rounded = (product + uint32(0x7FFF) + ((product >> uint32(16)) & uint32(1))) >> uint32(16)
-        signed = uint16(rounded) ^ uint16((bits & uint32(0x80)) << uint32(8))
-        dest[c] = uint16(0x7FC0) if magnitude == uint32(0x7F) else signed
+        dest[c] = fp8_to_bf16(uint32(source[c]), scale)
 
 
 @njit(inline="always", boundscheck=False)
@@ -90,19 +96,22 @@ def blocked_row(source, block_scales, dest, outputs, per_block):
 
 @njit(inline="always", boundscheck=False)
 def mxfp8_row_to_bf16(source, block_scales, dest, outputs, per_block):
-    """``blocked_row`` of an MXFP8 row to bfloat16: each block is ``fp8_row_to_bf16`` with its
+    """``blocked_row`` of an MXFP8 row to bfloat16: each block is ``fp8_to_bf16`` with its
     power-of-two scale (exactly ``convert_blocked``: the global scale is 1), but a block with the
-    infinite scale byte 255, which goes through the byte table."""
+    infinite scale byte 255, which goes through the byte table. Each block's loop runs a constant
+    ``per_block`` times on the row itself (no slices), so LLVM unrolls and vectorises it whole.
+    """
     for j in range(block_scales.shape[0]):
-        first, last = j * per_block, j * per_block + per_block
+        first = j * per_block
         byte = uint32(block_scales[j])
         if byte == uint32(0xFF):
             base = int64(byte) << 8
-            for k in range(first, last):
-                dest[k] = outputs[base | int64(source[k])]
-        else:
-            fp8_row_to_bf16(source[first:last], dest[first:last],
-                            bits_to_float32(byte << uint32(23)))
+            for k in range(per_block):
+                dest[first + k] = outputs[base | int64(source[first + k])]
+            continue
+        scale = bits_to_float32(byte << uint32(23))
+        for k in range(per_block):
+            dest[first + k] = fp8_to_bf16(uint32(source[first + k]), scale)
 
 
 @intrinsic
