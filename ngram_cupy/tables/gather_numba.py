@@ -7,7 +7,7 @@ loop is a load, a lookup and a store; float32 values are converted directly. Flo
 into AVX2 code (16 values a step): ~7% faster than the lookup, measured on a Zen 3 core. All
 give exactly ``dequant.convert``'s bits, as the GPU kernels do. MXFP8 -> bfloat16 blocks whose
 power-of-two scale keeps every value a normal bfloat16 add the scale's exponent to the value's
-bits in integers (no float math): 0.88x the fp8 gather's time, where multiplying was 1.23x.
+bits in integers (no float math): 0.86-1.00x the fp8 gather's time, where multiplying was 1.23x.
 The rows of the next token are prefetched while the current one converts: random rows of a
 large table are otherwise read one cache miss at a time. A tiered table (``hot_rows``) reads
 each hot row from its hot tier instead of the table, and counts the rows read from each tier.
