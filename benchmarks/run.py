@@ -44,8 +44,8 @@ def sections() -> list[Bench]:
               cpu.bench_parquet_e2e),
         Bench("gather-cpu", "cpu", "fp8 -> bf16 gathers of 256, 4,096, 65,536 tokens under four "
               "loads", cpu.bench_gather_cpu),
-        Bench("nvfp4-cpu", "cpu", "NVFP4 -> bf16 gather of 65,536 tokens against fp8 and the "
-              "copy floor, under four loads", cpu.bench_nvfp4_gather_cpu),
+        Bench("nvfp4-cpu", "cpu", "NVFP4 and MXFP8 -> bf16 gathers of 65,536 tokens against "
+              "fp8 and the copy floor, under four loads", cpu.bench_nvfp4_gather_cpu),
         Bench("gather-gpu", "gpu", "GPU-resident gathers, fused ids + gather",
               gpu.bench_gather_gpu),
         Bench("nvfp4-gpu", "gpu", "NVFP4 gathers: device, pinned UVA, tiered, fused, against "

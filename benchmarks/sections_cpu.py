@@ -143,7 +143,8 @@ def bench_gather_cpu(quick: bool) -> Section:
 def bench_nvfp4_gather_cpu(quick: bool) -> Section:
     """Numba NVFP4 -> bf16 gather of the released row shape (80 packed bytes + 10 block scales a
     row) against the fp8 gather of the same rows, timed in alternating pairs in each condition,
-    and against the copy floor of the output; idle, also beside torch's own gather."""
+    and against the copy floor of the output; and MXFP8 -> bf16 (160 E4M3 bytes + 5 UE8M0 scales
+    a row) against fp8 the same way."""
     rng = np.random.default_rng(3)
     rows = 1 << (20 if quick else 22)
     num_tokens = 4096 if quick else 65536
@@ -151,8 +152,11 @@ def bench_nvfp4_gather_cpu(quick: bool) -> Section:
     packed = rng.integers(0, 256, (rows, RELEASED_HEAD_DIM // 2), dtype=np.uint8)
     scales = rng.integers(0, 0x7F, (rows, RELEASED_HEAD_DIM // 16), dtype=np.uint8)
     nvfp4 = nc.EmbeddingTable(packed, dtype="nvfp4", block_scales=scales, scale=0.5)
-    section = Section(f"NVFP4 table gather, CPU (Numba): {rows:,} rows, {num_tokens:,} tokens x "
-                      f"16 heads -> bf16, against fp8 rows", "cpu")
+    del packed, scales
+    mxfp8 = nc.EmbeddingTable(random_fp8_rows(rng, rows), dtype="mxfp8", block_scales=rng.integers(
+        112, 135, (rows, RELEASED_HEAD_DIM // 32), dtype=np.uint8))  # 2**-15 .. 2**7
+    section = Section(f"NVFP4 and MXFP8 table gathers, CPU (Numba): {rows:,} rows, "
+                      f"{num_tokens:,} tokens x 16 heads -> bf16, against fp8 rows", "cpu")
     count = max(1, (64 << 20) // (num_tokens * RELEASED_HEADS * RELEASED_HEAD_DIM))
     batches = [rng.integers(0, rows, (num_tokens, RELEASED_HEADS)) for _ in range(count)]
     out = np.empty((num_tokens, RELEASED_HEADS * RELEASED_HEAD_DIM), ml_dtypes.bfloat16)
@@ -167,6 +171,13 @@ def bench_nvfp4_gather_cpu(quick: bool) -> Section:
             section.rows.append(Row(case=f"{num_tokens:,} tokens, {condition}", seconds=four,
                                     rate=f"{moved / four / 1e9:.2f} GB/s", tokens=num_tokens,
                                     notes=notes))
+            mx, eight, ratio = paired(rotating(batches, partial(mxfp8.lookup, out=out)),
+                                      rotating(batches, partial(fp8.lookup, out=out)))
+            moved = batches[0].size * (RELEASED_HEAD_DIM + RELEASED_HEAD_DIM // 32) + out.nbytes
+            section.rows.append(Row(case=f"mxfp8, {num_tokens:,} tokens, {condition}",
+                                    seconds=mx, rate=f"{moved / mx / 1e9:.2f} GB/s",
+                                    tokens=num_tokens,
+                                    notes=f"mxfp8 / fp8 {ratio:.2f} (fp8 {eight * 1e6:,.0f} us)"))
     return section
 
 

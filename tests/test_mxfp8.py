@@ -75,6 +75,23 @@ def test_every_pair_on_numba_and_host_built_cuda(host_gather):
         assert widths == {1, 2, 4, 8, 16}
 
 
+def test_numba_blocks_at_the_edges_of_the_exponent_shift():
+    """The bf16 gather shifts exponents for scale bytes 10..246 (every E4M3 value stays a normal
+    bf16) and multiplies for the rest: rows mixing blocks on both sides of each edge, the
+    smallest subnormal results (byte 0..9), infinities (247..254) and the byte 255 table."""
+    edges = np.array([9, 10, 246, 247, 0, 255, 1, 254, 127, 11, 245], np.uint8)
+    weight = np.tile(np.arange(256, dtype=np.uint8), (len(edges), 1))
+    scales = np.stack([np.roll(edges, -r)[:256 // 32] for r in range(len(edges))])
+    ids = np.arange(len(edges), dtype=np.int64).reshape(-1, 1)
+    want = reference_block_lookup(FMT, weight, scales, 1.0, ids, ml_dtypes.bfloat16)
+    got = np.empty(want.shape, np.uint16)
+    gather_rows(weight, MXFP8, 0, np.float32(1.0), ids, got,
+                find_format(ml_dtypes.bfloat16).code, scales=scales)
+    assert_same(got, want)
+    exponents = want.view(np.uint16)[:2, :32] & 0x7F80  # the first blocks: bytes 9 and 10
+    assert (exponents[0, 1:] == 0).any() and (exponents[1, 1:] != 0).all()  # subnormal at 9
+
+
 def test_host_built_tiered_gather(host_gather):
     weight, scales = every_pair_table()
     hot = np.arange(0, 256, 3, dtype=np.int64)
