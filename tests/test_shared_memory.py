@@ -223,6 +223,29 @@ def test_a_segment_of_the_same_name_with_other_contents_is_refused(shm_dir):
         os.close(fd)
 
 
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to run a process as another user")
+@pytest.mark.parametrize("holder", [False, True])
+def test_a_name_bound_by_another_user_is_refused_naming_it(shm_dir, holder):
+    name = sm.segment_name("rows", shm_dir) + (f".{os.getpid()}.999" if holder else "")
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # another user's process squatting the name
+        os.setuid(65534)
+        sock = rendezvous.bind(name)
+        os.write(write, b"1")
+        time.sleep(30)
+        os._exit(0 if sock else 1)
+    try:
+        assert os.read(read, 1) == b"1"
+        with pytest.raises(PermissionError, match=f"bound by process {child} of another user"):
+            sm.attach("rows", 10_000, fill_with(1))
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+        os.close(read)
+        os.close(write)
+
+
 def test_resident_bytes_counts_this_process_mapping(shm_dir):
     segment = sm.attach("rows", 1 << 20, fill_with(3))
     rss, pss = sm.resident_bytes(segment.path)

@@ -14,6 +14,7 @@ import os
 import socket
 import struct
 import threading
+import time
 
 BACKLOG = 4096  # waiters queue here while a segment is filled (the kernel caps it: somaxconn)
 PEER_CREDENTIALS = struct.Struct("3i")  # pid, uid, gid (SO_PEERCRED)
@@ -96,7 +97,7 @@ def hand_over(sock: socket.socket, message: bytes, fd: int) -> None:
     while True:
         try:
             conn, _ = sock.accept()
-        except (BlockingIOError, InterruptedError):
+        except OSError:  # none left (or one gone meanwhile): later ones look elsewhere
             return
         with conn:
             conn.setblocking(True)
@@ -118,6 +119,7 @@ class Server:
 
     def __init__(self, sock: socket.socket, message: bytes, fd: int):
         self.sock, self.message, self.fd = sock, message, fd
+        self.closing = False
         self.thread = threading.Thread(target=self._serve, name="ngram_cupy-segment-server",
                                        daemon=True)
         self.thread.start()
@@ -126,13 +128,17 @@ class Server:
         while True:
             try:
                 conn, _ = self.sock.accept()
-            except OSError:  # shut down
-                return
+            except OSError:
+                if self.closing:  # shut down
+                    return
+                time.sleep(0.01)  # out of descriptors, say: answer again once there are some
+                continue
             with conn:
                 give(conn, self.message, self.fd)
 
     def close(self) -> None:
         """Stop answering (the name is gone once every copy of the socket is closed)."""
+        self.closing = True
         try:
             self.sock.shutdown(socket.SHUT_RDWR)  # wakes the thread's accept
         except OSError:

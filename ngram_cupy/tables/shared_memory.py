@@ -255,6 +255,16 @@ def _check_received(name: str, received: tuple[bytes, int], nbytes: int, digest:
                      f"({size:,} bytes, not these {nbytes:,}): a process of another version?")
 
 
+def _check_peer(sock: socket.socket, name: str) -> int:
+    """The pid at the other end of a connection to ``name``, a process of this user: rows sent
+    by another user's process are never mapped."""
+    pid, uid = rendezvous.peer(sock)
+    if uid != os.getuid():
+        raise PermissionError(errno.EACCES, f"the shared-memory segment name {name} is bound "
+                              f"by process {pid} of another user (uid {uid})")
+    return pid
+
+
 def _from_holders(name: str, nbytes: int, digest: bytes) -> int | None:
     """The descriptor from the first listed holder that answers; None when none is listed
     (or all went away meanwhile). Live holders that never answer are an error naming them."""
@@ -264,6 +274,7 @@ def _from_holders(name: str, nbytes: int, digest: bytes) -> int | None:
         if sock is None:  # gone since the listing
             continue
         with sock:
+            _check_peer(sock, holder)
             try:
                 received = rendezvous.receive(sock, MESSAGE.size)
             except TimeoutError:
@@ -288,10 +299,7 @@ def _from_creator(name: str, nbytes: int, digest: bytes, timeout: float | None,
     if sock is None:
         return False
     with sock:
-        pid, uid = rendezvous.peer(sock)
-        if uid != os.getuid():
-            raise PermissionError(errno.EACCES, f"the shared-memory segment name {name} is "
-                                  f"bound by process {pid} of another user (uid {uid})")
+        pid = _check_peer(sock, name)
         try:
             received = rendezvous.receive(sock, MESSAGE.size)
         except TimeoutError:
