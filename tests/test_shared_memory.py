@@ -80,13 +80,24 @@ def fill_with(value):
     return lambda memory: np.frombuffer(memory, np.uint8).fill(value)
 
 
+def descriptors(pid="self") -> list[tuple[int, str]]:
+    """A process's open descriptors and what they name."""
+    found = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            found.append((int(fd), os.readlink(f"/proc/{pid}/fd/{fd}")))
+        except FileNotFoundError:  # closed meanwhile (the listing's own, say)
+            pass
+    return found
+
+
 def segment_users(directory) -> list[int]:
     """Pids of the processes with a descriptor or a mapping of a segment of the scope."""
     wanted = "/memfd:" + sm.name_prefix(directory)
     users = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+            links = [link for _, link in descriptors(pid)]
             with open(f"/proc/{pid}/maps") as maps:
                 mapped = maps.read()
         except OSError:  # ended meanwhile, or not ours to read
@@ -116,6 +127,8 @@ def test_attach_finds_the_segment_the_first_caller_filled(shm_dir):
     np.frombuffer(first.memory, np.uint8)[3] = 1  # one memory, writable in every holder
     assert second.memory[3] == 1
     assert [pid for _, pid in sm.holders(first.name)] == [os.getpid()] * 2
+    held = [fd for fd, link in descriptors() if link.startswith(first.path)]
+    assert len(held) >= 2 and not any(map(os.get_inheritable, held))  # no program keeps it
     first.close()
     assert not first.attached and second.attached
     assert sm.own_segments(shm_dir) == [first.name]  # second still holds it

@@ -9,6 +9,7 @@ message to every connecting process of the same user. Bound names are listed fro
 
 from __future__ import annotations
 
+import array
 import errno
 import os
 import socket
@@ -76,18 +77,26 @@ def send(conn: socket.socket, message: bytes, fd: int) -> None:
 
 
 def receive(sock: socket.socket, size: int) -> tuple[bytes, int] | None:
-    """A message of ``size`` bytes and the descriptor sent with it; None when the sender closed
-    the connection (or died) first. Raises ``TimeoutError`` past the socket's timeout."""
-    try:
-        message, fds, _, _ = socket.recv_fds(sock, size, 1)
+    """A message of ``size`` bytes and the descriptor sent with it (close-on-exec: no program
+    this process starts keeps it); None when the sender closed the connection (or died) first.
+    Raises ``TimeoutError`` past the socket's timeout."""
+    descriptors = array.array("i")
+    try:  # recvmsg itself: socket.recv_fds drops its flags (CPython 3.11)
+        message, ancillary, _, _ = sock.recvmsg(size, socket.CMSG_LEN(descriptors.itemsize),
+                                                socket.MSG_CMSG_CLOEXEC)
     except (ConnectionResetError, BrokenPipeError):
         return None
-    if not fds:
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            descriptors.frombytes(data[: len(data) - len(data) % descriptors.itemsize])
+    if not descriptors:
         return None
+    for extra in descriptors[1:]:
+        os.close(extra)
     if len(message) != size:
-        os.close(fds[0])
+        os.close(descriptors[0])
         return None
-    return message, fds[0]
+    return message, descriptors[0]
 
 
 def hand_over(sock: socket.socket, message: bytes, fd: int) -> None:

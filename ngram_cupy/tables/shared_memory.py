@@ -93,7 +93,9 @@ def own_segments(directory: str | os.PathLike | None = None) -> list[str]:
 
 def holders(name: str) -> list[tuple[str, int]]:
     """``(holder name, pid)`` of every process holding the segment ``name``."""
-    return [(held, int(held.split(".")[1])) for held in rendezvous.bound_names(name + ".")]
+    found = [(held, held.split(".")) for held in rendezvous.bound_names(name + ".")]
+    return [(held, int(parts[1])) for held, parts in found
+            if len(parts) == 3 and parts[1].isdigit() and parts[2].isdigit()]
 
 
 def strict_wanted(strict: bool | None = None) -> bool:
