@@ -20,6 +20,7 @@ _EXPORTS = {
     "NGramEmbedding": "embedding",
     "PlacementPlan": "placement",
     "ShardedLookup": "distributed",
+    "SharedMemoryFallbackWarning": "tables.shared_memory",
     "advance_context": "ids.ngram_ids",
     "advance_engram_lookback": "ids.engram_ids",
     "compute_engram_ids": "ids.engram_ids",
@@ -44,6 +45,7 @@ __all__ = [
     "NGramEmbedding",
     "PlacementPlan",
     "ShardedLookup",
+    "SharedMemoryFallbackWarning",
     "advance_context",
     "advance_engram_lookback",
     "compute_engram_ids",
@@ -82,6 +84,7 @@ if TYPE_CHECKING:
     from .ids.engram_ids import advance_engram_lookback, compute_engram_ids
     from .ids.ngram_ids import advance_context, compute_ngram_ids
     from .placement import PlacementPlan, plan_placement
+    from .tables.shared_memory import SharedMemoryFallbackWarning
     from .tables.table import EmbeddingTable
 
 

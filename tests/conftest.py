@@ -114,14 +114,15 @@ def host_gather():
 
 @pytest.fixture
 def shm_dir(monkeypatch):
-    """A fresh directory under /dev/shm for the test's shared segments; empty again at the end."""
+    """A fresh scope (a directory under /dev/shm) for the test's shared segments; at the end no
+    segment of it is held and nothing was written there."""
     from ngram_cupy.tables import shared_memory
 
     root = "/dev/shm" if os.path.isdir("/dev/shm") else None
     folder = Path(tempfile.mkdtemp(prefix="ngram_cupy-test-", dir=root))
     monkeypatch.setenv(shared_memory.SHM_DIR_ENV, str(folder))
     yield folder
-    left = sorted(os.listdir(folder))
+    left = sorted(os.listdir(folder)) + shared_memory.own_segments(folder)
     shutil.rmtree(folder)
     assert not left, f"segments left behind: {left}"
 

@@ -1,26 +1,33 @@
-"""placement="shared": one shared-memory segment per node, created by the first process and
-attached by the others; its lifetime (kills included) and its bad inputs.
+"""placement="shared": one anonymous shared-memory segment per node, created by the first
+process and attached by the others; its lifetime (kills included), fallback and bad inputs.
 
-Every test keeps its segments in a directory of its own under /dev/shm (the same tmpfs, set
-through NGRAM_CUPY_SHM_DIR, which spawned processes inherit) and checks that nothing is left
-there afterwards.
+Every test names its segments in a scope of its own (NGRAM_CUPY_SHM_DIR, which child processes
+inherit) and checks at the end that no process holds one: no rendezvous name bound, no
+descriptor or mapping of the segment in any process (the kernel has freed its memory).
 """
 
 from __future__ import annotations
 
 import errno
-import fcntl
+import json
 import multiprocessing
 import os
+import random
+import selectors
 import signal
+import subprocess
+import sys
 import time
+import warnings
 from dataclasses import asdict
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 import pytest
 
 import ngram_cupy as nc
+from ngram_cupy.tables import rendezvous
 from ngram_cupy.tables import shared_memory as sm
 from ngram_cupy.tables.dequant import reference_lookup
 
@@ -32,9 +39,12 @@ CONFIG = nc.NGramConfig(
 SCALE = np.array(0.375, dtype=ml_dtypes.bfloat16)
 SPAWN = multiprocessing.get_context("spawn")
 WAIT_S = 120
+ATTACH_LIMIT_S = 10.0  # no attach may take longer, kills or not
+WORKER = Path(__file__).with_name("segment_worker.py")
+ROOT = Path(__file__).resolve().parents[1]
 
 
-pytestmark = pytest.mark.usefixtures("shm_dir")  # conftest: nothing left in /dev/shm
+pytestmark = pytest.mark.usefixtures("shm_dir")  # conftest: nothing held at the end
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +80,41 @@ def fill_with(value):
     return lambda memory: np.frombuffer(memory, np.uint8).fill(value)
 
 
+def descriptors(pid="self") -> list[tuple[int, str]]:
+    """A process's open descriptors and what they name."""
+    found = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            found.append((int(fd), os.readlink(f"/proc/{pid}/fd/{fd}")))
+        except FileNotFoundError:  # closed meanwhile (the listing's own, say)
+            pass
+    return found
+
+
+def segment_users(directory) -> list[int]:
+    """Pids of the processes with a descriptor or a mapping of a segment of the scope."""
+    wanted = "/memfd:" + sm.name_prefix(directory)
+    users = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            links = [link for _, link in descriptors(pid)]
+            with open(f"/proc/{pid}/maps") as maps:
+                mapped = maps.read()
+        except OSError:  # ended meanwhile, or not ours to read
+            continue
+        if wanted in mapped or any(link.startswith(wanted) for link in links):
+            users.append(int(pid))
+    return users
+
+
+def assert_nothing_left(directory) -> None:
+    """No name of the scope bound, no process holding or mapping one of its segments, and
+    nothing written into the directory."""
+    assert sm.own_segments(directory) == []
+    assert segment_users(directory) == []
+    assert os.listdir(directory) == []
+
+
 # --- one process ----------------------------------------------------------------------------
 
 
@@ -77,13 +122,20 @@ def test_attach_finds_the_segment_the_first_caller_filled(shm_dir):
     first = sm.attach("rows", 10_000, fill_with(7))
     second = sm.attach("rows", 10_000, fill_with(9))  # not called: the rows are there
     assert (first.created, second.created) == (True, False)
-    assert first.path == second.path and first.path.parent == shm_dir
+    assert first.shared and first.name == second.name == sm.segment_name("rows", shm_dir)
     assert np.all(np.frombuffer(second.memory, np.uint8) == 7)
+    np.frombuffer(first.memory, np.uint8)[3] = 1  # one memory, writable in every holder
+    assert second.memory[3] == 1
+    assert [pid for _, pid in sm.holders(first.name)] == [os.getpid()] * 2
+    held = [fd for fd, link in descriptors() if link.startswith(first.path)]
+    assert len(held) >= 2 and not any(map(os.get_inheritable, held))  # no program keeps it
     first.close()
     assert not first.attached and second.attached
-    assert first.path.exists()  # second still holds it
+    assert sm.own_segments(shm_dir) == [first.name]  # second still holds it
     second.close()
-    assert not first.path.exists()
+    assert sm.own_segments(shm_dir) == []
+    del first, second
+    assert segment_users(shm_dir) == []
 
 
 def test_shared_table_equals_the_reference_and_is_read_only(weight, checkpoint, shm_dir):
@@ -119,58 +171,92 @@ def test_placement_shared_needs_rows_to_name_its_segment():
         nc.EmbeddingTable.empty(10, 4, np.float32, placement="shared")
 
 
+@pytest.mark.parametrize("nbytes", [0, -1, 2.5, True])
+def test_bad_sizes_and_timeouts_are_refused(nbytes):
+    with pytest.raises(ValueError, match="nbytes must be a positive integer"):
+        sm.attach("rows", nbytes, fill_with(1))
+    with pytest.raises(ValueError, match="timeout must be a positive"):
+        sm.attach("rows", 10, fill_with(1), timeout=0)
+
+
 def test_a_fill_that_fails_leaves_no_segment(shm_dir):
     def broken(memory):
         raise RuntimeError("disk gone")
 
     with pytest.raises(RuntimeError, match="disk gone"):
         sm.attach("rows", 10_000, broken)
-    assert os.listdir(shm_dir) == []
+    assert_nothing_left(shm_dir)
     sm.attach("rows", 10_000, fill_with(1)).close()  # the next caller creates it afresh
 
 
-def test_too_little_shared_memory_is_refused_before_filling(shm_dir):
-    free = sm.free_bytes(shm_dir)
+def test_too_little_memory_falls_back_to_private_rows_or_refuses(weight, shm_dir, monkeypatch):
+    monkeypatch.setattr(sm, "memory_available", lambda: 1_000)
+    with pytest.warns(sm.SharedMemoryFallbackWarning,
+                      match="needs 10,000 bytes but 1,000 bytes of memory are available"):
+        private = sm.attach("rows", 10_000, fill_with(4))
+    assert private.created and not private.shared and private.path is None
+    assert np.all(np.frombuffer(private.memory, np.uint8) == 4)
+    assert sm.own_segments(shm_dir) == []  # nobody else could attach to it
+    private.close()
     called = []
-    with pytest.raises(OSError, match=f"needs {free + 1:,} bytes but .* has") as error:
-        sm.attach("huge", free + 1, called.append)
-    assert error.value.errno == errno.ENOSPC and "free" in str(error.value)
-    assert not called and os.listdir(shm_dir) == []
+    for strict, env in ((True, "0"), (None, "1")):
+        monkeypatch.setenv(sm.STRICT_ENV, env)
+        with pytest.raises(sm.SharedMemoryUnavailable, match="needs 10,000 bytes") as error:
+            sm.attach("rows", 10_000, called.append, strict=strict)
+        assert error.value.errno == errno.ENOSPC
+    assert not called
+    monkeypatch.setenv(sm.STRICT_ENV, "0")
+    lookup_ids = ids(64)
+    with pytest.warns(sm.SharedMemoryFallbackWarning, match="private memory"):
+        table = nc.EmbeddingTable(weight, SCALE, placement="shared")
+    assert table.placement == "shared" and not table.storage.segment.shared
+    assert np.array_equal(table.lookup(lookup_ids).view(np.uint16), expected(weight, lookup_ids))
+    table.close()
+    assert_nothing_left(shm_dir)
+
+
+def test_memory_available_is_positive_and_at_most_the_node_memory():
+    available = sm.memory_available()
+    with open("/proc/meminfo") as meminfo:
+        total = int(meminfo.readline().split()[1]) * 1024  # MemTotal
+    assert available is not None and 0 < available <= total
 
 
 def test_a_segment_of_the_same_name_with_other_contents_is_refused(shm_dir):
-    path = shm_dir / sm.segment_name("rows")
-    with open(path, "wb") as other:  # held by another user of the name, other rows
-        other.write(sm.HEADER.pack(sm.MAGIC, 999, bytes(32)))
-        other.flush()
-        fcntl.flock(other.fileno(), fcntl.LOCK_SH)
+    name = sm.segment_name("rows", shm_dir)
+    fd = os.memfd_create("other")
+    os.ftruncate(fd, 999)
+    sock = rendezvous.bind(f"{name}.{os.getpid()}.999")  # a holder of other rows
+    server = rendezvous.Server(sock, sm.MESSAGE.pack(sm.MAGIC, 999, bytes(32)), fd)
+    try:
         with pytest.raises(ValueError, match="in use but holds other contents"):
             sm.attach("rows", 10_000, fill_with(1))
-        assert sm.HEADER.unpack(path.read_bytes()[: sm.HEADER.size])[1] == 999  # untouched
-    os.unlink(path)
-    os.unlink(f"{path}{sm.LOCK_SUFFIX}")
+    finally:
+        server.close()
+        os.close(fd)
 
 
-def test_permission_denied_names_the_file():
-    with pytest.raises(PermissionError, match="no permission to open the shared-memory"):
-        sm.attach("rows", 10_000, fill_with(1), directory="/sys")
-
-
-def test_a_stale_half_filled_segment_is_filled_again(shm_dir):
-    path = shm_dir / sm.segment_name("rows")
-    path.write_bytes(b"\0" * 100)  # a killed creator's file: no magic, nobody holds it
-    segment = sm.attach("rows", 10_000, fill_with(5))
-    assert segment.created and np.all(np.frombuffer(segment.memory, np.uint8) == 5)
-    segment.close()
-
-
-def test_remove_stale_keeps_held_segments(shm_dir):
-    held = sm.attach("held", 4096, fill_with(1))
-    stale = shm_dir / sm.segment_name("stale")
-    stale.write_bytes(b"x")
-    assert sm.remove_stale(shm_dir) == [str(stale)]
-    assert held.path.exists()
-    held.close()
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to run a process as another user")
+@pytest.mark.parametrize("holder", [False, True])
+def test_a_name_bound_by_another_user_is_refused_naming_it(shm_dir, holder):
+    name = sm.segment_name("rows", shm_dir) + (f".{os.getpid()}.999" if holder else "")
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # another user's process squatting the name
+        os.setuid(65534)
+        sock = rendezvous.bind(name)
+        os.write(write, b"1")
+        time.sleep(30)
+        os._exit(0 if sock else 1)
+    try:
+        assert os.read(read, 1) == b"1"
+        with pytest.raises(PermissionError, match=f"bound by process {child} of another user"):
+            sm.attach("rows", 10_000, fill_with(1))
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+        os.close(read)
+        os.close(write)
 
 
 def test_resident_bytes_counts_this_process_mapping(shm_dir):
@@ -178,6 +264,28 @@ def test_resident_bytes_counts_this_process_mapping(shm_dir):
     rss, pss = sm.resident_bytes(segment.path)
     assert rss >= 1 << 20 and pss >= 1 << 20  # filled here, mapped by nobody else
     segment.close()
+
+
+def test_a_forked_child_neither_serves_nor_keeps_the_segment(shm_dir):
+    segment = sm.attach("rows", 4096, fill_with(2))
+    read, write = os.pipe()
+    ready_read, ready_write = os.pipe()
+    child = os.fork()
+    if child == 0:  # holds a copy of the mapping, no descriptor, no name
+        os.close(write)
+        os.write(ready_write, b"1")  # the fork hooks have run
+        os.read(read, 1)
+        os._exit(0)
+    os.close(read)
+    try:
+        assert os.read(ready_read, 1) == b"1"
+        assert [pid for _, pid in sm.holders(segment.name)] == [os.getpid()]
+        segment.close()
+        assert sm.own_segments(shm_dir) == []  # the child's copy of the name was closed
+    finally:
+        for fd in (write, ready_read, ready_write):
+            os.close(fd)
+        os.waitpid(child, 0)
 
 
 # --- several processes -----------------------------------------------------------------------
@@ -229,7 +337,7 @@ def test_kills_during_and_after_the_fill_leave_nothing(weight, checkpoint, tmp_p
     filler = start(job_for(checkpoint, tmp_path, 0, lookup_ids, "hang_in_fill"), None, in_fill,
                    results)
     assert in_fill.wait(WAIT_S)
-    assert len(sm.own_segments(shm_dir)) == 1  # half filled, locked by its creator
+    assert len(sm.own_segments(shm_dir)) == 1  # half filled: its creation name is bound
     others = [start(job_for(checkpoint, tmp_path, i, lookup_ids), barrier, None, results)
               for i in (1, 2, 3)]
     killed_after = start(job_for(checkpoint, tmp_path, 4, lookup_ids, "hang_after"), None, loaded,
@@ -250,20 +358,153 @@ def test_kills_during_and_after_the_fill_leave_nothing(weight, checkpoint, tmp_p
     want = expected(weight, lookup_ids)
     for i in (1, 2, 3, 4):
         assert np.array_equal(np.load(tmp_path / f"out_{i}.npy"), want)
-    assert os.listdir(shm_dir) == []  # the last user removed it
+    assert_nothing_left(shm_dir)  # the kernel freed it with its last user
 
 
-def test_a_killed_last_user_leaves_a_segment_the_next_attach_removes(checkpoint, tmp_path,
-                                                                      shm_dir):
+def test_a_killed_last_user_of_a_deleted_checkpoint_leaves_nothing(checkpoint, tmp_path,
+                                                                   shm_dir):
     loaded, results = SPAWN.Event(), SPAWN.Queue()  # kept: the child opens them
     process = start(job_for(checkpoint, tmp_path, 0, ids(16), "hang_after"), None, loaded,
                     results)
     assert loaded.wait(WAIT_S)
+    assert len(sm.own_segments(shm_dir)) == 1 and segment_users(shm_dir) == [process.pid]
     os.kill(process.pid, signal.SIGKILL)
     process.join(WAIT_S)
-    assert len(sm.own_segments(shm_dir)) == 1  # nobody left to remove it
-    sm.attach("another table", 4096, fill_with(1)).close()  # any next start cleans up
-    assert os.listdir(shm_dir) == []
+    for file in checkpoint.iterdir():  # nobody will ever name these rows again
+        file.unlink()
+    checkpoint.rmdir()
+    assert_nothing_left(shm_dir)  # no later attach needed: the kernel freed it
+
+
+# --- many small processes (tests/segment_worker.py imports only shared_memory) -------------
+
+
+NBYTES = 1 << 20
+
+
+def worker(key, mode="attach", delay=0.0, timeout=ATTACH_LIMIT_S):
+    """A started tests/segment_worker.py, its stdin and stdout pipes open."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get(
+        "PYTHONPATH", "")])}
+    return subprocess.Popen(
+        [sys.executable, "-S", str(WORKER), key, str(NBYTES), mode, str(timeout), str(delay)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
+
+
+def report(process, wait=2 * ATTACH_LIMIT_S):
+    """The JSON line a worker printed (None when it ended without one)."""
+    with selectors.DefaultSelector() as selector:
+        selector.register(process.stdout, selectors.EVENT_READ)
+        if not selector.select(wait):
+            raise AssertionError(f"worker {process.pid} printed nothing within {wait} s")
+    line = process.stdout.readline()
+    return json.loads(line) if line else None
+
+
+def kill(process):
+    """SIGKILL a worker and reap it (its descriptors and names go with it)."""
+    process.kill()
+    process.wait(WAIT_S)
+    process.stdout.close()
+    process.stdin.close()
+
+
+def pattern_fill(memory):
+    """The fill of tests/segment_worker.py."""
+    memory[:] = (bytes(range(251)) * (NBYTES // 251 + 1))[:NBYTES]
+
+
+def test_the_last_user_killed_leaves_nothing(shm_dir):
+    first = worker("table")
+    assert report(first)["created"]
+    second = worker("table")
+    joined = report(second)
+    assert not joined["created"] and joined["complete"]
+    first.stdin.close()  # the creator detaches and ends normally
+    assert first.wait(WAIT_S) == 0
+    assert sm.own_segments(shm_dir) and segment_users(shm_dir) == [second.pid]
+    kill(second)
+    first.stdout.close()
+    assert_nothing_left(shm_dir)
+
+
+def test_every_user_killed_leaves_nothing(shm_dir):
+    processes = [worker("table") for _ in range(3)]
+    reports = [report(process) for process in processes]
+    assert sum(r["created"] for r in reports) == 1 and all(r["complete"] for r in reports)
+    assert sorted(segment_users(shm_dir)) == sorted(p.pid for p in processes)
+    for process in processes:
+        kill(process)
+    assert_nothing_left(shm_dir)
+
+
+def test_attach_never_waits_on_a_dead_creator_and_names_a_live_one(shm_dir):
+    creator = worker("table", "hang_in_fill")
+    assert report(creator)["filling"]
+    began = time.monotonic()
+    with pytest.raises(TimeoutError, match=f"waited 0.3 s for process {creator.pid} to fill"):
+        sm.attach("table", NBYTES, pattern_fill, timeout=0.3)
+    kill(creator)  # mid-fill: its half-filled segment is gone with it
+    segment = sm.attach("table", NBYTES, pattern_fill, timeout=ATTACH_LIMIT_S)
+    assert segment.created and time.monotonic() - began < ATTACH_LIMIT_S
+    segment.close()
+    del segment
+    assert_nothing_left(shm_dir)
+
+
+def test_a_stopped_holder_is_named_not_waited_on(shm_dir, monkeypatch):
+    monkeypatch.setattr(sm, "HANDOVER_SECONDS", 0.3)
+    holder = worker("table")
+    assert report(holder)["created"]
+    os.kill(holder.pid, signal.SIGSTOP)
+    try:
+        while any(open(f"/proc/{holder.pid}/task/{task}/stat").read().split(") ")[1][0] != "T"
+                  for task in os.listdir(f"/proc/{holder.pid}/task")):
+            time.sleep(0.001)  # every thread stopped (the signal is asynchronous)
+        with pytest.raises(TimeoutError, match=f"process.es. {holder.pid} hold .* did not hand"):
+            sm.attach("table", NBYTES, pattern_fill)
+    finally:
+        kill(holder)
+    assert_nothing_left(shm_dir)
+
+
+def test_twenty_rounds_of_a_four_process_kill_race_leave_nothing(shm_dir):
+    """Four processes attach one segment (the creator's fill lasts 0.1 s); one to four of them
+    are killed, each at a random moment (starting, waiting, filling) or once attached. The
+    others and a process starting afterwards attach well within the limit, to the whole rows;
+    once the rest are killed nothing is left."""
+    rng = random.Random(31)
+    want = (bytes(range(251)) * (NBYTES // 251 + 1))[:NBYTES]
+    killed_attached = 0
+    for round_ in range(20):
+        key = f"race {round_}"
+        processes = [worker(key, delay=0.1) for _ in range(4)]
+        victims = rng.sample(processes, rng.randint(1, 4))
+        for victim in victims:
+            if rng.random() < 0.25:  # once attached (maybe the creator: the others go on)
+                attached = report(victim)
+                assert attached["complete"] and attached["seconds"] < ATTACH_LIMIT_S
+                killed_attached += 1
+            else:
+                time.sleep(rng.uniform(0, 0.15))
+            kill(victim)
+        survivors = [p for p in processes if p not in victims]
+        for process in survivors:
+            attached = report(process)
+            assert attached["complete"] and attached["seconds"] < ATTACH_LIMIT_S, (round_,
+                                                                                   attached)
+        began = time.monotonic()  # a process starting now attaches at once, or fills afresh
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            segment = sm.attach(key, NBYTES, pattern_fill, timeout=ATTACH_LIMIT_S)
+        assert time.monotonic() - began < ATTACH_LIMIT_S
+        assert segment.memory[:] == want and segment.created == (not survivors), round_
+        segment.close()
+        del segment
+        for process in survivors:
+            kill(process)
+        assert_nothing_left(shm_dir)
+    assert killed_attached > 0
 
 
 # --- on a GPU -------------------------------------------------------------------------------

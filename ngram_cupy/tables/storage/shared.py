@@ -3,8 +3,10 @@
 The first process to ask for the rows fills the segment; the others map it. On a GPU each
 process page-locks its mapping (``cudaHostRegister``, as ``"pinned"`` does with private
 memory), so the GPU reads the rows over UVA and every GPU lookup, prefetch and hot tier works as
-over a pinned table; without a GPU the CPU gathers read the mapping. The rows are read-only:
-other processes read them too.
+over a pinned table; without a GPU the CPU gathers read the mapping. ``write_rows`` refuses:
+other processes read the rows too. The mapping itself (``segment.memory``) is shared and
+writable in every process, for callers that coordinate writes themselves. Where shared memory
+cannot hold the rows they are in private memory (``segment.shared`` False, with a warning).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class SharedStorage(Storage):
 
     ``fill(rows)`` writes the raw rows (a writable NumPy ``[num_rows, head_dim]`` array of
     ``fmt.raw``) when this process creates the segment; it is not called when it attaches.
+    ``timeout`` and ``strict``: as ``shared_memory.attach``.
     """
 
     placement = "shared"
@@ -44,7 +47,7 @@ class SharedStorage(Storage):
 
     def __init__(self, key: str, num_rows: int, head_dim: int, fmt: Format,
                  fill: Callable[[np.ndarray], None], *, huge_pages: bool | None = None,
-                 timeout: float | None = None):
+                 timeout: float | None = None, strict: bool | None = None):
         if fmt.blocked:
             raise ValueError(f"placement='shared' holds tables of one array; {fmt.name} rows "
                              "carry block scales beside them: use placement 'pinned' or 'cpu'")
@@ -56,7 +59,8 @@ class SharedStorage(Storage):
 
         key = json.dumps({"rows": key, "shape": list(shape), "format": fmt.name})
         self.segment = shared_memory.attach(key, self.nbytes, fill_memory,
-                                            huge_pages=huge_pages, timeout=timeout)
+                                            huge_pages=huge_pages, timeout=timeout,
+                                            strict=strict)
         try:
             self.buffer = (PinnedBuffer(self.nbytes, memory=self.segment.memory)
                            if gpu_available() else None)
@@ -88,8 +92,8 @@ class SharedStorage(Storage):
             self.buffer.used_on(stream)
 
     def close(self) -> None:
-        """Unregister (after the streams that read it) and detach: the last process to detach
-        removes the segment. The host view stays readable while it lives."""
+        """Unregister (after the streams that read it) and detach: the kernel frees the segment
+        once no process holds or maps it. The host view stays readable while it lives."""
         if self.buffer is not None:
             self.buffer.close()
             self.device_view = None
