@@ -43,9 +43,9 @@ PathLike = str | os.PathLike
 
 
 def ngram_config(text_config) -> NGramConfig:
-    """The library's config of a transformers ``Qwen4ExpTextConfig``. Decoder layers in
-    ``ple_layer_ids`` become 0-based (module names), and a list of EOS ids gives its first, as
-    transformers' layer takes it."""
+    """The library's config of a transformers ``Qwen4ExpTextConfig``: ``ple_layer_ids`` kept as
+    transformers writes them (from 1), and a list of EOS ids gives its first, as transformers'
+    layer takes it."""
     eos = text_config.eos_token_id
     return NGramConfig(
         vocab_size=text_config.vocab_size,
@@ -57,7 +57,7 @@ def ngram_config(text_config) -> NGramConfig:
         seed=text_config.seed,
         make_ngram_vocab_size_divisible_by=text_config.make_ngram_vocab_size_divisible_by,
         split_ngram_parts=text_config.split_ngram_parts,
-        ple_layer_ids=tuple(i - 1 for i in text_config.ple_layer_ids),
+        ple_layer_ids=tuple(text_config.ple_layer_ids),
         ple_embedding_dtype=getattr(text_config, "ple_embedding_dtype", None),
     )
 

@@ -77,11 +77,12 @@ def global_scale_key(prefix: str) -> str:
 
 
 def default_prefix(layout: LayerLayout) -> str:
-    """``model.layers.{i}.ple.ple_embedding`` with ``i`` the layer's decoder layer number."""
+    """``model.layers.{i}.ple.ple_embedding`` with ``i`` the layer's decoder module index
+    (``ple_layer_ids`` counts from 1, module names from 0)."""
     ids = layout.config.ple_layer_ids
     if ids is not None and layout.layer >= len(ids):
         raise ValueError(f"layer {layout.layer} is past ple_layer_ids {ids}")
-    decoder_layer = layout.layer if ids is None else ids[layout.layer]
+    decoder_layer = layout.layer if ids is None else ids[layout.layer] - 1
     return f"model.layers.{decoder_layer}.ple.ple_embedding"
 
 
@@ -113,8 +114,9 @@ def _decoder_layer(prefix: str) -> int | None:
 
 
 def find_prefix(names: Iterable[str], config: NGramConfig, layer: int) -> str:
-    """The prefix of dense PLE layer ``layer``: the prefix whose decoder layer number is
-    ``config.ple_layer_ids[layer]`` when set, else the ``layer``-th PLE prefix in decoder order."""
+    """The prefix of dense PLE layer ``layer``: the prefix whose decoder module index is
+    ``config.ple_layer_ids[layer] - 1`` when set (the ids count from 1, as transformers and vLLM
+    write them; module names from 0), else the ``layer``-th PLE prefix in decoder order."""
     prefixes = ple_prefixes(names)
     if not prefixes:
         raise ValueError(
@@ -128,8 +130,10 @@ def find_prefix(names: Iterable[str], config: NGramConfig, layer: int) -> str:
     if config.ple_layer_ids is not None:
         if layer >= len(config.ple_layer_ids):
             raise ValueError(f"layer {layer} is past ple_layer_ids {config.ple_layer_ids}")
-        wanted = f"decoder layer {config.ple_layer_ids[layer]} (ple_layer_ids[{layer}])"
-        candidates = numbered.get(config.ple_layer_ids[layer], [])
+        module = config.ple_layer_ids[layer] - 1
+        wanted = (f"decoder module {module} (ple_layer_ids[{layer}] = "
+                  f"{config.ple_layer_ids[layer]}, counted from 1)")
+        candidates = numbered.get(module, [])
     elif len(prefixes) == 1:
         wanted, candidates = f"PLE layer {layer}", prefixes if layer == 0 else []
     else:

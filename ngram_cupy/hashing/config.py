@@ -17,7 +17,9 @@ naming the field and the value outside it):
   deterministic Miller-Rabin test, so any layout is computed in about a second.
 - ``eos_token_id`` in ``[0, vocab_size)``; ``seed`` an int64 or uint64 value;
   ``split_ngram_parts`` in ``[1, 2**16]``; ``embedding_dim`` in ``[1, 2**24]`` and a multiple of
-  ``num_heads``; ``ple_layer_ids`` distinct, in ``[0, 2**31)``.
+  ``num_heads``; ``ple_layer_ids`` distinct, in ``[1, 2**31)``: decoder layer numbers counted
+  from 1, as transformers and vLLM write them (PLE layer ``k`` runs in the decoder module
+  ``model.layers.{ple_layer_ids[k] - 1}``).
 """
 
 from __future__ import annotations
@@ -127,7 +129,8 @@ class NGramConfig:
                 )
         if self.ple_layer_ids is not None:
             for layer_id in self.ple_layer_ids:
-                _require_range("ple_layer_ids", layer_id, 0, MAX_LAYER_ID)
+                _require_range("ple_layer_ids", layer_id, 1, MAX_LAYER_ID,
+                               " (decoder layers counted from 1)")
             if len(set(self.ple_layer_ids)) != len(self.ple_layer_ids):
                 raise ValueError(f"ple_layer_ids must be distinct, got {self.ple_layer_ids}")
             if len(self.ple_layer_ids) * self.num_heads > MAX_LAYOUT_PRIMES:
