@@ -204,27 +204,39 @@ class TableWeights(torch.nn.Module):
 
 
 class NGramEmbeddingModule(torch.nn.Module):
-    """Dense PLE layer ``layer`` of ``config``: ids of a packed batch, then their table rows.
+    """Dense PLE layer ``layer`` of ``config``: ids of a packed batch, then their table rows,
+    with the reference model's layer shape (``forward(hidden_states, input_ids,
+    query_start_loc, ngram_context)`` or vLLM 0.33's three-argument form without
+    ``hidden_states``).
 
-    ``placement``: ``"gpu"`` (device memory), ``"pinned"`` (host memory the GPU reads),
-    ``"cpu"``, or ``"shared"``: rows are loaded into private memory, then, once ``load_weights``
-    (or ``load_state_dict``) has every shard, moved into the node's shared segment named by
-    their content (the first process fills it, the others attach) and the private copy dropped;
-    the rows are read-only from then on. ``weight_dtype``: the table's storage type (float32,
-    float16, bfloat16 or float8_e4m3fn, as a torch dtype or a name); by default
-    ``config.ple_embedding_dtype``, else torch's default dtype, as the reference layer does. The
-    table is allocated here and filled by ``load_weights`` (or ``load_state_dict``); lookups
-    give bfloat16 for float8 and bfloat16 tables, the storage type otherwise. ``hot_rows``
-    (sorted unique row ids, e.g. from ``ngram-cupy stats --save-hot-rows``; placement
-    ``"pinned"`` or ``"cpu"``) puts those rows in a hot tier (GPU memory for a pinned table)
-    that lookups read them from; every load path keeps it current, and a caller who changes
-    ``ngram_embedding.weight`` in place calls ``refresh_hot_rows()`` afterwards.
-    ``return_stored_rows=True``: ``forward`` returns the rows as stored (float8 rows unscaled, as
-    float8), for ``dequantize`` to decode, as vLLM 0.33's layer does; formats vLLM decodes in the
-    lookup (block-scaled) come back decoded. ``scale_rounding``: how the float8 scale rounds
-    (``EmbeddingTable``; default ``"output"``, as vLLM 0.33). ``out_dtype``: the lookups'
-    dtype (bfloat16, float16 or float32, the model's; default as above), so that rows vLLM
-    decodes in the lookup (NVFP4) are rounded once, to it.
+    Args:
+        config: the model's :class:`~ngram_cupy.NGramConfig`; it must set ``embedding_dim``.
+        layer: the PLE layer, counted from 0 (``config.ple_layer_ids[layer]`` is its decoder
+            layer, counted from 1).
+        placement: ``"gpu"`` (default; device memory), ``"pinned"`` (host memory the GPU reads),
+            ``"cpu"``, or ``"shared"``: rows load into private memory, then, once every shard is
+            in, move into the node's shared segment named by their content (the first process
+            fills it, the others attach) and stay read-only.
+        weight_dtype: the table's storage type: float32, float16, bfloat16, float8_e4m3fn (also
+            ``"fp8"``), ``"nvfp4"`` or ``"mxfp8"``, as a torch dtype or a name. Default None:
+            ``config.ple_embedding_dtype``, else torch's default dtype, as the reference layer.
+        hot_rows: sorted unique row ids (e.g. ``ngram-cupy stats --save-hot-rows``; placement
+            ``"pinned"`` or ``"cpu"``) served from a hot tier (GPU memory for a pinned table);
+            every load path keeps it current; after changing ``ngram_embedding.weight`` in
+            place call ``refresh_hot_rows()``. Default None.
+        return_stored_rows: ``forward`` returns float8 rows as stored (unscaled, float8), for
+            ``dequantize`` to decode, as vLLM 0.33's layer does (default False); block-scaled
+            rows come back decoded.
+        scale_rounding: ``"output"`` (default, as vLLM 0.33) or ``"float32"``
+            (see :class:`~ngram_cupy.EmbeddingTable`).
+        out_dtype: the lookups' dtype: bfloat16, float16 or float32 (a torch dtype or name).
+            Default None: bfloat16 for float8, bfloat16 and block-scaled tables, else the
+            storage type; NVFP4 rows are rounded once, to it.
+
+    Returns:
+        The module; the table is allocated here and filled by ``load_weights(pairs)`` (the
+        checkpoint's names relative to the layer) or ``load_state_dict``; ``forward`` gives
+        ``[T, num_heads * head_dim]``.
     """
 
     def __init__(self, config: NGramConfig, layer: int, *, placement: str = "gpu",

@@ -315,23 +315,43 @@ def load_ngram_embedding(
 ):
     """Load one PLE layer from a safetensors checkpoint into a ready ``NGramEmbedding``.
 
-    ``path``: a model folder (its ``model.safetensors.index.json``, else every
-    ``*.safetensors``), an index json, one file, or a list of files. ``layer`` is the dense PLE
-    index; ``prefix=None`` finds its tensors from the names (see :func:`find_prefix`). The hash
-    buffers are checked against the derived layout, every shard's shape and dtype against the
-    split, before any row is copied. Rows are copied shard by shard (peak extra memory: one
-    shard), or with ``placement="mmap"`` served straight from the mapped files; with
-    ``placement="shared"`` into one shared-memory segment per node, filled by the first process
-    and attached by the others (:func:`shared_key` names it). With
-    ``world_size > 1`` only this rank's rows (:func:`split_rows`) are read. ``progress``: a
-    tqdm bar (None: only on a terminal, and only if loading takes over a second).
-    ``hot_rows``: sorted unique global row ids (``ngram-cupy stats --save-hot-rows``) to serve
-    from a hot tier (see ``EmbeddingTable``); a rank keeps those among its own rows.
-    ``weight_dtype``: the table's storage type. By default the checkpoint's rows must be of the
-    config's ``ple_embedding_dtype`` when it names one (bf16 rows for a float8 config are refused,
-    naming both: they would load at twice the memory); ``"stored"`` takes whatever the checkpoint
-    holds; a dtype converts unscaled rows (float32, float16, bfloat16) to it while loading.
-    ``scale_rounding``: how a float8 table's scale rounds (``EmbeddingTable``).
+    The hash buffers are checked against the derived layout and every shard's shape and dtype
+    against the split before any row is copied; rows are copied shard by shard (peak extra
+    memory: one shard), with a progress bar on a terminal.
+
+    Args:
+        path: a model folder (its ``model.safetensors.index.json``, else every
+            ``*.safetensors`` in it), an index json, one ``.safetensors`` file, or a list.
+        config: the model's :class:`~ngram_cupy.NGramConfig` (e.g. ``NGramConfig.from_hf(path)``;
+            it must set ``embedding_dim``).
+        layer: the PLE layer, counted from 0. With ``config.ple_layer_ids`` (decoder layers
+            counted from 1, as transformers and vLLM write them) its tensors are those of the
+            module ``model.layers.{ple_layer_ids[layer] - 1}``; without, the ``layer``-th PLE
+            prefix in decoder order (:func:`find_prefix`).
+        prefix: the tensors' name prefix, e.g. ``"model.layers.0.ple.ple_embedding"``; default
+            None: found as above.
+        placement: ``"cpu"`` (default), ``"gpu"``, ``"pinned"`` / ``"host"``, ``"shared"`` (one
+            segment per node, filled by the first process and attached by the others) or
+            ``"mmap"`` (rows served from the mapped files, nothing copied).
+        rank, world_size: row sharding: this rank reads only rows
+            ``[rank * ceil(N / world_size), (rank + 1) * ceil(N / world_size))``; default 0, 1.
+        progress: a tqdm bar; default None: only on a terminal and only if loading takes over
+            a second.
+        hot_rows: sorted unique global row ids served from a hot tier (see
+            :class:`~ngram_cupy.EmbeddingTable`); a rank keeps those among its rows. Default None.
+        weight_dtype: default None: the rows must be of the config's ``ple_embedding_dtype``
+            when it names one (bf16 rows for a float8 config are refused, naming both);
+            ``"stored"``: whatever the checkpoint holds; a dtype (float32, float16, bfloat16)
+            converts unscaled rows to it while loading.
+        scale_rounding: ``"output"`` (default, vLLM 0.33) or ``"float32"`` (EmbeddingTable).
+
+    Returns:
+        An :class:`~ngram_cupy.NGramEmbedding`: ``embedding(tokens, query_start_loc, context)``
+        gives ``[T, num_heads * head_dim]``; its ``table`` is the loaded EmbeddingTable.
+
+    Raises:
+        ValueError naming the tensor (and the first differing value) for a checkpoint that
+        does not match the config; TypeError for a config that is not an NGramConfig.
     """
     if not isinstance(config, NGramConfig):
         raise TypeError(f"config must be an NGramConfig, got {type(config).__name__}")

@@ -60,7 +60,32 @@ def _require_int(name: str, value: Any) -> int:
 
 @dataclass(frozen=True)
 class NGramConfig:
-    """Hash and table parameters shared by every PLE layer of one model."""
+    """Hash and table parameters shared by every PLE layer of one model (ranges: module doc).
+
+    Args:
+        vocab_size: the tokenizer's vocabulary, ``[1, 2**32]``.
+        ngram_size: the longest n-gram, ``[2, 64]``; orders 2..ngram_size are hashed.
+        heads_per_ngram: hash heads per order, ``[1, 1024]``; ``num_heads = (ngram_size - 1) *
+            heads_per_ngram <= 1024``.
+        ngram_vocab_size_base: the base table size a head's prime size is searched above,
+            ``[1, 2**48]``.
+        eos_token_id: the token that cuts the n-gram history, ``[0, vocab_size)``.
+        embedding_dim: ``num_heads * head_dim`` (config key ``ple_embed_dim``), a multiple of
+            ``num_heads`` in ``[1, 2**24]``; default None: unknown (ids only, no tables).
+        seed: the hash multipliers' seed, an int64 or uint64 value; default 1234.
+        make_ngram_vocab_size_divisible_by: rows are padded to a multiple of it, ``[1, 2**32]``;
+            default 1.
+        split_ngram_parts: checkpoint shards per table, ``[1, 2**16]``; default 512.
+        ple_layer_ids: the decoder layers that have a PLE layer, counted from 1 as transformers
+            and vLLM write them (PLE layer ``k`` is module ``model.layers.{ids[k] - 1}``),
+            distinct, in ``[1, 2**31)``; default None: unknown (checkpoint prefixes are then
+            taken in decoder order).
+        ple_embedding_dtype: the tables' storage type by name (``"float8_e4m3fn"``,
+            ``"bfloat16"``, ``"nvfp4"``, ...); default None: not stated.
+
+    Raises:
+        ValueError naming the field and the value when one is outside its range.
+    """
 
     vocab_size: int
     ngram_size: int
@@ -166,7 +191,16 @@ class NGramConfig:
 
     @classmethod
     def from_hf(cls, path_or_dict: str | os.PathLike | dict) -> NGramConfig:
-        """Read a Hugging Face style ``config.json`` (a file, a model folder, or a dict)."""
+        """Read a Hugging Face style ``config.json``: the keys of the constructor's arguments
+        (``ple_embed_dim`` for ``embedding_dim``; a one-element ``eos_token_id`` list gives its
+        id; ``text_config`` fields are merged in), unknown keys ignored.
+
+        Args:
+            path_or_dict: a ``config.json`` file, a model folder holding one, or a dict.
+
+        Returns:
+            The :class:`NGramConfig`; ``ple_layer_ids`` kept as written (counted from 1).
+        """
         raw = read_hf_config(path_or_dict)
         required = ("vocab_size", "ngram_size", "heads_per_ngram", "ngram_vocab_size_base",
                     "eos_token_id")
