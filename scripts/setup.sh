@@ -16,7 +16,8 @@ case "$MODE" in
   *) echo "usage: sh scripts/setup.sh run|test [pytest arguments]" >&2; exit 2 ;;
 esac
 if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; then
-  echo "setup.sh: ngram_cupy needs Python 3.10 or newer; '$PYTHON' is not (set PYTHON=...)" >&2
+  echo "setup.sh: ngram_cupy needs Python 3.10 or newer; '$PYTHON' is missing or older" \
+       "(set PYTHON=...)" >&2
   exit 1
 fi
 if [ ! -x .venv/bin/python ]; then

@@ -107,9 +107,9 @@ class EmbeddingTable:
         weight: the rows, ``[rows, head_dim]`` (NVFP4: uint8 ``[rows, head_dim / 2]``, two E2M1
             codes a byte, low nibble first): a NumPy, CuPy or torch array, anything exporting
             DLPack, or a ``tables.storage.Storage``.
-        scale: a scalar multiplied into every value, or None (default). float8: the checkpoint's
-            ``weight_scale`` (any float type); NVFP4: the float32 global scale
-            (``weight_scale_2``); not allowed for unscaled formats or MXFP8.
+        scale: a finite scalar multiplied into every value, or None (default). float8: the
+            checkpoint's ``weight_scale`` (any float type); NVFP4: the float32 global scale
+            (``weight_scale_2``); refused for MXFP8, whose block scales are its only ones.
         placement: ``"cpu"`` (default; NumPy, gathered by Numba on all cores), ``"gpu"``
             (device memory), ``"pinned"`` or its alias ``"host"`` (page-locked host memory of
             exactly the table's size, read by the GPU over PCIe; without a GPU, ordinary memory
