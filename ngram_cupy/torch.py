@@ -1,7 +1,7 @@
 """``NGramEmbeddingModule``: one PLE layer as a ``torch.nn.Module`` shaped like the reference layer.
 
 A model written for the reference layer can use it in its place: the same ``forward`` and
-``start_prefetch`` arguments (the seed's, with ``hidden_states`` first, or vLLM 0.33's, without),
+``start_prefetch`` arguments (four with ``hidden_states`` first, or vLLM 0.33's three),
 the same ``[T, num_heads * head_dim]`` output, the same checkpoint names in ``load_weights`` and
 the same ``state_dict`` keys; with ``return_stored_rows=True`` it returns the stored rows that
 vLLM 0.33's PLE layer decodes with ``ngram_embedding.dequantize(rows, dtype)``. Underneath it is an
@@ -45,7 +45,7 @@ def _is_ignored(name: str) -> bool:
 
 def batch_arguments(method: str, args: tuple, kwargs: dict) -> tuple[torch.Tensor, ...]:
     """``(input_ids, query_start_loc, ngram_context)`` of a call in either layer shape: vLLM
-    0.33's three tensors, or the seed's four with ``hidden_states`` (a floating tensor or None,
+    0.33's three tensors, or four with ``hidden_states`` (a floating tensor or None,
     not read) first. The count of arguments decides, so no tensor is taken for another."""
     seed = "hidden_states" in kwargs or len(args) + len(kwargs) == len(SEED_BATCH)
     names = SEED_BATCH if seed else BATCH
@@ -85,7 +85,7 @@ def stored_rows_format(fmt: Format) -> Format | None:
     """The output format a lookup of stored rows gathers in: the storage format itself when
     lookups produce it (the values come back unchanged), bfloat16 for float8 e4m3 (it holds every
     float8 value exactly, so casting back restores the stored value; a NaN keeps no sign). None
-    for formats whose rows vLLM decodes inside the lookup (block-scaled ones, SPEC 10.4)."""
+    for formats whose rows vLLM decodes inside the lookup (block-scaled ones)."""
     if fmt.output:
         return fmt
     return FORMATS[BFLOAT16] if fmt.code == FLOAT8_E4M3 else None
@@ -394,10 +394,10 @@ class NGramEmbeddingModule(torch.nn.Module):
         """``[T, num_heads * head_dim]`` embeddings of ``(input_ids, query_start_loc,
         ngram_context)`` in ``self.out_dtype`` (the stored rows with ``return_stored_rows``).
 
-        The seed's ``(hidden_states, input_ids, query_start_loc, ngram_context)`` is taken too;
+        ``(hidden_states, input_ids, query_start_loc, ngram_context)`` is taken too;
         ``hidden_states`` is not read. After ``start_prefetch`` this joins the prefetch and
         gathers again only heads whose ids changed, so a stale prefetch costs time, never
-        correctness. ``input_ids`` may be padded past ``query_start_loc[-1]`` (SPEC 10.3).
+        correctness. ``input_ids`` may be padded past ``query_start_loc[-1]`` (docs/ids.md).
         """
         self._check_loaded()
         input_ids, query_start_loc, ngram_context, stream = self._batch(
@@ -413,7 +413,7 @@ class NGramEmbeddingModule(torch.nn.Module):
 
     def start_prefetch(self, *args: torch.Tensor | None, **kwargs: torch.Tensor | None) -> None:
         """Start gathering the rows of ``(input_ids, query_start_loc, ngram_context)`` (vLLM
-        0.33's call; the seed's, with ``hidden_states`` first, too) while the preceding decoder
+        0.33's call; four with ``hidden_states`` first, too) while the preceding decoder
         layer runs (a side CUDA stream, or a worker thread on the CPU); ``forward`` joins it.
         Nothing for a table in GPU memory, as in the reference layer."""
         batch = batch_arguments("start_prefetch", args, kwargs)

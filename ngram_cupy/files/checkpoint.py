@@ -1,10 +1,10 @@
-"""The PLE checkpoint layout (SPEC section 5): tensor names, shard and rank row ranges, buffer
+"""The PLE checkpoint layout (docs/checkpoints.md): tensor names, shard and rank row ranges, buffer
 verification, prefix detection, and loading into / saving from an embedding table.
 
 One layer under prefix ``P`` holds the int64 buffers ``P.layer_multipliers``,
 ``P.ngram_heads_vocab_sizes`` and ``P.ngram_heads_offsets``, the table rows split into
 ``P.ngram_embedding.shard_{i}.weight`` for ``i < split_ngram_parts``, and for float8 tables the
-scalar ``P.ngram_embedding.weight_scale``. NVFP4 tables (SPEC 10.2) store vLLM's names: per shard
+scalar ``P.ngram_embedding.weight_scale``. NVFP4 tables store vLLM's names: per shard
 the packed ``shard_{i}.weight`` (U8) and its block scales ``shard_{i}.weight_scale`` (F8_E4M3),
 and the float32 global scale ``P.ngram_embedding.weight_scale_2``.
 """

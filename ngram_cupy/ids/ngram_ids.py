@@ -1,10 +1,10 @@
-"""Public entry points for n-gram ids and context rolling (SPEC sections 2 and 3).
+"""Public entry points for n-gram ids and context rolling (docs/ids.md).
 
 NumPy arguments (or torch CPU tensors, viewed zero-copy) run the Numba CPU kernels; CuPy arrays,
 CUDA torch tensors and other CUDA arrays run the Numba CUDA kernels on the caller's stream.
 Results follow the inputs (``backends``): NumPy for NumPy, CuPy for CuPy, torch for torch, and a
 given ``out`` is what is returned. A batch padded to a CUDA-graph size (``input_ids`` longer than
-``query_start_loc[R]``, SPEC 10.3) gives its padded tokens vLLM's ids, those of tokens appended to
+``query_start_loc[R]``) gives its padded tokens vLLM's ids, those of tokens appended to
 the last request; ``advance_context`` ignores them.
 """
 
