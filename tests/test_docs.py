@@ -16,6 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCUMENTS = [*PAGES, ROOT / "BENCHMARKS.md", ROOT / "data" / "README.md"]  # links, citations
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 NEEDS = re.compile(r"#\s*needs:\s*(.*)")
 LINK = re.compile(r"\]\(([^)\s]+)\)")
@@ -108,7 +109,7 @@ def links(page: Path) -> list[str]:
             if not re.match(r"[a-z]+:|#", target)]
 
 
-@pytest.mark.parametrize("page", PAGES, ids=relative)
+@pytest.mark.parametrize("page", DOCUMENTS, ids=relative)
 def test_relative_links_point_at_files(page):
     broken = []
     for target in links(page):
@@ -130,6 +131,6 @@ def test_the_readme_and_the_index_list_every_page():
 def test_the_documents_stand_alone():
     """No document cites one outside the repository (a specification, the model code's file)."""
     outside = re.compile(r"\bSPEC\b|\bseed/|the seed's|\.\./shared")
-    cited = [relative(page) for page in PAGES if outside.search(page.read_text())]
+    cited = [relative(page) for page in DOCUMENTS if outside.search(page.read_text())]
     assert not cited
     assert len((ROOT / "README.md").read_text().splitlines()) <= 260
