@@ -99,10 +99,31 @@ def merge_into(path: str, fresh: dict[str, str], order: list[str]) -> None:
     blocks.update(fresh)
     body = "\n".join(blocks[name] for name in order if name in blocks)
     with atomic_file(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
-        f.write(REPORT_HEAD + "\n\nWritten by `python bench.py`; each section says where and "
-                "when it ran. Ratios compare with baselines measured in the same run; CPU sections "
-                "run every case idle, beside busy programs and beside torch, against the same call "
-                "on one thread.\n\n" + body)
+        f.write(f"{REPORT_HEAD}\n\n{report_intro(os.path.splitext(os.path.basename(path))[0])}"
+                f"\n\n{body}")
+
+
+def report_intro(plot_name: str) -> str:
+    """What every report says before its sections: how to read the ratio columns, the run's
+    sizes and duration, and the plot beside it."""
+    return (
+        "Written by `python bench.py`; each section says where and when it ran. Ratios compare "
+        "with baselines measured in the same run; CPU sections run every case idle, beside busy "
+        "programs and beside torch, against the same call on one thread.\n\n"
+        "- **Ratio columns** (`default / one thread`, `x fp8`, ...) are the *median of paired "
+        "ratios*: the two calls run in alternation, each pair gives one ratio, and the column is "
+        "the median of those ratios. It is not the quotient of the two time columns beside it "
+        "(those are medians of each call's own times), and it follows a load that changes "
+        "between pairs.\n"
+        "- **Sizes**: the tables are the full run's. `--quick` runs smaller cases (ids 1 x "
+        "262,144 tokens instead of 1 x 1,048,576; gathers from 1,048,576 rows instead of "
+        "4,194,304, without the 65,536-token case; 5 end-to-end rounds instead of 15; GPU "
+        "sections smaller tables and copies) and marks its stamps `--quick`.\n"
+        "- **Duration**: `--quick` takes about 4 minutes on a busy 2-core machine; the full run "
+        "was not timed as a whole (the figures here were measured section by section); bench.py "
+        "now prints each section's time and the whole run's at the end.\n\n"
+        f"![Throughput against batch size and contended times in one-thread times]"
+        f"({plot_name}.png)")
 
 
 def plot(sections: list[Section], path: str) -> bool:

@@ -6,6 +6,7 @@ import argparse
 import datetime
 import os
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -151,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     measured: list[Section] = []
     failed: list[str] = []
     stamp = f"{datetime.date.today().isoformat()}{', --quick' if args.quick else ''}"
+    run_start = time.perf_counter()
     for bench in benches:
         if wanted is not None and bench.name not in wanted:
             continue
@@ -160,8 +162,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.device != "auto" and bench.device != args.device:
             continue
         print(f"[run] {bench.name}", flush=True)
+        section_start = time.perf_counter()
         try:
             measured.append(bench.run(args.quick))
+            print(f"[time] {bench.name}: {time.perf_counter() - section_start:.0f} s", flush=True)
         except Exception:  # one failing section must not cost the others' figures
             traceback.print_exc()
             failed.append(bench.name)
@@ -175,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {markdown}", flush=True)
     if png is not None and measured and plot(measured, png):
         print(f"wrote {png}")
+    print(f"bench.py: the run took {(time.perf_counter() - run_start) / 60:.1f} min", flush=True)
     if failed:
         print(f"bench.py: sections failed: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0

@@ -102,5 +102,5 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    """Public names, including those not imported yet."""
-    return sorted(set(globals()) | set(_EXPORTS))
+    """The public names only (``__all__`` and ``__version__``), imported or not."""
+    return sorted([*__all__, "__version__"])

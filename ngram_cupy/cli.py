@@ -630,6 +630,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
     variants = selected_variants(names, args.only)
     if not variants:
         raise UserError(f"--only {args.only!r} matches no kernel")
+    if args.list:
+        print("\n".join(variant.name for variant in variants))
+        return 0
     if args.jobs < 1:
         raise UserError(f"--jobs must be at least 1, got {args.jobs}")
     jobs = [(names, args.only, index, cc) for cc in args.arch for index in range(len(variants))]
@@ -783,6 +786,8 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1),
                        help="compiler processes (default: the CPUs, at most 8)")
     build.add_argument("--quiet", action="store_true", help="only the summary line")
+    build.add_argument("--list", action="store_true",
+                       help="print the names of the kernels selected, one a line, and build none")
     build.set_defaults(run=cmd_compile)
     info = commands.add_parser("info", help="print the version and the backends in use",
                                description="The version, CPU threads and Numba's threading "

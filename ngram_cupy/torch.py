@@ -1,7 +1,7 @@
 """``NGramEmbeddingModule``: one PLE layer as a ``torch.nn.Module`` shaped like the reference layer.
 
 A model written for the reference layer can use it in its place: the same ``forward`` and
-``start_prefetch`` arguments (the seed's, with ``hidden_states`` first, or vLLM 0.33's, without),
+``start_prefetch`` arguments (four with ``hidden_states`` first, or vLLM 0.33's three),
 the same ``[T, num_heads * head_dim]`` output, the same checkpoint names in ``load_weights`` and
 the same ``state_dict`` keys; with ``return_stored_rows=True`` it returns the stored rows that
 vLLM 0.33's PLE layer decodes with ``ngram_embedding.dequantize(rows, dtype)``. Underneath it is an
@@ -45,7 +45,7 @@ def _is_ignored(name: str) -> bool:
 
 def batch_arguments(method: str, args: tuple, kwargs: dict) -> tuple[torch.Tensor, ...]:
     """``(input_ids, query_start_loc, ngram_context)`` of a call in either layer shape: vLLM
-    0.33's three tensors, or the seed's four with ``hidden_states`` (a floating tensor or None,
+    0.33's three tensors, or four with ``hidden_states`` (a floating tensor or None,
     not read) first. The count of arguments decides, so no tensor is taken for another."""
     seed = "hidden_states" in kwargs or len(args) + len(kwargs) == len(SEED_BATCH)
     names = SEED_BATCH if seed else BATCH
@@ -85,7 +85,7 @@ def stored_rows_format(fmt: Format) -> Format | None:
     """The output format a lookup of stored rows gathers in: the storage format itself when
     lookups produce it (the values come back unchanged), bfloat16 for float8 e4m3 (it holds every
     float8 value exactly, so casting back restores the stored value; a NaN keeps no sign). None
-    for formats whose rows vLLM decodes inside the lookup (block-scaled ones, SPEC 10.4)."""
+    for formats whose rows vLLM decodes inside the lookup (block-scaled ones)."""
     if fmt.output:
         return fmt
     return FORMATS[BFLOAT16] if fmt.code == FLOAT8_E4M3 else None
@@ -204,27 +204,39 @@ class TableWeights(torch.nn.Module):
 
 
 class NGramEmbeddingModule(torch.nn.Module):
-    """Dense PLE layer ``layer`` of ``config``: ids of a packed batch, then their table rows.
+    """Dense PLE layer ``layer`` of ``config``: ids of a packed batch, then their table rows,
+    with the reference model's layer shape (``forward(hidden_states, input_ids,
+    query_start_loc, ngram_context)`` or vLLM 0.33's three-argument form without
+    ``hidden_states``).
 
-    ``placement``: ``"gpu"`` (device memory), ``"pinned"`` (host memory the GPU reads),
-    ``"cpu"``, or ``"shared"``: rows are loaded into private memory, then, once ``load_weights``
-    (or ``load_state_dict``) has every shard, moved into the node's shared segment named by
-    their content (the first process fills it, the others attach) and the private copy dropped;
-    the rows are read-only from then on. ``weight_dtype``: the table's storage type (float32,
-    float16, bfloat16 or float8_e4m3fn, as a torch dtype or a name); by default
-    ``config.ple_embedding_dtype``, else torch's default dtype, as the reference layer does. The
-    table is allocated here and filled by ``load_weights`` (or ``load_state_dict``); lookups
-    give bfloat16 for float8 and bfloat16 tables, the storage type otherwise. ``hot_rows``
-    (sorted unique row ids, e.g. from ``ngram-cupy stats --save-hot-rows``; placement
-    ``"pinned"`` or ``"cpu"``) puts those rows in a hot tier (GPU memory for a pinned table)
-    that lookups read them from; every load path keeps it current, and a caller who changes
-    ``ngram_embedding.weight`` in place calls ``refresh_hot_rows()`` afterwards.
-    ``return_stored_rows=True``: ``forward`` returns the rows as stored (float8 rows unscaled, as
-    float8), for ``dequantize`` to decode, as vLLM 0.33's layer does; formats vLLM decodes in the
-    lookup (block-scaled) come back decoded. ``scale_rounding``: how the float8 scale rounds
-    (``EmbeddingTable``; default ``"output"``, as vLLM 0.33). ``out_dtype``: the lookups'
-    dtype (bfloat16, float16 or float32, the model's; default as above), so that rows vLLM
-    decodes in the lookup (NVFP4) are rounded once, to it.
+    Args:
+        config: the model's :class:`~ngram_cupy.NGramConfig`; it must set ``embedding_dim``.
+        layer: the PLE layer, counted from 0 (``config.ple_layer_ids[layer]`` is its decoder
+            layer, counted from 1).
+        placement: ``"gpu"`` (default; device memory), ``"pinned"`` (host memory the GPU reads),
+            ``"cpu"``, or ``"shared"``: rows load into private memory, then, once every shard is
+            in, move into the node's shared segment named by their content (the first process
+            fills it, the others attach) and stay read-only.
+        weight_dtype: the table's storage type: float32, float16, bfloat16, float8_e4m3fn (also
+            ``"fp8"``), ``"nvfp4"`` or ``"mxfp8"``, as a torch dtype or a name. Default None:
+            ``config.ple_embedding_dtype``, else torch's default dtype, as the reference layer.
+        hot_rows: sorted unique row ids (e.g. ``ngram-cupy stats --save-hot-rows``; placement
+            ``"pinned"`` or ``"cpu"``) served from a hot tier (GPU memory for a pinned table);
+            every load path keeps it current; after changing ``ngram_embedding.weight`` in
+            place call ``refresh_hot_rows()``. Default None.
+        return_stored_rows: ``forward`` returns float8 rows as stored (unscaled, float8), for
+            ``dequantize`` to decode, as vLLM 0.33's layer does (default False); block-scaled
+            rows come back decoded.
+        scale_rounding: ``"output"`` (default, as vLLM 0.33) or ``"float32"``
+            (see :class:`~ngram_cupy.EmbeddingTable`).
+        out_dtype: the lookups' dtype: bfloat16, float16 or float32 (a torch dtype or name).
+            Default None: bfloat16 for float8, bfloat16 and block-scaled tables, else the
+            storage type; NVFP4 rows are rounded once, to it.
+
+    Returns:
+        The module; the table is allocated here and filled by ``load_weights(pairs)`` (the
+        checkpoint's names relative to the layer) or ``load_state_dict``; ``forward`` gives
+        ``[T, num_heads * head_dim]``.
     """
 
     def __init__(self, config: NGramConfig, layer: int, *, placement: str = "gpu",
@@ -382,10 +394,10 @@ class NGramEmbeddingModule(torch.nn.Module):
         """``[T, num_heads * head_dim]`` embeddings of ``(input_ids, query_start_loc,
         ngram_context)`` in ``self.out_dtype`` (the stored rows with ``return_stored_rows``).
 
-        The seed's ``(hidden_states, input_ids, query_start_loc, ngram_context)`` is taken too;
+        ``(hidden_states, input_ids, query_start_loc, ngram_context)`` is taken too;
         ``hidden_states`` is not read. After ``start_prefetch`` this joins the prefetch and
         gathers again only heads whose ids changed, so a stale prefetch costs time, never
-        correctness. ``input_ids`` may be padded past ``query_start_loc[-1]`` (SPEC 10.3).
+        correctness. ``input_ids`` may be padded past ``query_start_loc[-1]`` (docs/ids.md).
         """
         self._check_loaded()
         input_ids, query_start_loc, ngram_context, stream = self._batch(
@@ -401,7 +413,7 @@ class NGramEmbeddingModule(torch.nn.Module):
 
     def start_prefetch(self, *args: torch.Tensor | None, **kwargs: torch.Tensor | None) -> None:
         """Start gathering the rows of ``(input_ids, query_start_loc, ngram_context)`` (vLLM
-        0.33's call; the seed's, with ``hidden_states`` first, too) while the preceding decoder
+        0.33's call; four with ``hidden_states`` first, too) while the preceding decoder
         layer runs (a side CUDA stream, or a worker thread on the CPU); ``forward`` joins it.
         Nothing for a table in GPU memory, as in the reference layer."""
         batch = batch_arguments("start_prefetch", args, kwargs)

@@ -43,9 +43,9 @@ PathLike = str | os.PathLike
 
 
 def ngram_config(text_config) -> NGramConfig:
-    """The library's config of a transformers ``Qwen4ExpTextConfig``. Decoder layers in
-    ``ple_layer_ids`` become 0-based (module names), and a list of EOS ids gives its first, as
-    transformers' layer takes it."""
+    """The library's config of a transformers ``Qwen4ExpTextConfig``: ``ple_layer_ids`` kept as
+    transformers writes them (from 1), and a list of EOS ids gives its first, as transformers'
+    layer takes it."""
     eos = text_config.eos_token_id
     return NGramConfig(
         vocab_size=text_config.vocab_size,
@@ -57,7 +57,7 @@ def ngram_config(text_config) -> NGramConfig:
         seed=text_config.seed,
         make_ngram_vocab_size_divisible_by=text_config.make_ngram_vocab_size_divisible_by,
         split_ngram_parts=text_config.split_ngram_parts,
-        ple_layer_ids=tuple(i - 1 for i in text_config.ple_layer_ids),
+        ple_layer_ids=tuple(text_config.ple_layer_ids),
         ple_embedding_dtype=getattr(text_config, "ple_embedding_dtype", None),
     )
 
@@ -309,22 +309,32 @@ def use_ngram_cupy(model: torch.nn.Module, *, placement: str = "pinned",
                    checkpoint: PathLike | Sequence[PathLike] | None = None, weight_dtype=None,
                    hot_rows=None, **table_options) -> list[str]:
     """Replace every ``Qwen4ExpTextNGramEmbedding`` of a transformers Qwen4Exp model by a
-    :class:`CachedNGramEmbedding`; return the replaced module names.
+    :class:`CachedNGramEmbedding` holding this library's table; every check runs before any
+    module is replaced.
 
-    Without ``checkpoint`` the rows are the model's own, cast to ``weight_dtype`` (default: the
-    config's ``ple_embedding_dtype``, else the model's), shard by shard; the old tables are then
-    freed. ``checkpoint`` (a model folder, an index json, a file or a list of files) holds the
-    tables in the PLE checkpoint layout (shards) or as a single ``ngram_embedding.weight``; rows
-    are read from it shard by shard and never exist in the model dtype, so a model whose tables
-    are on the meta device works. ``placement``: ``"pinned"`` (page-locked host memory the GPU
-    reads; without a GPU, ordinary host memory), ``"gpu"``, ``"cpu"``, ``"shared"`` (one copy per
-    node, see ``EmbeddingTable``) or ``"mmap"`` (checkpoint only). ``hot_rows`` maps module
-    names (or dense PLE layer indexes) to hot row ids.
-    ``table_options``: ``prefetch`` (None: on for CUDA inputs with a host table), ``dedup`` (GPU
-    lookups fetch each distinct row once), ``progress`` (loading bar), ``scale_rounding`` (a
-    float8 table's scale: ``"output"``, vLLM 0.33's, the default, or ``"float32"``, one rounding
-    of ``f32(row) * f32(scale)``; see ``EmbeddingTable``). Every check runs before any module is
-    replaced.
+    Args:
+        model: any transformers ``Qwen4Exp*`` model (``torch.nn.Module``); its config's
+            ``ple_layer_ids`` count decoder layers from 1, as transformers writes them.
+        placement: ``"pinned"`` (default; page-locked host memory the GPU reads over PCIe;
+            without a GPU, ordinary host memory), ``"gpu"``, ``"cpu"``, ``"shared"`` (one copy
+            per node) or ``"mmap"`` (the checkpoint's mapped files; needs ``checkpoint``).
+        checkpoint: a model folder, an index json, a file or a list of files holding the tables
+            in the PLE checkpoint layout (shards) or as one ``ngram_embedding.weight``; rows are
+            read shard by shard in their own dtype and never exist in the model dtype, so tables
+            on the meta device work. Default None: the model's own rows.
+        weight_dtype: the tables' storage type without ``checkpoint`` (float32, float16,
+            bfloat16, float8_e4m3fn, ``"nvfp4"``, ``"mxfp8"``); default None: the config's
+            ``ple_embedding_dtype``, else the model's dtype.
+        hot_rows: maps module names (or PLE layer indexes from 0) to sorted hot row ids;
+            default None.
+        **table_options: ``prefetch`` (True / False / None, the default: on for CUDA inputs
+            with a host table), ``dedup`` (bool, default False: GPU lookups read each distinct
+            row once), ``progress`` (a loading bar; None: on a terminal), ``scale_rounding``
+            (``"output"``, vLLM 0.33's and the default, or ``"float32"``).
+
+    Returns:
+        The replaced module names, in model order
+        (e.g. ``["model.layers.0.ple.ple_embedding", "model.layers.2.ple.ple_embedding"]``).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")

@@ -243,8 +243,10 @@ def test_prefix_in_decoder_order_not_text_order():
 
 
 def test_prefix_through_ple_layer_ids():
-    config = nc.NGramConfig(**{**TINY.__dict__, "ple_layer_ids": (2, 9, 10)})
+    """ple_layer_ids count decoder layers from 1 (transformers, vLLM); module names from 0."""
+    config = nc.NGramConfig(**{**TINY.__dict__, "ple_layer_ids": (3, 10, 11)})
     assert ck.find_prefix(_names(10, 2, 9), config, 1) == "model.layers.9.ple.ple_embedding"
+    assert ck.default_prefix(nc.layer_layout(config, 2)) == "model.layers.10.ple.ple_embedding"
 
 
 def test_prefix_single_layer_without_number():
@@ -258,7 +260,8 @@ def test_prefix_single_layer_without_number():
         (_names(1, 5), 2, None, "none matches; found model.layers.1.ple.ple_embedding, "
          "model.layers.5.ple.ple_embedding"),
         (_names(3) + ["mtp.layers.3.ple.layer_multipliers"], 0, None, "several match"),
-        (_names(3, 4), 0, (7, 8), "decoder layer 7 .* none matches"),
+        (_names(3, 4), 0, (7, 8), r"decoder module 6 \(ple_layer_ids\[0\] = 7, counted from 1\):"
+         " none matches"),
         (_names(3), 1, (3,), "past ple_layer_ids"),
     ],
 )

@@ -590,6 +590,7 @@ def test_version_and_info(capsys):
 
 
 def test_info_names_the_kernel_cache_folder(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)  # whatever the caller's environment
     monkeypatch.setenv("NGRAM_CUPY_CACHE_DIR", str(tmp_path / "kernels"))
     assert run(["info"], capsys)[1].splitlines()[-1] == (
         f"kernel cache folder: {tmp_path / 'kernels'} (set by NGRAM_CUPY_CACHE_DIR)")
@@ -598,6 +599,22 @@ def test_info_names_the_kernel_cache_folder(tmp_path, capsys, monkeypatch):
     assert run(["info"], capsys)[1].splitlines()[-1] == (
         f"kernel cache folder: {tmp_path / '.cache' / 'ngram_cupy'} (default; set "
         "NGRAM_CUPY_CACHE_DIR)")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert run(["info"], capsys)[1].splitlines()[-1] == (
+        f"kernel cache folder: {tmp_path / 'xdg' / 'ngram_cupy'} (default; set "
+        "NGRAM_CUPY_CACHE_DIR)")
+
+
+def test_compile_list_prints_the_kernel_names_and_builds_none(capsys, monkeypatch):
+    from ngram_cupy.ids.kernel_set import SCHEMES, kernel_variants
+    from ngram_cupy.runtime import kernel_cache
+
+    monkeypatch.setattr(kernel_cache.KERNELS, "fetch", None)  # any build would fail here
+    status, stdout, _ = run(["compile", "--list"], capsys)
+    names = [variant.name for variant in kernel_variants([SCHEMES["released"]])]
+    assert status == 0 and stdout.splitlines() == names and len(names) > 3
+    status, stdout, _ = run(["compile", "--list", "--only", names[0]], capsys)
+    assert status == 0 and names[0] in stdout.splitlines()
 
 
 def test_every_argument_has_help():

@@ -109,6 +109,7 @@ def test_from_hf_errors(tmp_path):
         ("embedding_dim", 2**40, "embedding_dim"),
         ("seed", 2**64, "seed"),
         ("ple_layer_ids", (3, 3), "distinct"),
+        ("ple_layer_ids", (0, 3), "counted from 1"),
         ("ple_layer_ids", (2**40,), "ple_layer_ids"),
         ("ple_layer_ids", tuple(range(2000)), "ple_layer_ids"),  # 2000 layers x 4 heads
     ],

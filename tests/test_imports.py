@@ -25,5 +25,11 @@ def test_every_public_name_resolves():
     assert set(ngram_cupy.__all__) <= set(dir(ngram_cupy))
 
 
+def test_dir_shows_only_public_names():
+    """Helpers and imported modules (``importlib``, ``_EXPORTS``, subpackages) stay out."""
+    ngram_cupy.compute_ngram_ids  # noqa: B018  imports ngram_cupy.ids as a side effect
+    assert dir(ngram_cupy) == sorted([*ngram_cupy.__all__, "__version__"])
+
+
 def test_the_lazy_table_names_every_export():
     assert sorted(ngram_cupy.__all__) == sorted(vars(ngram_cupy)["_EXPORTS"])

@@ -301,6 +301,21 @@ def test_save_pretrained_then_checkpoint(tmp_path, float32_pair):
     assert_same_generation(reference, patched, prompts(), do_sample=False)
 
 
+def test_save_pretrained_then_load_every_ple_layer_without_prefix(tmp_path, float32_pair):
+    """``ple_layer_ids`` [1, 3] as transformers writes them (from 1) find the modules
+    ``layers.0`` and ``layers.2`` of its own save, layer by layer, with no ``prefix=``."""
+    reference, _ = float32_pair
+    reference.save_pretrained(tmp_path / "saved")
+    config = nc.NGramConfig.from_hf(tmp_path / "saved")
+    assert config.ple_layer_ids == (1, 3)
+    for layer, want in enumerate(tables(reference)):
+        table = nc.load_ngram_embedding(tmp_path / "saved", config, layer=layer,
+                                        placement="cpu").table
+        ids = np.arange(len(want)).reshape(-1, 1)
+        got = torch.from_numpy(np.asarray(table.lookup(ids, out_dtype=np.float32)))
+        assert torch.equal(got.reshape(want.shape), want.detach())
+
+
 def test_single_weight_layout(tmp_path, float32_pair):
     """A table saved whole, as ``P.ngram_embedding.weight`` (the model's state_dict)."""
     reference, _ = float32_pair

@@ -1,10 +1,10 @@
-"""The PLE checkpoint layout (SPEC section 5): tensor names, shard and rank row ranges, buffer
+"""The PLE checkpoint layout (docs/checkpoints.md): tensor names, shard and rank row ranges, buffer
 verification, prefix detection, and loading into / saving from an embedding table.
 
 One layer under prefix ``P`` holds the int64 buffers ``P.layer_multipliers``,
 ``P.ngram_heads_vocab_sizes`` and ``P.ngram_heads_offsets``, the table rows split into
 ``P.ngram_embedding.shard_{i}.weight`` for ``i < split_ngram_parts``, and for float8 tables the
-scalar ``P.ngram_embedding.weight_scale``. NVFP4 tables (SPEC 10.2) store vLLM's names: per shard
+scalar ``P.ngram_embedding.weight_scale``. NVFP4 tables store vLLM's names: per shard
 the packed ``shard_{i}.weight`` (U8) and its block scales ``shard_{i}.weight_scale`` (F8_E4M3),
 and the float32 global scale ``P.ngram_embedding.weight_scale_2``.
 """
@@ -77,11 +77,12 @@ def global_scale_key(prefix: str) -> str:
 
 
 def default_prefix(layout: LayerLayout) -> str:
-    """``model.layers.{i}.ple.ple_embedding`` with ``i`` the layer's decoder layer number."""
+    """``model.layers.{i}.ple.ple_embedding`` with ``i`` the layer's decoder module index
+    (``ple_layer_ids`` counts from 1, module names from 0)."""
     ids = layout.config.ple_layer_ids
     if ids is not None and layout.layer >= len(ids):
         raise ValueError(f"layer {layout.layer} is past ple_layer_ids {ids}")
-    decoder_layer = layout.layer if ids is None else ids[layout.layer]
+    decoder_layer = layout.layer if ids is None else ids[layout.layer] - 1
     return f"model.layers.{decoder_layer}.ple.ple_embedding"
 
 
@@ -113,8 +114,9 @@ def _decoder_layer(prefix: str) -> int | None:
 
 
 def find_prefix(names: Iterable[str], config: NGramConfig, layer: int) -> str:
-    """The prefix of dense PLE layer ``layer``: the prefix whose decoder layer number is
-    ``config.ple_layer_ids[layer]`` when set, else the ``layer``-th PLE prefix in decoder order."""
+    """The prefix of dense PLE layer ``layer``: the prefix whose decoder module index is
+    ``config.ple_layer_ids[layer] - 1`` when set (the ids count from 1, as transformers and vLLM
+    write them; module names from 0), else the ``layer``-th PLE prefix in decoder order."""
     prefixes = ple_prefixes(names)
     if not prefixes:
         raise ValueError(
@@ -128,8 +130,10 @@ def find_prefix(names: Iterable[str], config: NGramConfig, layer: int) -> str:
     if config.ple_layer_ids is not None:
         if layer >= len(config.ple_layer_ids):
             raise ValueError(f"layer {layer} is past ple_layer_ids {config.ple_layer_ids}")
-        wanted = f"decoder layer {config.ple_layer_ids[layer]} (ple_layer_ids[{layer}])"
-        candidates = numbered.get(config.ple_layer_ids[layer], [])
+        module = config.ple_layer_ids[layer] - 1
+        wanted = (f"decoder module {module} (ple_layer_ids[{layer}] = "
+                  f"{config.ple_layer_ids[layer]}, counted from 1)")
+        candidates = numbered.get(module, [])
     elif len(prefixes) == 1:
         wanted, candidates = f"PLE layer {layer}", prefixes if layer == 0 else []
     else:
@@ -311,23 +315,43 @@ def load_ngram_embedding(
 ):
     """Load one PLE layer from a safetensors checkpoint into a ready ``NGramEmbedding``.
 
-    ``path``: a model folder (its ``model.safetensors.index.json``, else every
-    ``*.safetensors``), an index json, one file, or a list of files. ``layer`` is the dense PLE
-    index; ``prefix=None`` finds its tensors from the names (see :func:`find_prefix`). The hash
-    buffers are checked against the derived layout, every shard's shape and dtype against the
-    split, before any row is copied. Rows are copied shard by shard (peak extra memory: one
-    shard), or with ``placement="mmap"`` served straight from the mapped files; with
-    ``placement="shared"`` into one shared-memory segment per node, filled by the first process
-    and attached by the others (:func:`shared_key` names it). With
-    ``world_size > 1`` only this rank's rows (:func:`split_rows`) are read. ``progress``: a
-    tqdm bar (None: only on a terminal, and only if loading takes over a second).
-    ``hot_rows``: sorted unique global row ids (``ngram-cupy stats --save-hot-rows``) to serve
-    from a hot tier (see ``EmbeddingTable``); a rank keeps those among its own rows.
-    ``weight_dtype``: the table's storage type. By default the checkpoint's rows must be of the
-    config's ``ple_embedding_dtype`` when it names one (bf16 rows for a float8 config are refused,
-    naming both: they would load at twice the memory); ``"stored"`` takes whatever the checkpoint
-    holds; a dtype converts unscaled rows (float32, float16, bfloat16) to it while loading.
-    ``scale_rounding``: how a float8 table's scale rounds (``EmbeddingTable``).
+    The hash buffers are checked against the derived layout and every shard's shape and dtype
+    against the split before any row is copied; rows are copied shard by shard (peak extra
+    memory: one shard), with a progress bar on a terminal.
+
+    Args:
+        path: a model folder (its ``model.safetensors.index.json``, else every
+            ``*.safetensors`` in it), an index json, one ``.safetensors`` file, or a list.
+        config: the model's :class:`~ngram_cupy.NGramConfig` (e.g. ``NGramConfig.from_hf(path)``;
+            it must set ``embedding_dim``).
+        layer: the PLE layer, counted from 0. With ``config.ple_layer_ids`` (decoder layers
+            counted from 1, as transformers and vLLM write them) its tensors are those of the
+            module ``model.layers.{ple_layer_ids[layer] - 1}``; without, the ``layer``-th PLE
+            prefix in decoder order (:func:`find_prefix`).
+        prefix: the tensors' name prefix, e.g. ``"model.layers.0.ple.ple_embedding"``; default
+            None: found as above.
+        placement: ``"cpu"`` (default), ``"gpu"``, ``"pinned"`` / ``"host"``, ``"shared"`` (one
+            segment per node, filled by the first process and attached by the others) or
+            ``"mmap"`` (rows served from the mapped files, nothing copied).
+        rank, world_size: row sharding: this rank reads only rows
+            ``[rank * ceil(N / world_size), (rank + 1) * ceil(N / world_size))``; default 0, 1.
+        progress: a tqdm bar; default None: only on a terminal and only if loading takes over
+            a second.
+        hot_rows: sorted unique global row ids served from a hot tier (see
+            :class:`~ngram_cupy.EmbeddingTable`); a rank keeps those among its rows. Default None.
+        weight_dtype: default None: the rows must be of the config's ``ple_embedding_dtype``
+            when it names one (bf16 rows for a float8 config are refused, naming both);
+            ``"stored"``: whatever the checkpoint holds; a dtype (float32, float16, bfloat16)
+            converts unscaled rows to it while loading.
+        scale_rounding: ``"output"`` (default, vLLM 0.33) or ``"float32"`` (EmbeddingTable).
+
+    Returns:
+        An :class:`~ngram_cupy.NGramEmbedding`: ``embedding(tokens, query_start_loc, context)``
+        gives ``[T, num_heads * head_dim]``; its ``table`` is the loaded EmbeddingTable.
+
+    Raises:
+        ValueError naming the tensor (and the first differing value) for a checkpoint that
+        does not match the config; TypeError for a config that is not an NGramConfig.
     """
     if not isinstance(config, NGramConfig):
         raise TypeError(f"config must be an NGramConfig, got {type(config).__name__}")

@@ -17,7 +17,9 @@ naming the field and the value outside it):
   deterministic Miller-Rabin test, so any layout is computed in about a second.
 - ``eos_token_id`` in ``[0, vocab_size)``; ``seed`` an int64 or uint64 value;
   ``split_ngram_parts`` in ``[1, 2**16]``; ``embedding_dim`` in ``[1, 2**24]`` and a multiple of
-  ``num_heads``; ``ple_layer_ids`` distinct, in ``[0, 2**31)``.
+  ``num_heads``; ``ple_layer_ids`` distinct, in ``[1, 2**31)``: decoder layer numbers counted
+  from 1, as transformers and vLLM write them (PLE layer ``k`` runs in the decoder module
+  ``model.layers.{ple_layer_ids[k] - 1}``).
 """
 
 from __future__ import annotations
@@ -58,7 +60,32 @@ def _require_int(name: str, value: Any) -> int:
 
 @dataclass(frozen=True)
 class NGramConfig:
-    """Hash and table parameters shared by every PLE layer of one model."""
+    """Hash and table parameters shared by every PLE layer of one model (ranges: module doc).
+
+    Args:
+        vocab_size: the tokenizer's vocabulary, ``[1, 2**32]``.
+        ngram_size: the longest n-gram, ``[2, 64]``; orders 2..ngram_size are hashed.
+        heads_per_ngram: hash heads per order, ``[1, 1024]``; ``num_heads = (ngram_size - 1) *
+            heads_per_ngram <= 1024``.
+        ngram_vocab_size_base: the base table size a head's prime size is searched above,
+            ``[1, 2**48]``.
+        eos_token_id: the token that cuts the n-gram history, ``[0, vocab_size)``.
+        embedding_dim: ``num_heads * head_dim`` (config key ``ple_embed_dim``), a multiple of
+            ``num_heads`` in ``[1, 2**24]``; default None: unknown (ids only, no tables).
+        seed: the hash multipliers' seed, an int64 or uint64 value; default 1234.
+        make_ngram_vocab_size_divisible_by: rows are padded to a multiple of it, ``[1, 2**32]``;
+            default 1.
+        split_ngram_parts: checkpoint shards per table, ``[1, 2**16]``; default 512.
+        ple_layer_ids: the decoder layers that have a PLE layer, counted from 1 as transformers
+            and vLLM write them (PLE layer ``k`` is module ``model.layers.{ids[k] - 1}``),
+            distinct, in ``[1, 2**31)``; default None: unknown (checkpoint prefixes are then
+            taken in decoder order).
+        ple_embedding_dtype: the tables' storage type by name (``"float8_e4m3fn"``,
+            ``"bfloat16"``, ``"nvfp4"``, ...); default None: not stated.
+
+    Raises:
+        ValueError naming the field and the value when one is outside its range.
+    """
 
     vocab_size: int
     ngram_size: int
@@ -127,7 +154,8 @@ class NGramConfig:
                 )
         if self.ple_layer_ids is not None:
             for layer_id in self.ple_layer_ids:
-                _require_range("ple_layer_ids", layer_id, 0, MAX_LAYER_ID)
+                _require_range("ple_layer_ids", layer_id, 1, MAX_LAYER_ID,
+                               " (decoder layers counted from 1)")
             if len(set(self.ple_layer_ids)) != len(self.ple_layer_ids):
                 raise ValueError(f"ple_layer_ids must be distinct, got {self.ple_layer_ids}")
             if len(self.ple_layer_ids) * self.num_heads > MAX_LAYOUT_PRIMES:
@@ -163,7 +191,16 @@ class NGramConfig:
 
     @classmethod
     def from_hf(cls, path_or_dict: str | os.PathLike | dict) -> NGramConfig:
-        """Read a Hugging Face style ``config.json`` (a file, a model folder, or a dict)."""
+        """Read a Hugging Face style ``config.json``: the keys of the constructor's arguments
+        (``ple_embed_dim`` for ``embedding_dim``; a one-element ``eos_token_id`` list gives its
+        id; ``text_config`` fields are merged in), unknown keys ignored.
+
+        Args:
+            path_or_dict: a ``config.json`` file, a model folder holding one, or a dict.
+
+        Returns:
+            The :class:`NGramConfig`; ``ple_layer_ids`` kept as written (counted from 1).
+        """
         raw = read_hf_config(path_or_dict)
         required = ("vocab_size", "ngram_size", "heads_per_ngram", "ngram_vocab_size_base",
                     "eos_token_id")

@@ -1,7 +1,7 @@
 """The Engram compressed token map (SPEC section 11): token id -> id of its normalised text.
 
 Building it decodes every id of the tokenizer once (about a second for 129,280 ids), so the map
-is cached on disk under ``NGRAM_CUPY_CACHE_DIR`` (default ``~/.cache/ngram_cupy``), keyed by the
+is cached on disk in the library's cache folder (``runtime.kernel_cache.cache_dir``), keyed by the
 SHA-256 of the tokenizer's JSON and written atomically. The ``tokenizers`` package (the ``text``
 extra) is needed to build it, not to read it back.
 """

@@ -1,10 +1,10 @@
-"""Public entry points for n-gram ids and context rolling (SPEC sections 2 and 3).
+"""Public entry points for n-gram ids and context rolling (docs/ids.md).
 
 NumPy arguments (or torch CPU tensors, viewed zero-copy) run the Numba CPU kernels; CuPy arrays,
 CUDA torch tensors and other CUDA arrays run the Numba CUDA kernels on the caller's stream.
 Results follow the inputs (``backends``): NumPy for NumPy, CuPy for CuPy, torch for torch, and a
 given ``out`` is what is returned. A batch padded to a CUDA-graph size (``input_ids`` longer than
-``query_start_loc[R]``, SPEC 10.3) gives its padded tokens vLLM's ids, those of tokens appended to
+``query_start_loc[R]``) gives its padded tokens vLLM's ids, those of tokens appended to
 the last request; ``advance_context`` ignores them.
 """
 
@@ -71,18 +71,35 @@ def output(call: Call, shape: tuple[int, ...], dtype, name: str = "out"):
 
 def compute_ngram_ids(layout: LayerLayout, input_ids, query_start_loc=None, ngram_context=None,
                       out=None, *, stream=None):
-    """Row ids ``[T, num_heads]`` (int64) of every token of a packed batch of requests.
+    """Row ids ``[T, num_heads]`` (int64) of every token of a packed batch of requests,
+    bit-exact with the reference model on any input.
 
-    ``input_ids[T]`` holds the requests' tokens back to back, ``query_start_loc[R+1]`` where each
-    starts, and ``ngram_context[R' >= R, ngram_size-1]`` the tokens before each request (oldest
-    first; all EOS for a fresh sequence). Bit-exact with the reference model on any input:
-    tokens outside ``[0, vocab_size)`` (negative ones included) are hashed as the model hashes
-    them, not refused (``ngram-cupy ids`` counts them in its summary). GPU arrays run one kernel
-    on ``stream`` (default: torch's current stream for torch inputs, else CuPy's current stream;
-    a CuPy or torch stream), with no host synchronisation; there ``query_start_loc`` is trusted,
-    not checked. 2-D ``input_ids[B, S]`` are B sequences, one per row, with
-    ``query_start_loc=None`` and ``ngram_context[B, n-1]`` or None (all EOS): ``[B, S,
-    num_heads]`` ids (``batched.pack_rows``).
+    Args:
+        layout: the PLE layer's :class:`~ngram_cupy.LayerLayout` (``layer_layout(config,
+            layer)``).
+        input_ids: ``[T]`` integer tokens of the requests back to back (tokens outside
+            ``[0, vocab_size)`` are hashed as the model hashes them, not refused); or
+            ``[B, S]``: B sequences, one per row, with ``query_start_loc=None``, giving
+            ``[B, S, num_heads]``. NumPy, CuPy, torch (CPU or CUDA) or DLPack arrays.
+        query_start_loc: ``[R + 1]`` offsets: request ``r`` owns tokens
+            ``[query_start_loc[r], query_start_loc[r + 1])``; tokens past the last offset are
+            padding and get vLLM 0.33's ids. Required for 1-D ``input_ids``.
+        ngram_context: ``[R' >= R, ngram_size - 1]`` tokens before each request, oldest
+            first (all EOS for a fresh sequence); for ``[B, S]`` input ``[B, n - 1]`` or None
+            (default: all EOS).
+        out: an int64 array of the result's shape on the inputs' side to write into
+            (default None: allocated); it is what is returned.
+        stream: GPU only: a CuPy or torch stream; default None: torch's current stream for
+            torch inputs, else CuPy's. One kernel, no host synchronisation; on the GPU
+            ``query_start_loc`` is trusted, not checked.
+
+    Returns:
+        int64 ids in the inputs' framework and device: ``[T, num_heads]`` (``[B, S,
+        num_heads]`` for row batches).
+
+    Raises:
+        ValueError / TypeError naming the argument (host inputs: offsets not increasing or
+        past ``T``, a context of the wrong shape, mixed host and device arrays).
     """
     if is_row_batch(input_ids):
         call, packed, shape = pack_rows(layout, input_ids, query_start_loc, ngram_context, out,

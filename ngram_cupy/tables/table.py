@@ -99,27 +99,47 @@ class _Request:
 
 
 class EmbeddingTable:
-    """``[num_rows, head_dim]`` rows (float32 / float16 / bfloat16 / float8 e4m3, optional scale)
-    that turn ``ids[T, H]`` into ``[T, H * head_dim]`` dequantised vectors.
+    """``[num_rows, head_dim]`` rows in one of six formats (float32, float16, bfloat16,
+    float8_e4m3fn with an optional scalar scale, block-scaled NVFP4 and MXFP8) that turn
+    ``ids[T, H]`` into ``[T, H * head_dim]`` dequantised vectors.
 
-    ``weight``: the rows (NumPy, CuPy, torch or any DLPack array), or a ``storage.Storage``.
-    ``placement``: ``"cpu"`` (NumPy, Numba gather), ``"gpu"`` (device memory), ``"pinned"``
-    (``"host"``: page-locked host memory of exactly the table's size, read by the GPU over PCIe;
-    without a GPU, ordinary memory and the CPU gather) or ``"shared"`` (as ``"pinned"``, in one
-    read-only shared-memory segment per node, named by the rows' content: see
-    ``storage.shared``). ``dtype`` names the storage type of
-    raw-bit weights (CuPy has no bfloat16 / float8). ``dedup=True`` makes GPU lookups fetch each
-    distinct id once (worth it for large batches over PCIe; it waits for the GPU, so it is not
-    graph-capturable). ``hot_rows`` (sorted unique int64 global row ids, e.g. from
-    ``ngram-cupy stats --save-hot-rows``) are copied into a hot tier (GPU memory for a pinned
-    table on a GPU, else host memory) that each lookup reads them from, in the same launch;
-    ``counters`` then counts the rows read from each tier. ``dtype="nvfp4"`` (``weight``: uint8
-    ``[rows, head_dim / 2]``, two E2M1 codes a byte; ``scale``: the float32 global scale) and
-    ``dtype="mxfp8"`` (E4M3 ``[rows, head_dim]``, no scale) are block-scaled: ``block_scales``
-    (``[rows, head_dim / block]``, E4M3 / UE8M0 or their uint8 bits) live beside the rows in
-    every placement. ``scale_rounding``: ``"output"``
-    (vLLM 0.33's dequantisation: the scale rounded to the output dtype, then the product) or
-    ``"float32"`` (the float32 product rounded once).
+    Args:
+        weight: the rows, ``[rows, head_dim]`` (NVFP4: uint8 ``[rows, head_dim / 2]``, two E2M1
+            codes a byte, low nibble first): a NumPy, CuPy or torch array, anything exporting
+            DLPack, or a ``tables.storage.Storage``.
+        scale: a finite scalar multiplied into every value, or None (default). float8: the
+            checkpoint's ``weight_scale`` (any float type); NVFP4: the float32 global scale
+            (``weight_scale_2``); refused for MXFP8, whose block scales are its only ones.
+        placement: ``"cpu"`` (default; NumPy, gathered by Numba on all cores), ``"gpu"``
+            (device memory), ``"pinned"`` or its alias ``"host"`` (page-locked host memory of
+            exactly the table's size, read by the GPU over PCIe; without a GPU, ordinary memory
+            and the CPU gather), or ``"shared"`` (as ``"pinned"``, in one read-only
+            shared-memory segment per node named by the rows' content).
+        row_start: the first global row this table holds (row sharding; default 0).
+        total_rows: the global row count (default ``row_start + rows``); ids outside
+            ``[row_start, row_start + rows)`` give zero rows and are never read.
+        dtype: the storage format by name or dtype, for raw-bit weights (CuPy has no bfloat16
+            or float8) and for ``"nvfp4"`` / ``"mxfp8"``; default None: the weight's own dtype.
+        dedup: GPU lookups fetch each distinct id once (default False; pays for large batches
+            over PCIe, waits for the GPU, so not graph-capturable).
+        hot_rows: sorted unique int64 global row ids (e.g. ``ngram-cupy stats
+            --save-hot-rows``) copied into a hot tier (GPU memory for a pinned table on a GPU,
+            else host memory) that lookups read them from in the same launch; ``counters`` then
+            counts the rows read from each tier. Default None: no tier.
+        scale_rounding: ``"output"`` (default; vLLM 0.33's dequantisation: the scale rounded to
+            the output dtype, then the product) or ``"float32"`` (the float32 product rounded
+            once). Block-scaled formats always round once.
+        block_scales: NVFP4 (E4M3, one per 16 values) or MXFP8 (UE8M0, one per 32 values)
+            scales, ``[rows, head_dim / block]``, as their dtype or uint8 bits; required for
+            those formats, refused for the others.
+
+    Returns:
+        The table; ``lookup(ids, out=None, out_dtype=None)`` gives float32 for float32 rows,
+        float16 for float16, bfloat16 for the others (``out_dtype`` picks another of the three).
+
+    Raises:
+        ValueError / TypeError naming the argument (wrong shape, unknown dtype or placement,
+        a scale or block scales the format does not take).
     """
 
     def __init__(self, weight, scale=None, placement: str = "cpu", row_start: int = 0,
