@@ -20,6 +20,7 @@ _EXPORTS = {
     "NGramEmbedding": "embedding",
     "PlacementPlan": "placement",
     "ShardedLookup": "distributed",
+    "ShardedOptimizer": "distributed_training",
     "advance_context": "ids.ngram_ids",
     "advance_engram_lookback": "ids.engram_ids",
     "compute_engram_ids": "ids.engram_ids",
@@ -44,6 +45,7 @@ __all__ = [
     "NGramEmbedding",
     "PlacementPlan",
     "ShardedLookup",
+    "ShardedOptimizer",
     "advance_context",
     "advance_engram_lookback",
     "compute_engram_ids",
@@ -71,6 +73,7 @@ def _package_version() -> str:
 
 if TYPE_CHECKING:
     from .distributed import ShardedLookup
+    from .distributed_training import ShardedOptimizer
     from .embedding import EngramEmbedding, NGramEmbedding
     from .files.checkpoint import load_ngram_embedding, save_ngram_embedding
     from .files.engram_checkpoint import load_engram_embedding, save_engram_embedding

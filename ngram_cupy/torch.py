@@ -24,6 +24,8 @@ from .hashing.config import NGramConfig
 from .hashing.layout import layer_layout, split_rows
 from .tables.formats import BFLOAT16, FLOAT8_E4M3, FORMATS, Format, default_output, output_format
 from .tables.table import EmbeddingTable
+from .torch_training import TrainableRows
+from .torch_training import fused_optimizer as fused_optimizer  # nc.torch.fused_optimizer
 
 WEIGHT = "ngram_embedding.weight"
 SCALE = "ngram_embedding.weight_scale"
@@ -157,7 +159,8 @@ class TableWeights(torch.nn.Module):
                 blocked and module.weight_scale.data_ptr() != scales.data_ptr()):
             module.table.write_rows(0, module.weight.detach(),  # keeps a hot tier current
                                     module.weight_scale.detach() if blocked else None)
-            module.weight = view
+            trainable = isinstance(module.weight, torch.nn.Parameter)
+            module.weight = torch.nn.Parameter(view) if trainable else view
             if blocked:
                 module.weight_scale = scales
         else:  # copied in place into the table's rows, behind a hot tier's back
@@ -224,13 +227,16 @@ class NGramEmbeddingModule(torch.nn.Module):
     lookup (block-scaled) come back decoded. ``scale_rounding``: how the float8 scale rounds
     (``EmbeddingTable``; default ``"output"``, as vLLM 0.33). ``out_dtype``: the lookups'
     dtype (bfloat16, float16 or float32, the model's; default as above), so that rows vLLM
-    decodes in the lookup (NVFP4) are rounded once, to it.
+    decodes in the lookup (NVFP4) are rounded once, to it. ``trainable=True`` (float32 or
+    bfloat16 rows in ``"cpu"``, ``"pinned"`` or ``"gpu"``): ``ngram_embedding.weight`` is a
+    parameter sharing the rows, and a backward through ``forward`` gives it a sparse gradient,
+    or steps the optimizer ``fused_optimizer(module, ...)`` attached (docs/training.md).
     """
 
     def __init__(self, config: NGramConfig, layer: int, *, placement: str = "gpu",
                  weight_dtype: torch.dtype | str | None = None, hot_rows=None,
                  return_stored_rows: bool = False, scale_rounding: str = "output",
-                 out_dtype: torch.dtype | str | None = None):
+                 out_dtype: torch.dtype | str | None = None, trainable: bool = False):
         super().__init__()
         if not isinstance(config, NGramConfig):
             raise TypeError(f"config must be an NGramConfig, got {type(config).__name__}")
@@ -268,6 +274,12 @@ class NGramEmbeddingModule(torch.nn.Module):
         self._scale_loaded = False
         self.allow_missing_weights = False  # True: look rows up before every shard has arrived
         self._pending: dict[int, dict[str, torch.Tensor]] = {}  # NVFP4 shard halves waiting
+        self.trainable_rows = None  # trainable=True: see TrainableRows (torch_training)
+        if trainable:
+            if self.return_stored_rows or self._share_when_loaded:
+                raise ValueError("trainable=True needs return_stored_rows=False and placement "
+                                 "'cpu', 'pinned' or 'gpu'")
+            self.trainable_rows = TrainableRows(self.ngram_embedding, "trainable=True")
 
     @property
     def table(self) -> EmbeddingTable:
@@ -314,7 +326,7 @@ class NGramEmbeddingModule(torch.nn.Module):
                          hot_rows=getattr(self.table.storage, "hot_rows", None),
                          return_stored_rows=self.return_stored_rows,
                          scale_rounding=self.table.scale_rounding,
-                         out_dtype=self.out_dtype)
+                         out_dtype=self.out_dtype, trainable=self.trainable_rows is not None)
         loaded = (set(self._loaded_shards), self._scale_loaded, self.allow_missing_weights)
         # As integer bits: torch cannot unpickle float8 tensors (torch 2.13: UntypedStorage).
         state = {name: (value.view(_TORCH_BITS[value.element_size()]), value.dtype)
@@ -393,6 +405,9 @@ class NGramEmbeddingModule(torch.nn.Module):
         width = self.layout.num_heads * self.layout.head_dim
         out = torch.empty((input_ids.shape[0], width), dtype=self._lookup_dtype,
                           device=input_ids.device)
+        if self.trainable_rows is not None and torch.is_grad_enabled():
+            ids = self.compute_ngram_ids(input_ids, query_start_loc, ngram_context)
+            return self.trainable_rows.lookup(ids, lambda: self.table.lookup(ids, out=out))
         rows = self.embedding.forward(input_ids, query_start_loc, ngram_context, out=out,
                                       stream=stream)
         if self._stored_format is not None and rows.dtype != self.table.format.torch_dtype:
