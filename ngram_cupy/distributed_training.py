@@ -3,7 +3,8 @@ the rows it owns, from the output gradient of a :class:`ShardedLookup`.
 
 Tensor parallel (every rank the same batch and output gradient): each rank keeps the terms of
 its own rows. Data parallel (each rank its own batch): every term is sent to its row's owner
-with one all-to-all (Gloo has it in torch >= 2.x; counts first, then ids and gradient rows), and
+with all-to-alls of uneven splits (``all_to_all_single``, which Gloo has in torch 2.13 where its
+list form needs equal sizes: counts first, then ids, then gradient rows), and
 the owner sums what it receives in rank order, so each row's sum has exactly the terms, in the
 order, of one process stepping on the batches concatenated in rank order: the same bits.
 """
@@ -74,13 +75,12 @@ class ShardedOptimizer:
         starts = [split_rows(self.table.total_rows, size, rank)[0] for rank in range(1, size)]
         owner = torch.bucketize(ids, torch.tensor(starts, dtype=torch.int64), right=True)
         order = torch.argsort(owner, stable=True)
-        sent = torch.bincount(owner, minlength=size).tolist()
-        counts = [torch.empty(1, dtype=torch.int64) for _ in range(size)]
-        dist.all_to_all(counts, [torch.tensor([n]) for n in sent], group=group)
-        got = [int(n) for n in counts]
-        ids_in = [torch.empty(n, dtype=torch.int64) for n in got]
-        dist.all_to_all(ids_in, list(ids[order].split(sent)), group=group)
-        grads_in = [torch.empty((n, grad_out.shape[1]), dtype=grad_out.dtype) for n in got]
-        dist.all_to_all(grads_in, [rows.contiguous() for rows in grad_out[order].split(sent)],
-                        group=group)
-        return torch.cat(ids_in), torch.cat(grads_in)
+        sent = torch.bincount(owner, minlength=size)
+        got = torch.empty_like(sent)
+        dist.all_to_all_single(got, sent, group=group)
+        sent, got = sent.tolist(), got.tolist()
+        ids_in = torch.empty(sum(got), dtype=torch.int64)
+        dist.all_to_all_single(ids_in, ids[order], got, sent, group=group)
+        grads_in = torch.empty((sum(got), grad_out.shape[1]), dtype=grad_out.dtype)
+        dist.all_to_all_single(grads_in, grad_out[order].contiguous(), got, sent, group=group)
+        return ids_in, grads_in
