@@ -405,9 +405,11 @@ class NGramEmbeddingModule(torch.nn.Module):
         width = self.layout.num_heads * self.layout.head_dim
         out = torch.empty((input_ids.shape[0], width), dtype=self._lookup_dtype,
                           device=input_ids.device)
-        if self.trainable_rows is not None and torch.is_grad_enabled():
-            ids = self.compute_ngram_ids(input_ids, query_start_loc, ngram_context)
-            return self.trainable_rows.lookup(ids, lambda: self.table.lookup(ids, out=out))
+        if self.trainable_rows is not None:  # autograd, and exact after a prefetch
+            ids = torch.empty((input_ids.shape[0], self.layout.num_heads), dtype=torch.int64,
+                              device=input_ids.device)
+            return self.trainable_rows.lookup(ids, lambda: self.embedding.forward(
+                input_ids, query_start_loc, ngram_context, out=out, stream=stream, ids_out=ids))
         rows = self.embedding.forward(input_ids, query_start_loc, ngram_context, out=out,
                                       stream=stream)
         if self._stored_format is not None and rows.dtype != self.table.format.torch_dtype:
@@ -424,6 +426,8 @@ class NGramEmbeddingModule(torch.nn.Module):
             return
         self._check_loaded()
         input_ids, query_start_loc, ngram_context, stream = self._batch(*batch)
+        if self.trainable_rows is not None:
+            self.trainable_rows.prefetched = True
         self.embedding.start_prefetch(input_ids, query_start_loc, ngram_context, stream=stream,
                                       out_dtype=self._lookup_dtype)
 

@@ -1,6 +1,11 @@
 """Table lookups under torch autograd: the backward either steps a fused row optimizer on the
 table (no gradient tensor for the weight) or gives the weight a sparse COO gradient, summed per
 row by ``embedding_backward``, for ``torch.optim.SparseAdam`` or ``SGD``.
+
+A prefetch of the next micro-step may gather rows before this step's update lands (the gather
+runs beside the backward and the optimizer step): the rows of every gradient since the last
+lookup are remembered, and a lookup that joined a prefetch gathers its tokens touching them
+again, so prefetching stays exact in training.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ class TrainableRows:
         check_trainable(weights.table, what)
         self.weights = weights
         self.optimizer = None
+        self.prefetched = False  # a prefetch was started since the last lookup
+        self._touched: list[torch.Tensor] = []  # ids of the gradients since the last lookup
         weight = weights.weight
         del weights._buffers["weight"]
         weights.weight = torch.nn.Parameter(weight, requires_grad=True)
@@ -45,13 +52,29 @@ class TrainableRows:
         return self.weights.table
 
     def lookup(self, ids: torch.Tensor, gather: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """``gather()`` (the rows of ``ids`` ``[T, H]``) recorded for autograd."""
-        return RowLookup.apply(self.weights.weight, ids, gather, self)
+        """``gather()`` (the rows of ``ids`` ``[T, H]``, which it may fill) recorded for
+        autograd; tokens a prefetch may have read before an update are gathered again."""
+        return RowLookup.apply(self.weights.weight, ids, lambda: self._fresh(ids, gather()),
+                               self)
+
+    def _fresh(self, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """``rows`` with the tokens that touch rows updated since the prefetch began gathered
+        again from the table."""
+        touched, self._touched = self._touched, []
+        prefetched, self.prefetched = self.prefetched, False
+        if not (prefetched and touched):
+            return rows
+        stale = torch.isin(ids, torch.cat(touched).to(ids.device)).any(dim=1)
+        if bool(stale.any()):
+            again = torch.empty_like(rows[stale])
+            rows[stale] = self.table.lookup(ids[stale].contiguous(), out=again)
+        return rows
 
     def backward(self, ids: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor | None:
         """The weight's gradient for ``grad_out`` ``[T, H * D]``: None after a fused optimizer
         step, else a coalesced sparse COO tensor."""
         grad_out = grad_out.reshape(ids.shape[0], -1).contiguous()
+        self._touched.append(ids.reshape(-1))
         if self.optimizer is not None:
             self.optimizer.step_from_output_grad(ids, grad_out)
             return None
@@ -69,9 +92,10 @@ class RowLookup(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, weight, ids, gather, rows):
+        out = gather()
         ctx.save_for_backward(ids)
         ctx.rows = rows
-        return gather()
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
