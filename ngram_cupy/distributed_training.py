@@ -50,7 +50,7 @@ class ShardedOptimizer:
 
     def step_from_output_grad(self, ids, grad_out) -> None:
         """One step from ``grad_out`` ``[T, H * D]`` (float32 or bfloat16) of this rank's
-        lookup of ``ids`` ``[T, H]`` (NumPy or CPU torch)."""
+        lookup of ``ids`` ``[T, H]`` (NumPy or torch; CUDA tensors with NCCL)."""
         ids = torch.as_tensor(ids).reshape(-1).to(torch.int64)
         grad_out = torch.as_tensor(grad_out)
         head_dim, total = self.table.head_dim, self.table.total_rows
@@ -73,14 +73,15 @@ class ShardedOptimizer:
         group = self.lookup.group
         size = dist.get_world_size(group)
         starts = [split_rows(self.table.total_rows, size, rank)[0] for rank in range(1, size)]
-        owner = torch.bucketize(ids, torch.tensor(starts, dtype=torch.int64), right=True)
+        owner = torch.bucketize(ids, torch.tensor(starts, dtype=torch.int64,
+                                                 device=ids.device), right=True)
         order = torch.argsort(owner, stable=True)
         sent = torch.bincount(owner, minlength=size)
         got = torch.empty_like(sent)
         dist.all_to_all_single(got, sent, group=group)
         sent, got = sent.tolist(), got.tolist()
-        ids_in = torch.empty(sum(got), dtype=torch.int64)
+        ids_in = torch.empty(sum(got), dtype=torch.int64, device=ids.device)
         dist.all_to_all_single(ids_in, ids[order], got, sent, group=group)
-        grads_in = torch.empty((sum(got), grad_out.shape[1]), dtype=grad_out.dtype)
+        grads_in = grad_out.new_empty((sum(got), grad_out.shape[1]))
         dist.all_to_all_single(grads_in, grad_out[order].contiguous(), got, sent, group=group)
         return ids_in, grads_in
