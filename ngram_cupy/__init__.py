@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 # Each public name and the module that defines it.
 _EXPORTS = {
+    "Adam": "training.optimizers",
     "EmbeddingTable": "tables.table",
     "EngramConfig": "hashing.engram_config",
     "EngramEmbedding": "embedding",
@@ -19,12 +20,16 @@ _EXPORTS = {
     "NGramConfig": "hashing.config",
     "NGramEmbedding": "embedding",
     "PlacementPlan": "placement",
+    "RowwiseAdagrad": "training.optimizers",
+    "SGD": "training.optimizers",
     "ShardedLookup": "distributed",
+    "SparseRows": "training.sparse_rows",
     "ShardedOptimizer": "distributed_training",
     "advance_context": "ids.ngram_ids",
     "advance_engram_lookback": "ids.engram_ids",
     "compute_engram_ids": "ids.engram_ids",
     "compute_ngram_ids": "ids.ngram_ids",
+    "embedding_backward": "training.backward",
     "engram_layout": "hashing.engram_layout",
     "engram_token_map": "hashing.token_map",
     "layer_layout": "hashing.layout",
@@ -36,6 +41,7 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "Adam",
     "EmbeddingTable",
     "EngramConfig",
     "EngramEmbedding",
@@ -44,12 +50,16 @@ __all__ = [
     "NGramConfig",
     "NGramEmbedding",
     "PlacementPlan",
+    "RowwiseAdagrad",
+    "SGD",
     "ShardedLookup",
+    "SparseRows",
     "ShardedOptimizer",
     "advance_context",
     "advance_engram_lookback",
     "compute_engram_ids",
     "compute_ngram_ids",
+    "embedding_backward",
     "engram_layout",
     "engram_token_map",
     "layer_layout",
@@ -86,6 +96,9 @@ if TYPE_CHECKING:
     from .ids.ngram_ids import advance_context, compute_ngram_ids
     from .placement import PlacementPlan, plan_placement
     from .tables.table import EmbeddingTable
+    from .training.backward import embedding_backward
+    from .training.optimizers import SGD, Adam, RowwiseAdagrad
+    from .training.sparse_rows import SparseRows
 
 
 def __getattr__(name: str) -> Any:
