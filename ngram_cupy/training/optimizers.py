@@ -119,6 +119,12 @@ class RowOptimizer:
         self.steps = step
         refresh_hot(self.table, local)
 
+    def close(self) -> None:
+        """Detach the shared state segments (the last process to detach removes them)."""
+        for segment in self.segments:
+            segment.close()
+        self.segments = []
+
     # ---- state ----
 
     def settings(self) -> dict:
