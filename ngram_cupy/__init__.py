@@ -35,9 +35,11 @@ _EXPORTS = {
     "layer_layout": "hashing.layout",
     "load_engram_embedding": "files.engram_checkpoint",
     "load_ngram_embedding": "files.checkpoint",
+    "load_training_state": "training.state_files",
     "plan_placement": "placement",
     "save_engram_embedding": "files.engram_checkpoint",
     "save_ngram_embedding": "files.checkpoint",
+    "save_training_state": "training.state_files",
 }
 
 __all__ = [
@@ -65,9 +67,11 @@ __all__ = [
     "layer_layout",
     "load_engram_embedding",
     "load_ngram_embedding",
+    "load_training_state",
     "plan_placement",
     "save_engram_embedding",
     "save_ngram_embedding",
+    "save_training_state",
 ]
 
 
@@ -99,6 +103,7 @@ if TYPE_CHECKING:
     from .training.backward import embedding_backward
     from .training.optimizers import SGD, Adam, RowwiseAdagrad
     from .training.sparse_rows import SparseRows
+    from .training.state_files import load_training_state, save_training_state
 
 
 def __getattr__(name: str) -> Any:

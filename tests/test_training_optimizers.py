@@ -239,3 +239,21 @@ def test_tiered_hot_rows_stay_coherent():
     plain = nc.EmbeddingTable(table.host_view.copy())
     assert table.lookup(ids).tobytes() == plain.lookup(ids).tobytes()
     assert table.counters["hot_rows"] == len(hot)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
+def test_a_saved_training_state_resumes_with_the_same_bits(tmp_path, dtype):
+    weight = table_weight(9).astype(dtype)
+    kwargs = {"lr": 0.01, "rowwise": True}
+    straight, _ = run_steps(nc.Adam, kwargs, weight.astype(np.float32), steps=4, dtype=dtype)
+    _, first = run_steps(nc.Adam, kwargs, weight.astype(np.float32), steps=2, dtype=dtype)
+    path = nc.save_training_state(tmp_path / "train.safetensors", first)
+    resumed = nc.Adam(nc.EmbeddingTable(np.zeros((ROWS, DIM), dtype)), **kwargs)
+    nc.load_training_state(path, resumed)
+    for step in (2, 3):
+        resumed.step_from_output_grad(*batch(step))
+    assert resumed.table.host_view.tobytes() == straight.host_view.tobytes()
+    other = nc.RowwiseAdagrad(nc.EmbeddingTable(np.zeros((ROWS, DIM), dtype)), 0.1)
+    with pytest.raises(ValueError, match="not a rowwise_adagrad state dict"):
+        nc.load_training_state(path, other)
+    assert not other.table.host_view.astype(np.float32).any()
