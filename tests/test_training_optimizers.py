@@ -257,3 +257,19 @@ def test_a_saved_training_state_resumes_with_the_same_bits(tmp_path, dtype):
     with pytest.raises(ValueError, match="not a rowwise_adagrad state dict"):
         nc.load_training_state(path, other)
     assert not other.table.host_view.astype(np.float32).any()
+
+
+def test_pinned_tables_train_as_cpu_ones_and_mapped_ones_refuse():
+    from ngram_cupy.tables.formats import storage_format
+    from ngram_cupy.tables.storage.mapped import MappedStorage
+
+    weight = table_weight(10)
+    cpu, _ = run_steps(nc.RowwiseAdagrad, {"lr": 0.1}, weight)
+    pinned = nc.EmbeddingTable(weight.copy(), placement="pinned")
+    optimizer = nc.RowwiseAdagrad(pinned, 0.1)
+    for step in range(3):
+        optimizer.step_from_output_grad(*batch(step))
+    assert pinned.host_view.tobytes() == cpu.host_view.tobytes()
+    mapped = MappedStorage([(0, weight)], DIM, storage_format("float32"), pageable=False)
+    with pytest.raises(ValueError, match="'mmap' tables are read-only"):
+        nc.SGD(nc.EmbeddingTable(mapped), 0.1)
