@@ -65,7 +65,8 @@ def test_two_ranks_train_as_one_process(tmp_path):
                init_method=f"tcp://127.0.0.1:{free_port()}", timeout_s=TIMEOUT_S // 2,
                steps=STEPS, lr=LR)
     (tmp_path / "job.json").write_text(json.dumps(job))
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+           "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1"}  # 2 ranks on 2 cores
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(tmp_path), str(rank)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for rank in range(WORLD)]

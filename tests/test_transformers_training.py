@@ -18,6 +18,16 @@ from ngram_cupy.transformers import use_ngram_cupy  # noqa: E402
 STEPS, LR = 20, 0.05
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """One intra-op thread: on a loaded 2-core machine two threads make these loops ~10x
+    slower (both models run alike, so the comparison is unchanged)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def batches() -> list[torch.Tensor]:
     """Twenty small batches of random tokens, an n-gram repeated in each (duplicate rows)."""
     generator = torch.Generator().manual_seed(7)
