@@ -33,6 +33,7 @@ def sections() -> list[Bench]:
     from . import sections_gpu as gpu
     from . import sections_shared as shared
     from . import sections_tiered as tiered
+    from . import sections_training as training
     from . import sections_transformers as hf
 
     return [
@@ -61,6 +62,9 @@ def sections() -> list[Bench]:
               "4 KiB pages", shared.bench_huge_pages_cpu),
         Bench("tiered-cpu", "cpu", "host bytes per held-out token with 0, 1e5, 1e6, 1e7 hot rows "
               "(counters)", tiered.bench_tiered_cpu),
+        Bench("train-cpu", "cpu", "backward + RowwiseAdagrad step of 65,536 x 16 x 160 on a 4 M-row"
+              " table against torch SparseAdam and the gather; state bytes; shared Hogwild",
+              training.bench_train_cpu),
         Bench("transformers-cpu", "cpu", "transformers Qwen4Exp: PLE table RSS fp8 / bf16 at "
               ">= 1 GiB, generate tokens/s with and without", hf.bench_transformers_cpu),
         Bench("transformers-gpu", "gpu", "transformers Qwen4Exp generate: bf16 table on the GPU "

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 # Each public name and the module that defines it.
 _EXPORTS = {
+    "Adam": "training.optimizers",
     "EmbeddingTable": "tables.table",
     "EngramConfig": "hashing.engram_config",
     "EngramEmbedding": "embedding",
@@ -19,23 +20,31 @@ _EXPORTS = {
     "NGramConfig": "hashing.config",
     "NGramEmbedding": "embedding",
     "PlacementPlan": "placement",
+    "RowwiseAdagrad": "training.optimizers",
+    "SGD": "training.optimizers",
     "ShardedLookup": "distributed",
     "SharedMemoryFallbackWarning": "tables.shared_memory",
+    "SparseRows": "training.sparse_rows",
+    "ShardedOptimizer": "distributed_training",
     "advance_context": "ids.ngram_ids",
     "advance_engram_lookback": "ids.engram_ids",
     "compute_engram_ids": "ids.engram_ids",
     "compute_ngram_ids": "ids.ngram_ids",
+    "embedding_backward": "training.backward",
     "engram_layout": "hashing.engram_layout",
     "engram_token_map": "hashing.token_map",
     "layer_layout": "hashing.layout",
     "load_engram_embedding": "files.engram_checkpoint",
     "load_ngram_embedding": "files.checkpoint",
+    "load_training_state": "training.state_files",
     "plan_placement": "placement",
     "save_engram_embedding": "files.engram_checkpoint",
     "save_ngram_embedding": "files.checkpoint",
+    "save_training_state": "training.state_files",
 }
 
 __all__ = [
+    "Adam",
     "EmbeddingTable",
     "EngramConfig",
     "EngramEmbedding",
@@ -44,20 +53,27 @@ __all__ = [
     "NGramConfig",
     "NGramEmbedding",
     "PlacementPlan",
+    "RowwiseAdagrad",
+    "SGD",
     "ShardedLookup",
     "SharedMemoryFallbackWarning",
+    "SparseRows",
+    "ShardedOptimizer",
     "advance_context",
     "advance_engram_lookback",
     "compute_engram_ids",
     "compute_ngram_ids",
+    "embedding_backward",
     "engram_layout",
     "engram_token_map",
     "layer_layout",
     "load_engram_embedding",
     "load_ngram_embedding",
+    "load_training_state",
     "plan_placement",
     "save_engram_embedding",
     "save_ngram_embedding",
+    "save_training_state",
 ]
 
 
@@ -73,6 +89,7 @@ def _package_version() -> str:
 
 if TYPE_CHECKING:
     from .distributed import ShardedLookup
+    from .distributed_training import ShardedOptimizer
     from .embedding import EngramEmbedding, NGramEmbedding
     from .files.checkpoint import load_ngram_embedding, save_ngram_embedding
     from .files.engram_checkpoint import load_engram_embedding, save_engram_embedding
@@ -86,6 +103,10 @@ if TYPE_CHECKING:
     from .placement import PlacementPlan, plan_placement
     from .tables.shared_memory import SharedMemoryFallbackWarning
     from .tables.table import EmbeddingTable
+    from .training.backward import embedding_backward
+    from .training.optimizers import SGD, Adam, RowwiseAdagrad
+    from .training.sparse_rows import SparseRows
+    from .training.state_files import load_training_state, save_training_state
 
 
 def __getattr__(name: str) -> Any:

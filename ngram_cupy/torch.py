@@ -24,6 +24,8 @@ from .hashing.config import NGramConfig
 from .hashing.layout import layer_layout, split_rows
 from .tables.formats import BFLOAT16, FLOAT8_E4M3, FORMATS, Format, default_output, output_format
 from .tables.table import EmbeddingTable
+from .torch_training import TrainableRows
+from .torch_training import fused_optimizer as fused_optimizer  # nc.torch.fused_optimizer
 
 WEIGHT = "ngram_embedding.weight"
 SCALE = "ngram_embedding.weight_scale"
@@ -157,7 +159,8 @@ class TableWeights(torch.nn.Module):
                 blocked and module.weight_scale.data_ptr() != scales.data_ptr()):
             module.table.write_rows(0, module.weight.detach(),  # keeps a hot tier current
                                     module.weight_scale.detach() if blocked else None)
-            module.weight = view
+            trainable = isinstance(module.weight, torch.nn.Parameter)
+            module.weight = torch.nn.Parameter(view) if trainable else view
             if blocked:
                 module.weight_scale = scales
         else:  # copied in place into the table's rows, behind a hot tier's back
@@ -232,6 +235,10 @@ class NGramEmbeddingModule(torch.nn.Module):
         out_dtype: the lookups' dtype: bfloat16, float16 or float32 (a torch dtype or name).
             Default None: bfloat16 for float8, bfloat16 and block-scaled tables, else the
             storage type; NVFP4 rows are rounded once, to it.
+        trainable: ``True`` (float32 or bfloat16 rows in ``"cpu"``, ``"pinned"`` or
+            ``"gpu"``): ``ngram_embedding.weight`` is a parameter sharing the rows, and a
+            backward through ``forward`` gives it a sparse gradient, or steps the optimizer
+            that ``fused_optimizer(module, ...)`` attached (docs/training.md). Default False.
 
     Returns:
         The module; the table is allocated here and filled by ``load_weights(pairs)`` (the
@@ -242,7 +249,7 @@ class NGramEmbeddingModule(torch.nn.Module):
     def __init__(self, config: NGramConfig, layer: int, *, placement: str = "gpu",
                  weight_dtype: torch.dtype | str | None = None, hot_rows=None,
                  return_stored_rows: bool = False, scale_rounding: str = "output",
-                 out_dtype: torch.dtype | str | None = None):
+                 out_dtype: torch.dtype | str | None = None, trainable: bool = False):
         super().__init__()
         if not isinstance(config, NGramConfig):
             raise TypeError(f"config must be an NGramConfig, got {type(config).__name__}")
@@ -280,6 +287,12 @@ class NGramEmbeddingModule(torch.nn.Module):
         self._scale_loaded = False
         self.allow_missing_weights = False  # True: look rows up before every shard has arrived
         self._pending: dict[int, dict[str, torch.Tensor]] = {}  # NVFP4 shard halves waiting
+        self.trainable_rows = None  # trainable=True: see TrainableRows (torch_training)
+        if trainable:
+            if self.return_stored_rows or self._share_when_loaded:
+                raise ValueError("trainable=True needs return_stored_rows=False and placement "
+                                 "'cpu', 'pinned' or 'gpu'")
+            self.trainable_rows = TrainableRows(self.ngram_embedding, "trainable=True")
 
     @property
     def table(self) -> EmbeddingTable:
@@ -326,7 +339,7 @@ class NGramEmbeddingModule(torch.nn.Module):
                          hot_rows=getattr(self.table.storage, "hot_rows", None),
                          return_stored_rows=self.return_stored_rows,
                          scale_rounding=self.table.scale_rounding,
-                         out_dtype=self.out_dtype)
+                         out_dtype=self.out_dtype, trainable=self.trainable_rows is not None)
         loaded = (set(self._loaded_shards), self._scale_loaded, self.allow_missing_weights)
         # As integer bits: torch cannot unpickle float8 tensors (torch 2.13: UntypedStorage).
         state = {name: (value.view(_TORCH_BITS[value.element_size()]), value.dtype)
@@ -405,6 +418,11 @@ class NGramEmbeddingModule(torch.nn.Module):
         width = self.layout.num_heads * self.layout.head_dim
         out = torch.empty((input_ids.shape[0], width), dtype=self._lookup_dtype,
                           device=input_ids.device)
+        if self.trainable_rows is not None:  # autograd, and exact after a prefetch
+            ids = torch.empty((input_ids.shape[0], self.layout.num_heads), dtype=torch.int64,
+                              device=input_ids.device)
+            return self.trainable_rows.lookup(ids, lambda: self.embedding.forward(
+                input_ids, query_start_loc, ngram_context, out=out, stream=stream, ids_out=ids))
         rows = self.embedding.forward(input_ids, query_start_loc, ngram_context, out=out,
                                       stream=stream)
         if self._stored_format is not None and rows.dtype != self.table.format.torch_dtype:
@@ -421,6 +439,8 @@ class NGramEmbeddingModule(torch.nn.Module):
             return
         self._check_loaded()
         input_ids, query_start_loc, ngram_context, stream = self._batch(*batch)
+        if self.trainable_rows is not None:
+            self.trainable_rows.prefetched = True
         self.embedding.start_prefetch(input_ids, query_start_loc, ngram_context, stream=stream,
                                       out_dtype=self._lookup_dtype)
 

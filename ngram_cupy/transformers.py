@@ -34,6 +34,7 @@ from .tables.formats import find_format, output_format, storage_format
 from .tables.mapped import MappedTable
 from .tables.table import EmbeddingTable
 from .torch import TableWeights
+from .torch_training import OPTIMIZERS, TrainableRows, check_trainable, fused_optimizer
 
 # The cache's conv state that holds each PLE layer's last n-1 tokens (transformers' layout).
 CONTEXT_STATE = 2
@@ -70,10 +71,12 @@ class CachedNGramEmbedding(torch.nn.Module):
     ``state_dict`` keys are transformers' (the table's storage dtype, plus ``weight_scale`` for
     float8); the table itself never moves with ``.to()``. ``prefetch``: gather during the
     preceding decoder layer (None: only for CUDA inputs and a table outside GPU memory).
+    ``trainable``: ``ngram_embedding.weight`` is a parameter over the rows that a backward
+    reaches (``TrainableRows``).
     """
 
     def __init__(self, embedding: NGramEmbedding, layer_idx: int, dtype: torch.dtype,
-                 prefetch: bool | None = None):
+                 prefetch: bool | None = None, trainable: bool = False):
         super().__init__()
         layout, table = embedding.layout, embedding.table
         self.embedding = embedding
@@ -92,6 +95,10 @@ class CachedNGramEmbedding(torch.nn.Module):
             elif table.format.scaled:  # a float8 table's one scale
                 self.ngram_embedding.set_scale(torch.tensor(float(scale)))
         self._prefetched: torch.Tensor | None = None
+        self.trainable_rows = None
+        if trainable:
+            check_trainable(table, "trainable=True")
+            self.trainable_rows = TrainableRows(self.ngram_embedding, "trainable=True")
 
     @property
     def layout(self) -> LayerLayout:
@@ -146,7 +153,10 @@ class CachedNGramEmbedding(torch.nn.Module):
         out, self._prefetched = self._prefetched, None
         if out is None or out.shape[0] != ids.shape[0] or out.device != ids.device:
             out = self._empty_rows(ids)
-        rows = self.table.lookup(ids, out=out)
+        if self.trainable_rows is not None and torch.is_grad_enabled():
+            rows = self.trainable_rows.lookup(ids, lambda: self.table.lookup(ids, out=out))
+        else:
+            rows = self.table.lookup(ids, out=out)
         return rows.to(input_ids.device).view(batch, length, -1)
 
     def extra_repr(self) -> str:
@@ -307,7 +317,8 @@ def _check_options(table_options: dict, hot_rows, names: Sequence[str], layers: 
 
 def use_ngram_cupy(model: torch.nn.Module, *, placement: str = "pinned",
                    checkpoint: PathLike | Sequence[PathLike] | None = None, weight_dtype=None,
-                   hot_rows=None, **table_options) -> list[str]:
+                   hot_rows=None, trainable: bool = False, optimizer: str | None = None,
+                   optimizer_options: Mapping | None = None, **table_options) -> list[str]:
     """Replace every ``Qwen4ExpTextNGramEmbedding`` of a transformers Qwen4Exp model by a
     :class:`CachedNGramEmbedding` holding this library's table; every check runs before any
     module is replaced.
@@ -327,6 +338,13 @@ def use_ngram_cupy(model: torch.nn.Module, *, placement: str = "pinned",
             ``ple_embedding_dtype``, else the model's dtype.
         hot_rows: maps module names (or PLE layer indexes from 0) to sorted hot row ids;
             default None.
+        trainable: ``True`` (float32 or bfloat16 tables in ``"pinned"``, ``"cpu"`` or
+            ``"gpu"``): each table's weight is a parameter that backward gives a sparse
+            gradient; default False.
+        optimizer: with ``trainable``, ``"sgd"``, ``"rowwise_adagrad"`` or ``"adam"``: that
+            optimizer updates the rows inside the backward (no gradient is left on the
+            weight); default None.
+        optimizer_options: keyword arguments of that optimizer (``lr``, ...).
         **table_options: ``prefetch`` (True / False / None, the default: on for CUDA inputs
             with a host table), ``dedup`` (bool, default False: GPU lookups read each distinct
             row once), ``progress`` (a loading bar; None: on a terminal), ``scale_rounding``
@@ -350,6 +368,7 @@ def use_ngram_cupy(model: torch.nn.Module, *, placement: str = "pinned",
     names = [name for name, _ in targets]
     layers = [module.ple_layer_index for _, module in targets]
     _check_options(table_options, hot_rows, names, layers)
+    _check_training(trainable, optimizer, optimizer_options, placement)
     if weight_dtype is not None:
         fmt = storage_format(weight_dtype, "weight_dtype")
         _check_named(config, fmt.name, f"weight_dtype={weight_dtype}")
@@ -388,16 +407,41 @@ def use_ngram_cupy(model: torch.nn.Module, *, placement: str = "pinned",
             embeddings.append(load_ngram_embedding(
                 checkpoint, config, layout.layer, prefix=prefixes[index], placement=placement,
                 progress=table_options.get("progress"), hot_rows=rows))
-    for (name, module), embedding in zip(targets, embeddings, strict=True):
+    replacements = []
+    for (_, module), embedding in zip(targets, embeddings, strict=True):
         embedding.table.dedup = bool(table_options.get("dedup", False))
         embedding.table.scale_rounding = table_options.get("scale_rounding", "output")
-        replacement = CachedNGramEmbedding(embedding, module.layer_idx,
-                                           module.ngram_embedding.weight.dtype,
-                                           table_options.get("prefetch"))
+        replacements.append(CachedNGramEmbedding(embedding, module.layer_idx,
+                                                 module.ngram_embedding.weight.dtype,
+                                                 table_options.get("prefetch"), trainable))
+        if optimizer is not None:
+            fused_optimizer(replacements[-1], optimizer, **dict(optimizer_options))
+    for (name, _), replacement in zip(targets, replacements, strict=True):
         parent, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent), leaf, replacement)
         _hook_previous_layer(model, name, replacement)
     return names
+
+
+def _check_training(trainable: bool, optimizer, optimizer_options, placement: str) -> None:
+    """``optimizer`` needs ``trainable=True``, a known name and options with ``lr``; a trainable
+    table needs a placement it can be written in."""
+    if not trainable:
+        if optimizer is not None or optimizer_options is not None:
+            raise ValueError("optimizer and optimizer_options need trainable=True")
+        return
+    if placement not in ("pinned", "cpu", "gpu"):
+        raise ValueError(f"trainable=True needs placement 'pinned', 'cpu' or 'gpu', got "
+                         f"{placement!r}")
+    if optimizer is None:
+        if optimizer_options is not None:
+            raise ValueError("optimizer_options need optimizer=")
+        return
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
+    if not isinstance(optimizer_options, Mapping) or "lr" not in optimizer_options:
+        raise ValueError(f"optimizer={optimizer!r} needs optimizer_options with lr, e.g. "
+                         "{'lr': 0.01}")
 
 
 def _hook_previous_layer(model: torch.nn.Module, name: str,

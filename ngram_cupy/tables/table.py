@@ -234,6 +234,7 @@ class EmbeddingTable:
         self.nbytes = self.num_rows * self.format.row_bytes(self.head_dim)
         self.dedup = bool(dedup)
         self.prefetcher = Prefetcher()
+        self.closed = False
         weakref.finalize(self, self.prefetcher.close, False)  # never joins the worker
 
     def _named(self, placement: str) -> EmbeddingTable:
@@ -479,6 +480,7 @@ class EmbeddingTable:
         self.prefetcher.close()
         self.storage.wait_for_readers("close the table")
         self.storage.close()
+        self.closed = True
 
     def __enter__(self) -> EmbeddingTable:
         return self

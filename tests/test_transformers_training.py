@@ -1,0 +1,115 @@
+"""Training through use_ngram_cupy(trainable=True): the tiny random Qwen4Exp model trained with
+SGD on this library's float32 tables follows the model trained on transformers' own nn.Embedding
+tables (losses and trained rows within 1e-6 relative: duplicate rows' gradients are summed in
+float64 here, in float32 there)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from test_transformers import NAMES, VOCAB, tables, tiny_model  # noqa: E402
+
+from ngram_cupy.transformers import use_ngram_cupy  # noqa: E402
+
+STEPS, LR = 20, 0.05
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """One intra-op thread: on a loaded 2-core machine two threads make these loops ~10x
+    slower (both models run alike, so the comparison is unchanged)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def batches() -> list[torch.Tensor]:
+    """Twenty small batches of random tokens, an n-gram repeated in each (duplicate rows)."""
+    generator = torch.Generator().manual_seed(7)
+    out = []
+    for _ in range(STEPS):
+        ids = torch.randint(3, VOCAB, (2, 6), generator=generator)
+        ids[:, 3:5] = ids[:, 0:2]
+        out.append(ids)
+    return out
+
+
+def train(model, optimizer) -> list[float]:
+    """SGD steps on the language-model loss; the loss of each step."""
+    losses = []
+    for ids in batches():
+        optimizer.zero_grad()
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The model trained as transformers ships it: losses and trained tables."""
+    model = tiny_model()
+    start = [t.detach().clone() for t in tables(model)]
+    losses = train(model, torch.optim.SGD(model.parameters(), lr=LR))
+    return model, losses, [t.detach().numpy() for t in tables(model)], start
+
+
+def patched_rows(model) -> list[np.ndarray]:
+    return [model.get_submodule(name).table.host_view.copy() for name in NAMES]
+
+
+def check_same_training(reference, losses, model) -> None:
+    _, want_losses, want_rows, start = reference
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-6, atol=0)
+    for got, want, before in zip(patched_rows(model), want_rows, start, strict=True):
+        assert not np.array_equal(want, before.numpy())  # the rows did train
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_fused_sgd_follows_nn_embedding(reference):
+    model = tiny_model()
+    use_ngram_cupy(model, placement="cpu", trainable=True, optimizer="sgd",
+                   optimizer_options={"lr": LR})
+    losses = train(model, torch.optim.SGD(model.parameters(), lr=LR))
+    for name in NAMES:  # the fused step leaves no gradient on the tables
+        assert model.get_submodule(name).ngram_embedding.weight.grad is None
+    check_same_training(reference, losses, model)
+
+
+def test_sparse_gradients_with_torch_sgd_follow_nn_embedding(reference):
+    model = tiny_model()
+    use_ngram_cupy(model, trainable=True)  # "pinned": host memory without a GPU
+    losses = train(model, torch.optim.SGD(model.parameters(), lr=LR))
+    grad = model.get_submodule(NAMES[0]).ngram_embedding.weight.grad
+    assert grad.is_sparse
+    check_same_training(reference, losses, model)
+
+
+def test_eval_without_grad_is_the_plain_lookup(reference):
+    model = tiny_model()
+    use_ngram_cupy(model, trainable=True)
+    ids = batches()[0]
+    with torch.no_grad():
+        got = model(ids).logits
+    np.testing.assert_array_equal(got.numpy(), tiny_model()(ids).logits.detach().numpy())
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(optimizer="sgd", optimizer_options={"lr": 0.1}), "need trainable=True"),
+    (dict(trainable=True, optimizer="lamb", optimizer_options={"lr": 0.1}),
+     "optimizer must be one of sgd, rowwise_adagrad, adam"),
+    (dict(trainable=True, optimizer="sgd"), "needs optimizer_options with lr"),
+    (dict(trainable=True, placement="shared"), "needs placement 'pinned', 'cpu' or 'gpu'"),
+    (dict(trainable=True, weight_dtype=torch.float16), "float16 table cannot be trained"),
+])
+def test_bad_training_options(kwargs, match):
+    model = tiny_model()
+    with pytest.raises(ValueError, match=match):
+        use_ngram_cupy(model, **kwargs)
+    assert type(model.get_submodule(NAMES[0])).__name__ == "Qwen4ExpTextNGramEmbedding"
