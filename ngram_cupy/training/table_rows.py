@@ -60,9 +60,9 @@ def state_array(table, name: str, width: int):
     same one), else in this process's memory; and the segment to keep attached (or None)."""
     shape = (table.num_rows, width)
     storage = base_storage(table)
-    if storage.placement != "shared" or not table.num_rows * width:
+    if storage.placement != "shared" or not storage.segment.shared or not table.num_rows * width:
         return np.zeros(shape, np.float32), None
-    key = json.dumps({"state_of": storage.segment.path.name, "name": name, "shape": shape})
+    key = json.dumps({"state_of": storage.segment.name, "name": name, "shape": shape})
 
     def fill(memory) -> None:
         np.frombuffer(memory, np.float32, count=shape[0] * shape[1])[:] = 0.0
