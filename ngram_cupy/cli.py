@@ -341,8 +341,10 @@ def describe_engram_layout(config, layout) -> list[str]:
         lines.append(f"rows {rows:,} ({offset:,} hashed); head_dim {config.engram_head_dim}; "
                      f"table bytes:")
         for fmt in FORMATS:
-            nbytes = rows * config.engram_head_dim * fmt.itemsize
-            lines.append(f"  {fmt.name:<14} {nbytes:>18,} B  {nbytes / (1 << 30):9.1f} GiB")
+            row_bytes = fmt.row_bytes(config.engram_head_dim)  # block scales included
+            nbytes = rows * row_bytes
+            lines.append(f"  {fmt.name:<14} {nbytes:>18,} B  {nbytes / (1 << 30):9.1f} GiB  "
+                         f"({row_bytes} B per row)")
     return lines
 
 

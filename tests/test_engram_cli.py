@@ -98,3 +98,16 @@ def test_user_errors(model, tmp_path, capsys):
     status, _, err = run([*base, "--tokenizer", tokenizer, "--doc-id-column", "d"], capsys)
     assert status == 2 and "--doc-id-column is not supported" in err
     assert not output.exists()
+
+
+def test_layout_table_bytes_follow_each_formats_row_size(model, capsys):
+    """Block-scaled formats: NVFP4 rows are half the float8 bytes plus scales, MXFP8 more."""
+    folder, _, _ = model
+    config = nc.EngramConfig.from_hf(folder)
+    status, out, _ = run(["layout", "--scheme", "engram", "--config", folder], capsys)
+    assert status == 0
+    rows, head_dim = config.engram_num_embeddings[0], config.engram_head_dim
+    expected = {"float8_e4m3fn": head_dim, "nvfp4": head_dim // 2 + head_dim // 16,
+                "mxfp8": head_dim + head_dim // 32}
+    for name, row_bytes in expected.items():
+        assert f"{name:<14} {rows * row_bytes:>18,} B" in out, name
