@@ -48,3 +48,50 @@ def test_dequantize_of_block_scaled_stored_rows_needs_and_uses_their_scales(name
     scale = 1.0 if name == "mxfp8" else module.table.scale
     want = reference_block_lookup(fmt, weight, scales, scale, ids, np.float32)
     assert_same(got.numpy(), want)
+
+
+def mxfp8_checkpoint(folder, dtype_in_config):
+    """An NVFP4 checkpoint rewritten with MXFP8's stored names and dtypes: F8_E4M3 shards and
+    F8_E8M0 ``shard_i.weight_scale``, no global scale."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    config = nc.NGramConfig(1000, 3, 2, 100, 5, embedding_dim=4 * 32, split_ngram_parts=3,
+                            ple_embedding_dtype="nvfp4")
+    layout = nc.layer_layout(config, 0)
+    rng = np.random.default_rng(2)
+    weight = rng.integers(0, 256, (layout.padded_rows, layout.head_dim // 2), dtype=np.uint8)
+    scales = rng.integers(1, 0x7F, (layout.padded_rows, layout.head_dim // 16), dtype=np.uint8)
+    files = nc.save_ngram_embedding(folder, config, 0, weight, scale=np.float32(1.0),
+                                    block_scales=scales.view(FORMATS[NVFP4].block_scale))
+    for file in files:
+        with safe_open(file, "pt") as opened:
+            metadata = opened.metadata()
+        tensors = load_file(file)
+        for name in list(tensors):
+            rows = tensors[name].shape[0] if tensors[name].ndim else 0
+            if name.endswith(".weight_scale_2"):
+                del tensors[name]
+            elif ".shard_" in name and name.endswith(".weight"):
+                tensors[name] = torch.zeros((rows, layout.head_dim), dtype=torch.float8_e4m3fn)
+            elif ".shard_" in name and name.endswith(".weight_scale"):
+                tensors[name] = torch.full((rows, layout.head_dim // 32), 127,
+                                           dtype=torch.uint8).view(torch.float8_e8m0fnu)
+        save_file(tensors, file, metadata=metadata)
+    hf = json.loads((folder / "config.json").read_text())
+    text = hf.get("text_config", hf)
+    text.pop("ple_embedding_dtype", None)
+    if dtype_in_config:
+        text["ple_embedding_dtype"] = "mxfp8"
+    (folder / "config.json").write_text(json.dumps(hf))
+    return nc.NGramConfig.from_hf(folder)
+
+
+@pytest.mark.parametrize("dtype_in_config", [True, False])
+def test_an_mxfp8_checkpoint_is_named_mxfp8_not_nvfp4(tmp_path, dtype_in_config):
+    config = mxfp8_checkpoint(tmp_path, dtype_in_config)
+    with pytest.raises(ValueError, match="holds an MXFP8 table") as error:
+        nc.load_ngram_embedding(tmp_path, config, 0, placement="cpu")
+    assert "NVFP4" not in str(error.value) and "packed" not in str(error.value)

@@ -28,6 +28,7 @@ from ..runtime.backends import HOST, unwrap_torch
 from ..tables.formats import (
     BY_SAFETENSORS,
     FORMATS,
+    MXFP8,
     NVFP4,
     PLAIN_FORMATS,
     SCALE_FORMATS,
@@ -243,11 +244,26 @@ def is_block_scaled(checkpoint: Checkpoint, prefix: str, config: NGramConfig) ->
     global scale or block scales (a config naming another dtype then is a ValueError)."""
     named = find_format(config.ple_embedding_dtype) if config.ple_embedding_dtype else None
     stored = global_scale_key(prefix) in checkpoint or block_scales_key(prefix, 0) in checkpoint
+    refuse_mxfp8(checkpoint, prefix, named)
     if stored and named is not None and named.code != NVFP4:
         raise ValueError(f"{prefix} holds an NVFP4 table ({global_scale_key(prefix)}, "
                          f"{block_scales_key(prefix, 0)}) but the config's ple_embedding_dtype "
                          f"is {config.ple_embedding_dtype!r}")
     return stored or (named is not None and named.code == NVFP4)
+
+
+def refuse_mxfp8(checkpoint: Checkpoint, prefix: str, named: Format | None) -> None:
+    """MXFP8 tables (E4M3 shards with UE8M0 ``shard_i.weight_scale``) load only in memory: a
+    ValueError saying so, not one about NVFP4's packed bytes."""
+    scales = block_scales_key(prefix, 0)
+    mxfp8 = FORMATS[MXFP8]
+    stored = scales in checkpoint and checkpoint.info(scales).dtype == \
+        mxfp8.block_scale_safetensors
+    if stored or (named is not None and named.code == MXFP8):
+        raise ValueError(f"{prefix} holds an MXFP8 table ({mxfp8.safetensors} shards with "
+                         f"{mxfp8.block_scale_safetensors} block scales {scales}): checkpoints "
+                         f"of MXFP8 tables are not loaded yet; build it with "
+                         f"EmbeddingTable(rows, dtype='mxfp8', block_scales=...)")
 
 
 def block_scale_shards(checkpoint: Checkpoint, prefix: str, layout: LayerLayout,
