@@ -95,3 +95,25 @@ def test_an_mxfp8_checkpoint_is_named_mxfp8_not_nvfp4(tmp_path, dtype_in_config)
     with pytest.raises(ValueError, match="holds an MXFP8 table") as error:
         nc.load_ngram_embedding(tmp_path, config, 0, placement="cpu")
     assert "NVFP4" not in str(error.value) and "packed" not in str(error.value)
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "nvfp4"])
+@pytest.mark.parametrize("scale", [0.0, -1.0, -0.0])
+def test_in_memory_tables_refuse_the_scales_the_loaders_refuse(dtype, scale):
+    """Scale 0 reads as an all-zero table and -1 flips every sign: refused as the loaders do."""
+    head_dim = 32
+    width = head_dim // 2 if dtype == "nvfp4" else head_dim
+    weight = np.ones((4, width), np.uint8)
+    scales = np.ones((4, head_dim // 16), np.uint8) if dtype == "nvfp4" else None
+    with pytest.raises(ValueError, match="scale must be a finite positive number"):
+        nc.EmbeddingTable(weight, scale=scale, dtype=dtype, block_scales=scales)
+    with pytest.raises(ValueError, match="scale must be a finite positive number"):
+        nc.EmbeddingTable.empty(4, head_dim, dtype, scale=scale)
+
+
+@pytest.mark.parametrize("reader", [nc.NGramConfig.from_hf, nc.EngramConfig.from_hf])
+def test_a_config_that_is_not_utf8_names_the_file(tmp_path, reader):
+    path = tmp_path / "config.json"
+    path.write_bytes(b'{"vocab_size": 1000, "name": "\xff\xfe"}')
+    with pytest.raises(ValueError, match=rf"config file {path} is not UTF-8 text: byte 30 "):
+        reader(tmp_path)

@@ -12,7 +12,6 @@ and the float32 global scale ``P.ngram_embedding.weight_scale_2``.
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 from collections.abc import Iterable, Sequence
@@ -25,6 +24,7 @@ from ..embedding import NGramEmbedding
 from ..hashing.config import MAX_SPLIT_PARTS, NGramConfig
 from ..hashing.layout import LayerLayout, check_layout, layer_layout, split_rows
 from ..runtime.backends import HOST, unwrap_torch
+from ..runtime.checks import check_scale
 from ..tables.formats import (
     BY_SAFETENSORS,
     FORMATS,
@@ -302,14 +302,6 @@ def block_scale_shards(checkpoint: Checkpoint, prefix: str, layout: LayerLayout,
         raise ValueError(f"{name} must hold one float (F32), got {info.dtype} of shape "
                          f"{info.shape}")
     return names, check_scale(name, float(checkpoint.read(name).reshape(())))
-
-
-def check_scale(name: str, value: float) -> float:
-    """A table scale must be finite and positive: zero loads as an all-zero table, NaN or an
-    infinity as NaN rows, a negative one flips every sign."""
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a finite positive number, got {value}")
-    return value
 
 
 def load_ngram_embedding(
