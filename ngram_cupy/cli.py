@@ -208,7 +208,7 @@ def cmd_ids(args: argparse.Namespace) -> int:
     from .files.pipeline import tokens_per_call, write_ids, writer_options
 
     check_output(args.output, [args.input])
-    layouts = layouts_for(load_config(args.config), args.layers)
+    layouts = layouts_for(load_config(args.config), args.layers or [0])
     check_device(args.device)
     source = open_tokens(args.input, args.batch_rows)
     check_output_is_not_read(args.output, source)
@@ -282,6 +282,12 @@ def cmd_engram_ids(args: argparse.Namespace) -> int:
     if args.doc_id_column is not None:
         raise UserError("--doc-id-column is not supported with --scheme engram (every row is "
                         "one whole sequence)")
+    if args.layers is not None:
+        raise UserError("--layers is not supported with --scheme engram (one column holds "
+                        "every Engram layer's ids, [T, L, H] per row)")
+    if args.id_type == "int64":
+        raise UserError("--id-type int64 is not supported with --scheme engram (its ids are "
+                        "int32, as the model reads them)")
     check_output(args.output, [args.input])
     _, layout = load_engram(args, need_tokenizer=True)
     check_device(args.device)
@@ -713,7 +719,7 @@ def build_parser() -> argparse.ArgumentParser:
     ids.add_argument("output", metavar="OUTPUT", help="Parquet file to write (replaced "
                      "atomically): INPUT's columns plus the id columns")
     common(ids)
-    ids.add_argument("--layers", type=int, nargs="+", default=[0], metavar="L",
+    ids.add_argument("--layers", type=int, nargs="+", metavar="L",
                      help="PLE layers (0-based among the PLE layers; default 0); several give "
                      "one column each, named OUT_COLUMN_layerL")
     ids.add_argument("--scheme", choices=["qwen4exp", "engram"], default="qwen4exp",
