@@ -117,3 +117,13 @@ def test_a_config_that_is_not_utf8_names_the_file(tmp_path, reader):
     path.write_bytes(b'{"vocab_size": 1000, "name": "\xff\xfe"}')
     with pytest.raises(ValueError, match=rf"config file {path} is not UTF-8 text: byte 30 "):
         reader(tmp_path)
+
+
+def test_a_config_that_is_not_an_object_names_the_file(tmp_path):
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"config.json must hold a JSON object, got list"):
+        nc.NGramConfig.from_hf(tmp_path)
+    (tmp_path / "inner").mkdir()
+    (tmp_path / "inner" / "config.json").mkdir()
+    with pytest.raises(ValueError, match=r"config.json is a folder, not a file"):
+        nc.EngramConfig.from_hf(tmp_path / "inner")

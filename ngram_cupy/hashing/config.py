@@ -213,7 +213,10 @@ def read_hf_config(path_or_dict: str | os.PathLike | dict) -> dict:
             raise ValueError(f"config file {path} is not UTF-8 text: byte {e.start} "
                              f"({e.object[e.start:e.start + 1]!r}) {e.reason}") from None
         except IsADirectoryError:
-            raise ValueError(f"config file {path} is a folder without config.json") from None
+            raise ValueError(f"config file {path} is a folder, not a file") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"config file {path} must hold a JSON object, got "
+                             f"{type(raw).__name__}")
     if not isinstance(raw, dict):
         raise ValueError("config must be a JSON object")
     if isinstance(raw.get("text_config"), dict):
