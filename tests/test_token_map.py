@@ -101,6 +101,10 @@ def test_the_cache_is_read_back_and_a_corrupt_one_rebuilt(tmp_path, cache_dir, m
         token_map_module._maps.clear()
         assert nc.engram_token_map(path).ids.tolist() == [0, 1, 1, 2]
         assert np.load(cached)["ids"].tolist() == [0, 1, 1, 2]
+    with open(cached, "r+b") as f:  # truncated: no longer a zip archive
+        f.truncate(40)
+    token_map_module._maps.clear()
+    assert nc.engram_token_map(path).ids.tolist() == [0, 1, 1, 2]
     assert not [p for p in cache_dir.iterdir() if p.name.startswith(".ngram-cupy-tmp-")]
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,7 +143,7 @@ def _read_cached(path: Path, digest: str) -> np.ndarray | None:
     try:
         with np.load(path, allow_pickle=False) as entry:
             ids, checksum = entry["ids"], str(entry["checksum"])
-    except (OSError, ValueError, EOFError, KeyError):
+    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile):
         return None
     if not _is_first_seen_numbering(ids) or checksum != _checksum(ids, digest):
         return None
