@@ -479,10 +479,10 @@ class NGramEmbeddingModule(torch.nn.Module):
         if name.endswith("weight_scale"):
             fmt = self.table.format
             shape = (stop - start, fmt.scale_width(self.layout.head_dim))
-            if tuple(value.shape) != shape or value.dtype not in (torch.float8_e4m3fn,
-                                                                  torch.uint8):
-                raise ValueError(f"{name} must be float8_e4m3fn of shape {shape} (one scale per "
-                                 f"{fmt.block} values), got {value.dtype} of shape "
+            kind = getattr(torch, fmt.block_scale.name)  # NVFP4: E4M3, MXFP8: UE8M0
+            if tuple(value.shape) != shape or value.dtype not in (kind, torch.uint8):
+                raise ValueError(f"{name} must be {fmt.block_scale.name} of shape {shape} (one "
+                                 f"scale per {fmt.block} values), got {value.dtype} of shape "
                                  f"{tuple(value.shape)}")
             pending["scales"] = value.detach()
         else:
@@ -526,7 +526,7 @@ class NGramEmbeddingModule(torch.nn.Module):
                     self.table.format.blocked and _SHARD_SCALES.fullmatch(name)):
                 self._load_shard(name, int(match.group(1)), value)
                 name = WEIGHT if name.endswith("weight") else SCALE
-            elif name == GLOBAL_SCALE and self.table.format.blocked:
+            elif name == GLOBAL_SCALE and self.table.format.blocked and self.table.format.scaled:
                 if value.numel() != 1 or not value.dtype.is_floating_point:
                     raise ValueError(f"{name} must hold one floating value, got {value.dtype} "
                                      f"of shape {tuple(value.shape)}")

@@ -127,3 +127,20 @@ def test_a_config_that_is_not_an_object_names_the_file(tmp_path):
     (tmp_path / "inner" / "config.json").mkdir()
     with pytest.raises(ValueError, match=r"config.json is a folder, not a file"):
         nc.EngramConfig.from_hf(tmp_path / "inner")
+
+
+def test_an_mxfp8_module_loads_ue8m0_block_scales_and_refuses_a_global_scale():
+    """vLLM's MXFP8 names: shard rows (E4M3) and UE8M0 ``shard_i.weight_scale`` load as the
+    table's rows; a global scale (NVFP4's) would be ignored, so it is refused."""
+    module, fmt, weight, scales = block_scaled_module("mxfp8", seed=3)
+    fresh, _, _, _ = block_scaled_module("mxfp8", seed=4)
+    stop = module.layout.padded_rows // 3
+    rows = torch.from_numpy(weight[:stop].view(np.uint8)).view(torch.float8_e4m3fn)
+    ue8m0 = torch.from_numpy(scales[:stop]).view(torch.float8_e8m0fnu)
+    fresh.load_weights([("ngram_embedding.shard_0.weight", rows),
+                        ("ngram_embedding.shard_0.weight_scale", ue8m0)])
+    ids = np.arange(stop).reshape(-1, 1)
+    assert_same(fresh.table.lookup(ids, out_dtype=np.float32),
+                module.table.lookup(ids, out_dtype=np.float32))
+    with pytest.raises(ValueError, match="unexpected weight 'ngram_embedding.weight_scale_2'"):
+        fresh.load_weights([("ngram_embedding.weight_scale_2", torch.tensor(2.0))])
