@@ -323,6 +323,19 @@ def cmd_engram_ids(args: argparse.Namespace) -> int:
     return 0
 
 
+def table_bytes_line(fmt, rows: int, head_dim: int) -> str:
+    """One format's table bytes (block scales included), or why it cannot hold the rows."""
+    try:
+        fmt.check_head_dim(head_dim)
+    except ValueError:
+        unit = max(fmt.pack, fmt.block)
+        return f"  {fmt.name:<14} {'-':>18}    (head_dim {head_dim} is not a multiple of {unit})"
+    row_bytes = fmt.row_bytes(head_dim)
+    nbytes = rows * row_bytes
+    return (f"  {fmt.name:<14} {nbytes:>18,} B  {nbytes / (1 << 30):9.1f} GiB  "
+            f"({row_bytes} B per row)")
+
+
 def describe_engram_layout(config, layout) -> list[str]:
     """The Engram hash parameters, every layer's multipliers, head sizes and table bytes."""
     from .hashing.engram_layout import engram_multipliers
@@ -346,11 +359,7 @@ def describe_engram_layout(config, layout) -> list[str]:
             offset += size
         lines.append(f"rows {rows:,} ({offset:,} hashed); head_dim {config.engram_head_dim}; "
                      f"table bytes:")
-        for fmt in FORMATS:
-            row_bytes = fmt.row_bytes(config.engram_head_dim)  # block scales included
-            nbytes = rows * row_bytes
-            lines.append(f"  {fmt.name:<14} {nbytes:>18,} B  {nbytes / (1 << 30):9.1f} GiB  "
-                         f"({row_bytes} B per row)")
+        lines += [table_bytes_line(fmt, rows, config.engram_head_dim) for fmt in FORMATS]
     return lines
 
 
@@ -376,11 +385,7 @@ def describe_layout(layout: LayerLayout) -> list[str]:
         return lines
     lines.append(f"head_dim {layout.head_dim} ({config.embedding_dim} / {layout.num_heads} heads); "
                  f"table bytes per layer:")
-    for fmt in FORMATS:
-        row_bytes = fmt.row_bytes(layout.head_dim)  # block scales included (NVFP4)
-        nbytes = layout.padded_rows * row_bytes
-        lines.append(f"  {fmt.name:<14} {nbytes:>18,} B  {nbytes / (1 << 30):9.1f} GiB  "
-                     f"({row_bytes} B per row)")
+    lines += [table_bytes_line(fmt, layout.padded_rows, layout.head_dim) for fmt in FORMATS]
     return lines
 
 

@@ -144,3 +144,28 @@ def test_an_mxfp8_module_loads_ue8m0_block_scales_and_refuses_a_global_scale():
                 module.table.lookup(ids, out_dtype=np.float32))
     with pytest.raises(ValueError, match="unexpected weight 'ngram_embedding.weight_scale_2'"):
         fresh.load_weights([("ngram_embedding.weight_scale_2", torch.tensor(2.0))])
+
+
+def test_use_ngram_cupy_names_what_an_nvfp4_weight_dtype_lacks():
+    """weight_dtype='nvfp4' from the model's rows: the scale it needs, not 'got torch.uint8'."""
+    pytest.importorskip("transformers")
+    import test_transformers
+
+    from ngram_cupy.transformers import use_ngram_cupy
+
+    with pytest.raises(ValueError, match="a nvfp4 table needs its scale: pass checkpoint="):
+        use_ngram_cupy(test_transformers.tiny_model(), placement="cpu", weight_dtype="nvfp4")
+
+
+def test_layout_gives_no_bytes_for_formats_that_cannot_hold_the_head_dim(tmp_path, capsys):
+    """head_dim 40: no NVFP4 (16-value blocks) or MXFP8 (32) table exists, so no figure."""
+    from ngram_cupy.cli import main
+    from ngram_cupy.files.checkpoint import write_config_json
+
+    write_config_json(tmp_path, nc.NGramConfig(1000, 3, 2, 100, 5, embedding_dim=4 * 40))
+    assert main(["layout", "--config", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "float8_e4m3fn" in out and "(40 B per row)" in out
+    for name, unit in (("nvfp4", 16), ("mxfp8", 32)):
+        line = next(line for line in out.splitlines() if line.split()[:1] == [name])
+        assert f"head_dim 40 is not a multiple of {unit}" in line and "B per row" not in line
