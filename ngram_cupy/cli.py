@@ -208,7 +208,7 @@ def cmd_ids(args: argparse.Namespace) -> int:
     from .files.pipeline import tokens_per_call, write_ids, writer_options
 
     check_output(args.output, [args.input])
-    layouts = layouts_for(load_config(args.config), args.layers)
+    layouts = layouts_for(load_config(args.config), args.layers or [0])
     check_device(args.device)
     source = open_tokens(args.input, args.batch_rows)
     check_output_is_not_read(args.output, source)
@@ -282,6 +282,12 @@ def cmd_engram_ids(args: argparse.Namespace) -> int:
     if args.doc_id_column is not None:
         raise UserError("--doc-id-column is not supported with --scheme engram (every row is "
                         "one whole sequence)")
+    if args.layers is not None:
+        raise UserError("--layers is not supported with --scheme engram (one column holds "
+                        "every Engram layer's ids, [T, L, H] per row)")
+    if args.id_type == "int64":
+        raise UserError("--id-type int64 is not supported with --scheme engram (its ids are "
+                        "int32, as the model reads them)")
     check_output(args.output, [args.input])
     _, layout = load_engram(args, need_tokenizer=True)
     check_device(args.device)
@@ -317,6 +323,19 @@ def cmd_engram_ids(args: argparse.Namespace) -> int:
     return 0
 
 
+def table_bytes_line(fmt, rows: int, head_dim: int) -> str:
+    """One format's table bytes (block scales included), or why it cannot hold the rows."""
+    try:
+        fmt.check_head_dim(head_dim)
+    except ValueError:
+        unit = max(fmt.pack, fmt.block)
+        return f"  {fmt.name:<14} {'-':>18}    (head_dim {head_dim} is not a multiple of {unit})"
+    row_bytes = fmt.row_bytes(head_dim)
+    nbytes = rows * row_bytes
+    return (f"  {fmt.name:<14} {nbytes:>18,} B  {nbytes / (1 << 30):9.1f} GiB  "
+            f"({row_bytes} B per row)")
+
+
 def describe_engram_layout(config, layout) -> list[str]:
     """The Engram hash parameters, every layer's multipliers, head sizes and table bytes."""
     from .hashing.engram_layout import engram_multipliers
@@ -340,9 +359,7 @@ def describe_engram_layout(config, layout) -> list[str]:
             offset += size
         lines.append(f"rows {rows:,} ({offset:,} hashed); head_dim {config.engram_head_dim}; "
                      f"table bytes:")
-        for fmt in FORMATS:
-            nbytes = rows * config.engram_head_dim * fmt.itemsize
-            lines.append(f"  {fmt.name:<14} {nbytes:>18,} B  {nbytes / (1 << 30):9.1f} GiB")
+        lines += [table_bytes_line(fmt, rows, config.engram_head_dim) for fmt in FORMATS]
     return lines
 
 
@@ -368,11 +385,7 @@ def describe_layout(layout: LayerLayout) -> list[str]:
         return lines
     lines.append(f"head_dim {layout.head_dim} ({config.embedding_dim} / {layout.num_heads} heads); "
                  f"table bytes per layer:")
-    for fmt in FORMATS:
-        row_bytes = fmt.row_bytes(layout.head_dim)  # block scales included (NVFP4)
-        nbytes = layout.padded_rows * row_bytes
-        lines.append(f"  {fmt.name:<14} {nbytes:>18,} B  {nbytes / (1 << 30):9.1f} GiB  "
-                     f"({row_bytes} B per row)")
+    lines += [table_bytes_line(fmt, layout.padded_rows, layout.head_dim) for fmt in FORMATS]
     return lines
 
 
@@ -714,7 +727,7 @@ def build_parser() -> argparse.ArgumentParser:
     ids.add_argument("output", metavar="OUTPUT", help="Parquet file to write (replaced "
                      "atomically): INPUT's columns plus the id columns")
     common(ids)
-    ids.add_argument("--layers", type=int, nargs="+", default=[0], metavar="L",
+    ids.add_argument("--layers", type=int, nargs="+", metavar="L",
                      help="PLE layers (0-based among the PLE layers; default 0); several give "
                      "one column each, named OUT_COLUMN_layerL")
     ids.add_argument("--scheme", choices=["qwen4exp", "engram"], default="qwen4exp",

@@ -174,12 +174,15 @@ class TableWeights(torch.nn.Module):
                 module.weight_scale = torch.tensor(float(module.table.scale))
                 raise
 
-    def dequantize(self, rows: torch.Tensor, dtype: torch.dtype | str) -> torch.Tensor:
+    def dequantize(self, rows: torch.Tensor, dtype: torch.dtype | str,
+                   block_scales: torch.Tensor | None = None) -> torch.Tensor:
         """Stored rows (``[..., k * head_dim]`` of the storage dtype, as ``forward`` returns
         them with ``return_stored_rows=True``) decoded to ``dtype`` exactly as a lookup decodes
         them, bit for bit: the table's format and scale, through the table gather itself. Rows a
         lookup has decoded already (the module's ``out_dtype``) are cast, as vLLM does for
-        NVFP4 rows. The call vLLM 0.33's PLE layer makes."""
+        NVFP4 rows; stored rows of a block-scaled table need their ``block_scales`` (``[...,
+        k * head_dim / block]``, as ``weight_scale`` holds them). The call vLLM 0.33's PLE
+        layer makes."""
         out_format = output_format(dtype, "dtype")
         fmt, head_dim = self.table.format, self.table.head_dim
         if not isinstance(rows, torch.Tensor):
@@ -190,15 +193,27 @@ class TableWeights(torch.nn.Module):
                 return rows.to(out_format.torch_dtype)
             raise TypeError(f"rows must be the table's stored rows ({fmt.torch_dtype}) or rows "
                             f"its lookups decoded ({decoded}), got {rows.dtype}")
-        if rows.ndim == 0 or rows.shape[-1] % max(head_dim, 1):
+        width = max(head_dim // fmt.pack, 1)  # stored values a row (NVFP4: two a byte)
+        if rows.ndim == 0 or rows.shape[-1] % width:
             raise ValueError(f"rows must have a last dimension of whole rows of head_dim="
-                             f"{head_dim}, got shape {tuple(rows.shape)}")
-        flat = rows.detach().reshape(-1, head_dim).contiguous()
+                             f"{head_dim} ({width} stored values), got shape "
+                             f"{tuple(rows.shape)}")
+        if fmt.blocked and block_scales is None:
+            raise ValueError(f"stored {fmt.name} rows need their block_scales (one "
+                             f"{fmt.block_scale.name} per {fmt.block} values): pass "
+                             f"block_scales=, or decode through a lookup")
+        if not fmt.blocked and block_scales is not None:
+            raise ValueError(f"block_scales are only for block-scaled tables, not {fmt.name}")
+        flat = rows.detach().reshape(-1, width).contiguous()
+        scales = None if block_scales is None else \
+            block_scales.detach().reshape(flat.shape[0], -1).contiguous()
         decoder = EmbeddingTable(flat, scale=self.table.scale,
                                  placement="gpu" if flat.is_cuda else "cpu",
-                                 scale_rounding=self.table.scale_rounding)
+                                 scale_rounding=self.table.scale_rounding, dtype=fmt.name,
+                                 block_scales=scales)
         ids = torch.arange(flat.shape[0], device=flat.device).reshape(-1, 1)
-        return decoder.lookup(ids, out_dtype=out_format.name).reshape(rows.shape)
+        decoded = decoder.lookup(ids, out_dtype=out_format.name)
+        return decoded.reshape(*rows.shape[:-1], rows.shape[-1] * fmt.pack)
 
     def _apply(self, fn, recurse=True):
         """``.to()``, ``.cuda()``, ``.half()`` leave the rows alone: where the table lives and its
@@ -365,10 +380,11 @@ class NGramEmbeddingModule(torch.nn.Module):
         self.embedding.keep_staging(sizes)
         self._kept_sizes.update(int(size) for size in sizes)
 
-    def dequantize(self, rows: torch.Tensor, dtype: torch.dtype | str) -> torch.Tensor:
+    def dequantize(self, rows: torch.Tensor, dtype: torch.dtype | str,
+                   block_scales: torch.Tensor | None = None) -> torch.Tensor:
         """``self.ngram_embedding.dequantize`` (``TableWeights.dequantize``): stored rows
         decoded to ``dtype`` exactly as a lookup decodes them."""
-        return self.ngram_embedding.dequantize(rows, dtype)
+        return self.ngram_embedding.dequantize(rows, dtype, block_scales)
 
     def refresh_hot_rows(self) -> None:
         """Copy the hot tier's rows again from the table (after an in-place weight change; the
@@ -495,10 +511,10 @@ class NGramEmbeddingModule(torch.nn.Module):
         if name.endswith("weight_scale"):
             fmt = self.table.format
             shape = (stop - start, fmt.scale_width(self.layout.head_dim))
-            if tuple(value.shape) != shape or value.dtype not in (torch.float8_e4m3fn,
-                                                                  torch.uint8):
-                raise ValueError(f"{name} must be float8_e4m3fn of shape {shape} (one scale per "
-                                 f"{fmt.block} values), got {value.dtype} of shape "
+            kind = getattr(torch, fmt.block_scale.name)  # NVFP4: E4M3, MXFP8: UE8M0
+            if tuple(value.shape) != shape or value.dtype not in (kind, torch.uint8):
+                raise ValueError(f"{name} must be {fmt.block_scale.name} of shape {shape} (one "
+                                 f"scale per {fmt.block} values), got {value.dtype} of shape "
                                  f"{tuple(value.shape)}")
             pending["scales"] = value.detach()
         else:
@@ -542,7 +558,7 @@ class NGramEmbeddingModule(torch.nn.Module):
                     self.table.format.blocked and _SHARD_SCALES.fullmatch(name)):
                 self._load_shard(name, int(match.group(1)), value)
                 name = WEIGHT if name.endswith("weight") else SCALE
-            elif name == GLOBAL_SCALE and self.table.format.blocked:
+            elif name == GLOBAL_SCALE and self.table.format.blocked and self.table.format.scaled:
                 if value.numel() != 1 or not value.dtype.is_floating_point:
                     raise ValueError(f"{name} must hold one floating value, got {value.dtype} "
                                      f"of shape {tuple(value.shape)}")

@@ -369,10 +369,11 @@ def use_ngram_cupy(model: torch.nn.Module, *, placement: str = "pinned",
     layers = [module.ple_layer_index for _, module in targets]
     _check_options(table_options, hot_rows, names, layers)
     _check_training(trainable, optimizer, optimizer_options, placement)
+    asked = weight_dtype  # as the caller spelt it, for messages
     if weight_dtype is not None:
         fmt = storage_format(weight_dtype, "weight_dtype")
         _check_named(config, fmt.name, f"weight_dtype={weight_dtype}")
-        weight_dtype = fmt.torch_dtype
+        weight_dtype = fmt.name  # NVFP4's torch dtype (uint8) would name no format
     layouts = []
     for name, module in targets:
         layout = layer_layout(config, module.ple_layer_index)
@@ -389,11 +390,11 @@ def use_ngram_cupy(model: torch.nn.Module, *, placement: str = "pinned",
             _check_named(config, dtype, f"the table of {prefix}")
             if weight_dtype is not None and dtype is not None \
                     and dtype != storage_format(weight_dtype).name:
-                raise ValueError(f"weight_dtype={weight_dtype} but {prefix} stores {dtype}: "
+                raise ValueError(f"weight_dtype={asked} but {prefix} stores {dtype}: "
                                  "checkpoint tables load in their own dtype")
             prefixes.append(prefix)
     elif weight_dtype is None and _named_dtype(config) is not None:
-        weight_dtype = storage_format(config.ple_embedding_dtype).torch_dtype
+        weight_dtype = storage_format(config.ple_embedding_dtype).name
     embeddings = []
     for index, ((name, module), layout) in enumerate(zip(targets, layouts, strict=True)):
         rows = _hot_rows_of(hot_rows, name, layout.layer)

@@ -98,3 +98,51 @@ def test_user_errors(model, tmp_path, capsys):
     status, _, err = run([*base, "--tokenizer", tokenizer, "--doc-id-column", "d"], capsys)
     assert status == 2 and "--doc-id-column is not supported" in err
     assert not output.exists()
+
+
+def test_layout_table_bytes_follow_each_formats_row_size(model, capsys):
+    """Block-scaled formats: NVFP4 rows are half the float8 bytes plus scales, MXFP8 more."""
+    folder, _, _ = model
+    config = nc.EngramConfig.from_hf(folder)
+    status, out, _ = run(["layout", "--scheme", "engram", "--config", folder], capsys)
+    assert status == 0
+    rows, head_dim = config.engram_num_embeddings[0], config.engram_head_dim
+    expected = {"float8_e4m3fn": head_dim, "nvfp4": head_dim // 2 + head_dim // 16,
+                "mxfp8": head_dim + head_dim // 32}
+    for name, row_bytes in expected.items():
+        assert f"{name:<14} {rows * row_bytes:>18,} B" in out, name
+
+
+def test_flags_it_cannot_honour_are_refused_and_the_metadata_is_the_qwen_ids(model, tmp_path,
+                                                                             capsys):
+    folder, tokenizer, layout = model
+    source = tmp_path / "tokens.parquet"
+    pq.write_table(pa.table({"tokens": pa.array([[1, 2, 3], [4]], pa.list_(pa.int32()))}),
+                   source)
+    output = tmp_path / "ids.parquet"
+    base = ["ids", source, output, "--scheme", "engram", "--config", folder, "--tokenizer",
+            tokenizer, "--quiet"]
+    for flag, words in ((["--layers", 1], "--layers is not supported"),
+                        (["--id-type", "int64"], "--id-type int64 is not supported")):
+        status, out, err = run([*base, *flag], capsys)
+        assert status == 2 and words in err and out == "" and not output.exists()
+    status, _, err = run([*base, "--id-type", "int32"], capsys)
+    assert status == 0, err
+    record = json.loads(pq.read_schema(output).metadata[b"ngram_cupy"])
+    assert record["version"] == nc.__version__ and record["scheme"] == "engram"
+    assert record["config_hash"] == nc.arrow.config_hash(layout.config)
+    assert record["layers"] == [{"column": "engram_ids",
+                                 "engram_layer_ids": list(layout.layer_ids)}]
+
+
+def test_a_token_past_the_vocabulary_names_its_row_and_column(model, tmp_path, capsys):
+    folder, tokenizer, layout = model
+    source = tmp_path / "tokens.parquet"
+    rows = [[1, 2, 3], [4, layout.vocab_size]]
+    pq.write_table(pa.table({"tokens": pa.array(rows, pa.list_(pa.int32()))}), source)
+    output = tmp_path / "ids.parquet"
+    status, _, err = run(["ids", source, output, "--scheme", "engram", "--config", folder,
+                          "--tokenizer", tokenizer, "--quiet"], capsys)
+    assert status == 2 and not output.exists()
+    assert (f"column 'tokens', row 1 of a batch, token 1: {layout.vocab_size} is not an id of "
+            f"the tokenizer") in err and "input_ids" not in err

@@ -183,3 +183,20 @@ def test_gpu_torch_in_torch_out_on_a_side_stream():
     assert ids.is_cuda and ids.dtype == torch.int32
     stream.synchronize()
     np.testing.assert_array_equal(ids.cpu().numpy(), expected)
+
+
+def test_simulated_kernel_reads_no_other_request_on_gapped_positions(simulate):
+    """A gap inside a request (unchecked on the GPU) gives meaningless ids for that request,
+    never ones that read another request's tokens: changing request 0 leaves request 1 as is."""
+    rng = np.random.default_rng(31)
+    layout = engram_cases.small_layout(rng, (3, 2, 2))
+    batch = engram_cases.random_batch(rng, layout, 6, 2)
+    batch.update(positions=np.array([1, 2, 3, 5, 100, 101]),
+                 query_start_loc=np.array([0, 3, 6]), dead_mask=None, lookback_dead_mask=None)
+    first = simulated_ids(layout, **batch)
+    batch["input_ids"] = batch["input_ids"].copy()
+    batch["input_ids"][:3] = (batch["input_ids"][:3] + 1) % layout.vocab_size
+    np.testing.assert_array_equal(simulated_ids(layout, **batch)[3:], first[3:])
+    contiguous = {**batch, "positions": np.array([1, 2, 3, 99, 100, 101])}
+    np.testing.assert_array_equal(simulated_ids(layout, **contiguous),
+                                  reference.compute_engram_ids(layout, **contiguous))

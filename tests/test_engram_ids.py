@@ -234,3 +234,19 @@ def test_bad_layout_and_lookback_dead_without_lookback(bad_case):
         nc.compute_engram_ids(layout, **without)
     with pytest.raises(ValueError, match="stream is only for GPU arrays"):
         nc.compute_engram_ids(layout, **args, stream=1)
+
+
+@pytest.mark.parametrize("gapped, holder, where", [
+    ([0, 1, 2, 3, 4, 5, 20, 21, 22, 23, 2, 3, 100, 101], 3, r"positions\[12\]=100 after "
+     r"positions\[11\]=3"),
+    ([5, 100, 101, 102, 103, 104, 20, 21, 22, 23, 2, 3, 4, 5], 0, r"positions\[1\]=100"),
+])
+def test_positions_with_a_gap_inside_a_request_are_refused(bad_case, gapped, holder, where):
+    """Positions 5 then 100 in one request: the walk back by index would read tokens of another
+    request (or wrap), so the CPU path and the reference refuse, naming the request."""
+    layout, args = bad_case
+    gapped = {**args, "positions": np.array(gapped, np.int64)}
+    with pytest.raises(ValueError, match=rf"consecutive.*request {holder} has {where}"):
+        nc.compute_engram_ids(layout, **gapped)
+    with pytest.raises(ValueError, match=rf"request {holder}: positions must be consecutive"):
+        reference.compute_engram_ids(layout, **gapped)

@@ -62,7 +62,7 @@ def test_deepseek_tokenizer_has_99092_compressed_ids(deepseek_tokenizer, cache_d
     # The folder form and a tokenizers.Tokenizer give the same map (the latter keyed by its
     # own JSON); the file's map is now on disk.
     assert [p.name for p in cache_dir.iterdir()] == [
-        f"engram-token-map-v{token_map_module.FORMAT_VERSION}-{mapping.digest}.npy"]
+        f"engram-token-map-v{token_map_module.FORMAT_VERSION}-{mapping.digest}.npz"]
     token_map_module._maps.clear()
     np.testing.assert_array_equal(nc.engram_token_map(os.path.dirname(deepseek_tokenizer)).ids,
                                   mapping.ids)
@@ -90,12 +90,21 @@ def test_the_cache_is_read_back_and_a_corrupt_one_rebuilt(tmp_path, cache_dir, m
     monkeypatch.setattr(token_map_module, "build_token_map",
                         lambda tokenizer: pytest.fail("built again despite the cache"))
     assert nc.engram_token_map(path).ids.tolist() == [0, 1, 1, 2]
-    np.save(cached, np.array([3, 0, 1], dtype=np.int32))  # not a first-seen numbering
-    token_map_module._maps.clear()
     monkeypatch.undo()
     monkeypatch.setenv("NGRAM_CUPY_CACHE_DIR", str(cache_dir))
+    checksum = np.load(cached)["checksum"]
+    for edited in ({"ids": np.array([3, 0, 1], dtype=np.int32)},  # not a first-seen numbering
+                   {"ids": np.array([0, 1, 2, 2], dtype=np.int32), "checksum": checksum},
+                   {"ids": np.array([0, 1, 1, 2], dtype=np.int32)}):  # no checksum
+        with open(cached, "wb") as f:
+            np.savez(f, **edited)
+        token_map_module._maps.clear()
+        assert nc.engram_token_map(path).ids.tolist() == [0, 1, 1, 2]
+        assert np.load(cached)["ids"].tolist() == [0, 1, 1, 2]
+    with open(cached, "r+b") as f:  # truncated: no longer a zip archive
+        f.truncate(40)
+    token_map_module._maps.clear()
     assert nc.engram_token_map(path).ids.tolist() == [0, 1, 1, 2]
-    assert np.load(cached).tolist() == [0, 1, 1, 2]
     assert not [p for p in cache_dir.iterdir() if p.name.startswith(".ngram-cupy-tmp-")]
 
 

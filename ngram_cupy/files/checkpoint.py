@@ -12,7 +12,6 @@ and the float32 global scale ``P.ngram_embedding.weight_scale_2``.
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 from collections.abc import Iterable, Sequence
@@ -25,9 +24,11 @@ from ..embedding import NGramEmbedding
 from ..hashing.config import MAX_SPLIT_PARTS, NGramConfig
 from ..hashing.layout import LayerLayout, check_layout, layer_layout, split_rows
 from ..runtime.backends import HOST, unwrap_torch
+from ..runtime.checks import check_scale
 from ..tables.formats import (
     BY_SAFETENSORS,
     FORMATS,
+    MXFP8,
     NVFP4,
     PLAIN_FORMATS,
     SCALE_FORMATS,
@@ -247,11 +248,26 @@ def is_block_scaled(checkpoint: Checkpoint, prefix: str, config: NGramConfig) ->
     global scale or block scales (a config naming another dtype then is a ValueError)."""
     named = find_format(config.ple_embedding_dtype) if config.ple_embedding_dtype else None
     stored = global_scale_key(prefix) in checkpoint or block_scales_key(prefix, 0) in checkpoint
+    refuse_mxfp8(checkpoint, prefix, named)
     if stored and named is not None and named.code != NVFP4:
         raise ValueError(f"{prefix} holds an NVFP4 table ({global_scale_key(prefix)}, "
                          f"{block_scales_key(prefix, 0)}) but the config's ple_embedding_dtype "
                          f"is {config.ple_embedding_dtype!r}")
     return stored or (named is not None and named.code == NVFP4)
+
+
+def refuse_mxfp8(checkpoint: Checkpoint, prefix: str, named: Format | None) -> None:
+    """MXFP8 tables (E4M3 shards with UE8M0 ``shard_i.weight_scale``) load only in memory: a
+    ValueError saying so, not one about NVFP4's packed bytes."""
+    scales = block_scales_key(prefix, 0)
+    mxfp8 = FORMATS[MXFP8]
+    stored = scales in checkpoint and checkpoint.info(scales).dtype == \
+        mxfp8.block_scale_safetensors
+    if stored or (named is not None and named.code == MXFP8):
+        raise ValueError(f"{prefix} holds an MXFP8 table ({mxfp8.safetensors} shards with "
+                         f"{mxfp8.block_scale_safetensors} block scales {scales}): checkpoints "
+                         f"of MXFP8 tables are not loaded yet; build it with "
+                         f"EmbeddingTable(rows, dtype='mxfp8', block_scales=...)")
 
 
 def block_scale_shards(checkpoint: Checkpoint, prefix: str, layout: LayerLayout,
@@ -290,14 +306,6 @@ def block_scale_shards(checkpoint: Checkpoint, prefix: str, layout: LayerLayout,
         raise ValueError(f"{name} must hold one float (F32), got {info.dtype} of shape "
                          f"{info.shape}")
     return names, check_scale(name, float(checkpoint.read(name).reshape(())))
-
-
-def check_scale(name: str, value: float) -> float:
-    """A table scale must be finite and positive: zero loads as an all-zero table, NaN or an
-    infinity as NaN rows, a negative one flips every sign."""
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a finite positive number, got {value}")
-    return value
 
 
 def load_ngram_embedding(

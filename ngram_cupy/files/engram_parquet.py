@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable
 
 import numpy as np
@@ -40,14 +41,43 @@ class EngramIds:
         return pa.list_(pa.list_(pa.int32(), layout.num_heads), layout.num_layers)
 
     def output_schema(self, schema: pa.Schema) -> pa.Schema:
-        """The input's schema (with the token column from text) and the id column."""
+        """The input's schema (with the token column from text), the id column and the ids'
+        metadata."""
         if self.text is not None:
             schema = self.text.output_schema(schema)
         check_token_type(self.column, field_of(schema, self.column, "token").type)
         if self.out_column in schema.names:
             raise ValueError(f"id column {self.out_column!r} already exists in the input")
-        return schema.append(pa.field(self.out_column, pa.list_(self.id_type()),
-                                      nullable=False))
+        schema = schema.append(pa.field(self.out_column, pa.list_(self.id_type()),
+                                        nullable=False))
+        return schema.with_metadata({**(schema.metadata or {}), **self.metadata()})
+
+    def check_tokens(self, values: np.ndarray, offsets: np.ndarray) -> None:
+        """Every token an id of the tokenizer: a ValueError naming the row of the batch, the
+        column and the token, not a flat index."""
+        vocab = self.layout.vocab_size
+        outside = np.flatnonzero((values < 0) | (values >= vocab))
+        if outside.size:
+            at = int(outside[0])
+            row = int(np.searchsorted(offsets - offsets[0], at, side="right")) - 1
+            raise ValueError(f"column {self.column!r}, row {row} of a batch, token "
+                             f"{at - int(offsets[row] - offsets[0])}: {int(values[at])} is not "
+                             f"an id of the tokenizer (ids 0..{vocab - 1})")
+
+    def metadata(self) -> dict[bytes, bytes]:
+        """Schema metadata as the Qwen ids write it, under ``ngram_cupy``: the library version,
+        the config's hash and fields, the token column, the id column's Engram layers and the
+        token map's tokenizer."""
+        from .. import __version__
+        from ..arrow import config_hash
+
+        config = self.layout.config
+        record = {"version": __version__, "scheme": "engram",
+                  "config_hash": config_hash(config), "config": config.to_hf(),
+                  "token_column": self.column,
+                  "layers": [{"column": self.out_column,
+                              "engram_layer_ids": [int(i) for i in self.layout.layer_ids]}]}
+        return {b"ngram_cupy": json.dumps(record, sort_keys=True).encode()}
 
     def __call__(self, batch: pa.RecordBatch) -> pa.RecordBatch:
         """``batch`` with its rows' ids appended."""
@@ -59,6 +89,7 @@ class EngramIds:
             raise ValueError(f"token column {self.column!r} has {tokens.null_count} null rows")
         offsets = tokens.offsets.to_numpy().astype(np.int64)
         values = tokens.values.to_numpy()[offsets[0] : offsets[-1]]
+        self.check_tokens(values, offsets)
         starts = offsets - offsets[0]
         args = (values, row_positions(offsets), starts)
         if self.to_device is None:

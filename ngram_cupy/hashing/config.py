@@ -240,12 +240,20 @@ def read_hf_config(path_or_dict: str | os.PathLike | dict) -> dict:
         if os.path.isdir(path):
             path = os.path.join(path, "config.json")
         try:
-            with open(path, encoding="utf-8") as f:
-                raw = json.load(f)
+            with open(path, "rb") as f:
+                raw = json.loads(f.read().decode("utf-8"))
         except FileNotFoundError:
             raise ValueError(f"config file not found: {path}") from None
         except json.JSONDecodeError as e:
             raise ValueError(f"config file {path} is not valid JSON: {e}") from None
+        except UnicodeDecodeError as e:
+            raise ValueError(f"config file {path} is not UTF-8 text: byte {e.start} "
+                             f"({e.object[e.start:e.start + 1]!r}) {e.reason}") from None
+        except IsADirectoryError:
+            raise ValueError(f"config file {path} is a folder, not a file") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"config file {path} must hold a JSON object, got "
+                             f"{type(raw).__name__}")
     if not isinstance(raw, dict):
         raise ValueError("config must be a JSON object")
     if isinstance(raw.get("text_config"), dict):

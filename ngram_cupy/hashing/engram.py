@@ -20,13 +20,15 @@ from .arithmetic import floor_mod
 
 @inline_jitable
 def write_engram_ids(tokens, positions, dead, lookback, lookback_dead, token_map, pad, request,
-                     chunk_start, t, ngram_size, heads_per_ngram, num_layers, multipliers, sizes,
-                     magics, offsets, values, out, row):
+                     chunk_start, first, t, ngram_size, heads_per_ngram, num_layers, multipliers,
+                     sizes, magics, offsets, values, out, row):
     """Write the ``L * H`` ids of token ``t`` into ``out[row]``, layer after layer.
 
     Walking back ``s = 0..n-1`` places to absolute position ``p - s``: the batch's token when
     that lies in the chunk (which begins at position ``chunk_start``), else the request's
-    lookback entry (newest first), else (unknown, or beyond the window) the pad id. A dead
+    lookback entry (newest first), else (unknown, or beyond the window) the pad id; the walk
+    never reads before the chunk's first token ``first`` (positions with a gap, unchecked on
+    the GPU, give meaningless ids but none from another request). A dead
     source or a position before 0 blocks it and every older one: they read the pad id. A token
     outside the map reads the pad id too (GPU inputs are not checked), so nothing reads past
     the map. The walk is the same for every layer: it fills ``values[0..n-1]`` (the caller's
@@ -43,8 +45,8 @@ def write_engram_ids(tokens, positions, dead, lookback, lookback_dead, token_map
         is_dead = False
         if behind >= chunk_start:
             index = t - shift
-            if index < 0:
-                index = 0
+            if index < first:
+                index = first
             token = int64(tokens[index])
             if dead.shape[0] != 0:
                 is_dead = dead[index] != 0

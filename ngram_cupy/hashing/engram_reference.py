@@ -36,6 +36,9 @@ def compute_engram_ids(layout: EngramLayout, input_ids, positions, query_start_l
         chunk_start = where[starts[r]]
         for t in range(starts[r], starts[r + 1]):
             p = where[t]
+            if t > starts[r] and p != where[t - 1] + 1:
+                raise ValueError(f"request {r}: positions must be consecutive, got {p} after "
+                                 f"{where[t - 1]}")
             for layer in range(num_layers):
                 blocked, rolling = False, 0
                 for s in range(n):

@@ -2,7 +2,8 @@
 
 Building it decodes every id of the tokenizer once (about a second for 129,280 ids), so the map
 is cached on disk in the library's cache folder (``runtime.kernel_cache.cache_dir``), keyed by the
-SHA-256 of the tokenizer's JSON and written atomically. The ``tokenizers`` package (the ``text``
+SHA-256 of the tokenizer's JSON, written atomically with a checksum that is checked on reading
+(an edited or damaged entry is built again). The ``tokenizers`` package (the ``text``
 extra) is needed to build it, not to read it back.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,8 +23,8 @@ import numpy as np
 from ..files.atomic import atomic_file
 from ..runtime.kernel_cache import cache_dir
 
-# Bumped whenever the normalisation changes, so no stale map is ever read back.
-FORMAT_VERSION = 1
+# Bumped whenever the normalisation or the entry changes, so no stale map is ever read back.
+FORMAT_VERSION = 2
 # A private-use character standing for a token that is exactly one space, so Strip keeps it.
 SPACE_SENTINEL = "\ue000"
 REPLACEMENT_CHARACTER = "\ufffd"
@@ -130,21 +132,31 @@ def _is_first_seen_numbering(ids: np.ndarray) -> bool:
     return bool(np.all(ids >= 0) and np.all(np.diff(running) <= 1))
 
 
-def _read_cached(path: Path) -> np.ndarray | None:
-    """A cached map, or None when absent or unreadable (it is then built again)."""
+def _checksum(ids: np.ndarray, digest: str) -> str:
+    """SHA-256 of a map's int32 bytes and the tokenizer digest it was built from."""
+    return hashlib.sha256(digest.encode() + np.ascontiguousarray(ids).tobytes()).hexdigest()
+
+
+def _read_cached(path: Path, digest: str) -> np.ndarray | None:
+    """A cached map whose checksum matches, or None when absent, unreadable or edited (it is
+    then built again)."""
     try:
-        ids = np.load(path, allow_pickle=False)
-    except (OSError, ValueError, EOFError):
+        with np.load(path, allow_pickle=False) as entry:
+            ids, checksum = entry["ids"], str(entry["checksum"])
+    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile):
         return None
-    return ids if _is_first_seen_numbering(ids) else None
+    if not _is_first_seen_numbering(ids) or checksum != _checksum(ids, digest):
+        return None
+    return ids
 
 
-def _write_cached(path: Path, ids: np.ndarray) -> None:
-    """Write the map atomically; a cache that cannot be written is skipped, never an error."""
+def _write_cached(path: Path, ids: np.ndarray, digest: str) -> None:
+    """Write the map and its checksum atomically; a cache that cannot be written is skipped,
+    never an error."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with atomic_file(path) as temporary, open(temporary, "wb") as f:
-            np.save(f, ids, allow_pickle=False)
+            np.savez(f, ids=ids, checksum=np.array(_checksum(ids, digest)))
     except OSError:
         pass
 
@@ -160,11 +172,11 @@ def engram_token_map(tokenizer) -> TokenMap:
     with _maps_lock:
         if digest in _maps:
             return _maps[digest]
-        path = cache_dir() / f"engram-token-map-v{FORMAT_VERSION}-{digest}.npy"
-        ids = _read_cached(path)
+        path = cache_dir() / f"engram-token-map-v{FORMAT_VERSION}-{digest}.npz"
+        ids = _read_cached(path, digest)
         if ids is None:
             ids = build_token_map(parse())
-            _write_cached(path, ids)
+            _write_cached(path, ids, digest)
         ids.flags.writeable = False
         _maps[digest] = TokenMap(ids, int(ids.max()) + 1 if ids.size else 0, digest)
         return _maps[digest]

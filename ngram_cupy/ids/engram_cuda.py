@@ -54,9 +54,9 @@ def engram_kernel(ngram_size: int, heads_per_ngram: int, num_layers: int,
             request = find_request(query_start_loc, t)
             start = clamp(int64(query_start_loc[request]), int64(0), int64(num_tokens - 1))
             write_engram_ids(tokens, positions, dead, lookback, lookback_dead, token_map, pad,
-                             request, int64(positions[start]), t, ngram_size, heads_per_ngram,
-                             num_layers, params[0], params[1], params[2], params[3], values,
-                             staged, lane)
+                             request, int64(positions[start]), start, t, ngram_size,
+                             heads_per_ngram, num_layers, params[0], params[1], params[2],
+                             params[3], values, staged, lane)
         cuda.syncthreads()
         count = clamp(num_tokens - first, 0, block) * width
         for flat in range(lane, count, block):

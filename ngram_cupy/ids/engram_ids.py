@@ -39,7 +39,7 @@ def _check_lookback(name: str, lookback, num_requests: int, width: int) -> None:
 
 def _check_host_values(layout: EngramLayout, tokens, positions, starts, lookback) -> None:
     """Host-side values: tokens inside the map, lookback entries tokens or -1, and positions
-    non-negative and increasing within each request."""
+    non-negative and consecutive within each request (the walk back is by index)."""
     vocab = layout.vocab_size
     if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab):
         bad = int(np.flatnonzero((tokens < 0) | (tokens >= vocab))[0])
@@ -59,6 +59,13 @@ def _check_host_values(layout: EngramLayout, tokens, positions, starts, lookback
         t = int(backwards[0]) + 1
         raise ValueError(f"positions must increase within a request: positions[{t}]="
                          f"{int(positions[t])} follows positions[{t - 1}]={int(positions[t - 1])}")
+    gaps = np.flatnonzero((steps != 1) & within)
+    if gaps.size:
+        t = int(gaps[0]) + 1
+        request = int(np.searchsorted(starts, t, side="right")) - 1
+        raise ValueError(f"positions must be consecutive within a request (a chunk has no gap): "
+                         f"request {request} has positions[{t}]={int(positions[t])} after "
+                         f"positions[{t - 1}]={int(positions[t - 1])}")
 
 
 def _bind(layout: EngramLayout, stream, input_ids, positions, query_start_loc, lookback,

@@ -42,8 +42,9 @@ def _engram_kernel(ngram_size: int, heads_per_ngram: int, num_layers: int, paral
                     request += 1
                 chunk_start = positions[query_start_loc[request]]
                 write_engram_ids(tokens, positions, dead, lookback, lookback_dead, token_map,
-                                 pad, request, chunk_start, t, ngram_size, heads_per_ngram,
-                                 num_layers, multipliers, sizes, magics, offsets, values, out, t)
+                                 pad, request, chunk_start, query_start_loc[request], t,
+                                 ngram_size, heads_per_ngram, num_layers, multipliers, sizes,
+                                 magics, offsets, values, out, t)
 
     return njit(cache=True, nogil=True, parallel=parallel)(kernel)
 

@@ -5,6 +5,8 @@ They read only metadata (shape, dtype, flags), so they cost nothing on GPU array
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from .backends import where
@@ -51,3 +53,11 @@ def check_integer(name: str, value, minimum: int | None = None) -> int:
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be at least {minimum}, got {value}")
     return int(value)
+
+
+def check_scale(name: str, value: float) -> float:
+    """A table scale must be finite and positive: zero gives an all-zero table, NaN or an
+    infinity NaN rows, a negative one flips every sign (loaders and constructors alike)."""
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite positive number, got {value}")
+    return value

@@ -17,7 +17,13 @@ from typing import Any
 import numpy as np
 
 from ..runtime.backends import DEVICE, HOST, Backend, Call, bind, cuda_stream
-from ..runtime.checks import check_destination, check_index_array, check_integer, check_out
+from ..runtime.checks import (
+    check_destination,
+    check_index_array,
+    check_integer,
+    check_out,
+    check_scale,
+)
 from .dequant import check_scale_rounding, rounded_scale
 from .formats import BFLOAT16, Format, default_output, holds, output_format, storage_format
 from .hot_rows import check_hot_rows
@@ -46,11 +52,15 @@ def scale_value(scale) -> np.float32 | None:
 
 def table_scale(fmt: Format, scale) -> np.float32 | None:
     """``scale_value`` of a table's scale; block-scaled formats without a global scale (MXFP8)
-    refuse one (vLLM's lookup has none: a product would round twice)."""
+    refuse one (vLLM's lookup has none: a product would round twice), and the formats a
+    checkpoint stores a scale for (float8, NVFP4) take only what their loaders take."""
     if scale is not None and fmt.blocked and not fmt.scaled:
         raise ValueError(f"{fmt.name} tables take no scale (their block scales are the only "
                          f"ones), got scale={scale!r}")
-    return scale_value(scale)
+    value = scale_value(scale)
+    if value is not None and fmt.scaled:
+        check_scale("scale", float(value))
+    return value
 
 
 def block_scale_bits(fmt: Format, scales, torch_format: Format | None, num_rows: int,
