@@ -19,6 +19,7 @@ _EXPORTS = {
     "NGramConfig": "hashing.config",
     "NGramEmbedding": "embedding",
     "PlacementPlan": "placement",
+    "QuantizedTable": "tables.quantize",
     "ShardedLookup": "distributed",
     "advance_context": "ids.ngram_ids",
     "advance_engram_lookback": "ids.engram_ids",
@@ -30,6 +31,7 @@ _EXPORTS = {
     "load_engram_embedding": "files.engram_checkpoint",
     "load_ngram_embedding": "files.checkpoint",
     "plan_placement": "placement",
+    "quantize_table": "tables.quantize",
     "save_engram_embedding": "files.engram_checkpoint",
     "save_ngram_embedding": "files.checkpoint",
 }
@@ -43,6 +45,7 @@ __all__ = [
     "NGramConfig",
     "NGramEmbedding",
     "PlacementPlan",
+    "QuantizedTable",
     "ShardedLookup",
     "advance_context",
     "advance_engram_lookback",
@@ -54,6 +57,7 @@ __all__ = [
     "load_engram_embedding",
     "load_ngram_embedding",
     "plan_placement",
+    "quantize_table",
     "save_engram_embedding",
     "save_ngram_embedding",
 ]
@@ -82,6 +86,7 @@ if TYPE_CHECKING:
     from .ids.engram_ids import advance_engram_lookback, compute_engram_ids
     from .ids.ngram_ids import advance_context, compute_ngram_ids
     from .placement import PlacementPlan, plan_placement
+    from .tables.quantize import QuantizedTable, quantize_table
     from .tables.table import EmbeddingTable
 
 

@@ -22,6 +22,7 @@ from .dequant import check_scale_rounding, rounded_scale
 from .formats import BFLOAT16, Format, default_output, holds, output_format, storage_format
 from .hot_rows import check_hot_rows
 from .prefetch import Prefetcher
+from .quantize import QuantizedTable
 from .storage import Gather, Storage, adopt, allocate, canonical_placement
 from .storage.tiered import TieredStorage
 
@@ -102,7 +103,8 @@ class EmbeddingTable:
     """``[num_rows, head_dim]`` rows (float32 / float16 / bfloat16 / float8 e4m3, optional scale)
     that turn ``ids[T, H]`` into ``[T, H * head_dim]`` dequantised vectors.
 
-    ``weight``: the rows (NumPy, CuPy, torch or any DLPack array), or a ``storage.Storage``.
+    ``weight``: the rows (NumPy, CuPy, torch or any DLPack array), a ``storage.Storage``, or a
+    ``QuantizedTable`` (``quantize_table``'s result, with its scale and block scales).
     ``placement``: ``"cpu"`` (NumPy, Numba gather), ``"gpu"`` (device memory), ``"pinned"``
     (``"host"``: page-locked host memory of exactly the table's size, read by the GPU over PCIe;
     without a GPU, ordinary memory and the CPU gather) or ``"shared"`` (as ``"pinned"``, in one
@@ -126,6 +128,10 @@ class EmbeddingTable:
                  total_rows: int | None = None, *, dtype=None, dedup: bool = False,
                  hot_rows=None, scale_rounding: str = "output", block_scales=None):
         check_scale_rounding(scale_rounding)
+        if isinstance(weight, QuantizedTable):  # its rows, scale, format and block scales
+            if scale is not None or dtype is not None or block_scales is not None:
+                raise ValueError("a QuantizedTable brings its own scale, dtype and block_scales")
+            weight, scale, dtype, block_scales = weight.table_arguments().values()
         if isinstance(weight, Storage):
             if block_scales is not None:
                 raise ValueError("block_scales come with the storage's rows, not beside them")
