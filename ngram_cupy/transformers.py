@@ -32,6 +32,7 @@ from .runtime.backends import DEVICE
 from .tables.dequant import check_scale_rounding
 from .tables.formats import find_format, output_format, storage_format
 from .tables.mapped import MappedTable
+from .tables.quantize import quantize_table, quantize_target
 from .tables.table import EmbeddingTable
 from .torch import TableWeights
 
@@ -248,9 +249,10 @@ def _from_model(module: Qwen4ExpTextNGramEmbedding, layout: LayerLayout, weight_
     if weight.is_meta:
         raise ValueError("the model's n-gram tables are on the meta device: pass checkpoint=")
     fmt = storage_format(weight_dtype or weight.dtype, "weight_dtype")
-    if fmt.scaled:
-        raise ValueError(f"a {fmt.name} table needs its scale: pass checkpoint= (rows are only "
-                         "cast, never quantised, from the model)")
+    if fmt.scaled or fmt.blocked:  # quantised chunk by chunk (fp8, NVFP4), scales from the rows
+        quantized = quantize_table(weight.detach(), quantize_target(fmt, "Qwen4Exp"))
+        return NGramEmbedding(layout, EmbeddingTable(quantized, placement=placement,
+                                                     hot_rows=hot_rows))
     table = _private_table(layout, fmt.dtype, placement, None, hot_rows)
     parts = layout.config.split_ngram_parts
     with torch.no_grad():
@@ -312,7 +314,8 @@ def use_ngram_cupy(model: torch.nn.Module, *, placement: str = "pinned",
     :class:`CachedNGramEmbedding`; return the replaced module names.
 
     Without ``checkpoint`` the rows are the model's own, cast to ``weight_dtype`` (default: the
-    config's ``ple_embedding_dtype``, else the model's), shard by shard; the old tables are then
+    config's ``ple_embedding_dtype``, else the model's), shard by shard, or quantised to
+    ``"fp8"`` / ``"nvfp4"`` (``quantize_table``, chunk by chunk); the old tables are then
     freed. ``checkpoint`` (a model folder, an index json, a file or a list of files) holds the
     tables in the PLE checkpoint layout (shards) or as a single ``ngram_embedding.weight``; rows
     are read from it shard by shard and never exist in the model dtype, so a model whose tables
@@ -343,7 +346,7 @@ def use_ngram_cupy(model: torch.nn.Module, *, placement: str = "pinned",
     if weight_dtype is not None:
         fmt = storage_format(weight_dtype, "weight_dtype")
         _check_named(config, fmt.name, f"weight_dtype={weight_dtype}")
-        weight_dtype = fmt.torch_dtype
+        weight_dtype = fmt.name if fmt.blocked else fmt.torch_dtype
     layouts = []
     for name, module in targets:
         layout = layer_layout(config, module.ple_layer_index)

@@ -193,6 +193,21 @@ class QuantizedTable:
                 "block_scales": self.block_scales}
 
 
+# The formats each model family's engine reads quantised tables in.
+FAMILY_FORMATS = {"Qwen4Exp": ("fp8", "nvfp4"), "Engram": ("mxfp8",)}
+
+
+def quantize_target(fmt: Format, family: str) -> str:
+    """``quantize_table``'s name for ``fmt`` (``"fp8"``, ...); a ValueError when ``family``'s
+    engine does not read that format (vLLM's Qwen4Exp: fp8 and NVFP4; DeepSeek's Engram:
+    MXFP8)."""
+    name = next((to for to, known in FORMAT_OF.items() if known.code == fmt.code), None)
+    if name not in FAMILY_FORMATS[family]:
+        raise ValueError(f"{family} tables are not quantised to {fmt.name}: its engine reads "
+                         f"{' and '.join(FAMILY_FORMATS[family])}")
+    return name
+
+
 def target_format(to) -> Format:
     """The format named by ``to`` (``"fp8"``, ``"nvfp4"``, ``"mxfp8"``); a ValueError otherwise."""
     fmt = FORMAT_OF.get(to) if isinstance(to, str) else None
