@@ -316,6 +316,37 @@ class NumbaEngine:
             quantize_mxfp8_rows(values, out, blocks)
 
 
+def engine_for(side: Backend):
+    """The quantising engine of a side: Numba on the host, CuPy on the GPU."""
+    return NumbaEngine if side is HOST else ArrayEngine(cupy_module())
+
+
+def chunked_amax(engine, bits, source: Format, chunks) -> float:
+    """The largest magnitude of a table read chunk by chunk; a ValueError naming the first
+    row holding NaN or inf."""
+    amax = 0.0
+    for start, stop in chunks:
+        row_top = engine.amax(engine.values(bits[start:stop], source.code))
+        refuse_nonfinite(engine.to_host(row_top), start)
+        if row_top.size:
+            amax = max(amax, float(row_top.max()))
+    return amax
+
+
+def table_amax(weight, *, chunk_rows=None, name: str = "weight") -> float:
+    """The largest magnitude of a float table, read chunk by chunk (what the default fp8 and
+    NVFP4 scales come from, for a table split over several tensors); NaN or inf rows refused,
+    naming ``name`` and the row."""
+    bits, source, side = source_bits(weight)
+    step = chunk_rows_for(bits.shape[1], chunk_rows)
+    chunks = [(start, min(start + step, bits.shape[0])) for start in range(0, bits.shape[0],
+                                                                           step)]
+    try:
+        return chunked_amax(engine_for(side), bits, source, chunks)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
+
+
 def quantize_table(weight, to: str, *, scale=None, block=None, chunk_rows=None,
                    progress=None) -> QuantizedTable:
     """Quantise a float32 / float16 / bfloat16 ``[rows, head_dim]`` table to ``to``: ``"fp8"``,
@@ -336,17 +367,12 @@ def quantize_table(weight, to: str, *, scale=None, block=None, chunk_rows=None,
     rows, head_dim = bits.shape
     fmt.check_head_dim(head_dim, "weight")
     step = chunk_rows_for(head_dim, chunk_rows)
-    engine = NumbaEngine if side is HOST else ArrayEngine(cupy_module())
+    engine = engine_for(side)
     xp = engine.xp
     chunks = [(start, min(start + step, rows)) for start in range(0, rows, step)]
     checked = False
     if given is None and fmt.scaled:
-        amax = 0.0
-        for start, stop in chunks:
-            row_top = engine.amax(engine.values(bits[start:stop], source.code))
-            refuse_nonfinite(engine.to_host(row_top), start)
-            amax = max(amax, float(row_top.max()))
-        given, checked = default_scale(fmt, amax), True
+        given, checked = default_scale(fmt, chunked_amax(engine, bits, source, chunks)), True
     out = xp.empty((rows, fmt.row_width(head_dim)), np.uint8)
     blocks = xp.empty((rows, fmt.scale_width(head_dim)), np.uint8) if fmt.blocked else None
     for start, stop in chunks:
