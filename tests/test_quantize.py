@@ -3,11 +3,15 @@ arithmetic (plain NumPy below) read back bit for bit, within each format's half-
 
 from __future__ import annotations
 
+import json
+
+import engram_cases
 import ml_dtypes
 import numpy as np
 import pytest
 
 import ngram_cupy as nc
+from ngram_cupy.cli import main
 from ngram_cupy.tables.quantize_array import ArrayEngine
 
 BF16, E4M3, E8M0 = ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e8m0fnu
@@ -175,3 +179,29 @@ def test_bad_arguments():
         nc.quantize_table(source[:, :48], "mxfp8")
     with pytest.raises(ValueError, match="brings its own scale"):
         nc.EmbeddingTable(nc.quantize_table(source, "fp8"), scale=1.0)
+
+
+def test_quantize_command_engram(tmp_path):
+    """An Engram model's float tables to MXFP8 in DeepSeek's names, read back by
+    load_engram_embedding: the bytes quantize_table gives."""
+    layout = engram_cases.small_layout(np.random.default_rng(3), (3, 2, 2))
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"text_config": layout.config.to_hf()}))
+    rng = np.random.default_rng(4)
+    weights = [rng.standard_normal((rows, layout.head_dim)).astype(BF16)
+               for rows in layout.rows_per_layer]
+    nc.save_engram_embedding(folder, layout, weights)
+    out = tmp_path / "mx"
+    assert main(["quantize", str(folder), "--to", "mxfp8", "--scheme", "engram", str(out),
+                 "--quiet"]) == 0
+    embedding = nc.load_engram_embedding(out, layout)
+    for weight, table in zip(weights, embedding.tables, strict=True):
+        want = nc.quantize_table(weight, "mxfp8")  # the table owns its heads' rows
+        rows = slice(table.row_start, table.row_start + table.num_rows)
+        assert table.format.name == "mxfp8" and table.num_rows > 0
+        assert np.array_equal(table.host_view.view(np.uint8), want.weight.view(np.uint8)[rows])
+        assert np.array_equal(table.host_scales, want.block_scales.view(np.uint8)[rows])
+    assert main(["quantize", str(folder), "--to", "fp8", "--scheme", "engram",
+                 str(tmp_path / "fp8"), "--quiet"]) == 2
+    assert not (tmp_path / "fp8").exists()
