@@ -205,3 +205,22 @@ def test_quantize_command_engram(tmp_path):
     assert main(["quantize", str(folder), "--to", "fp8", "--scheme", "engram",
                  str(tmp_path / "fp8"), "--quiet"]) == 2
     assert not (tmp_path / "fp8").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("to", ["fp8", "nvfp4", "mxfp8"])
+def test_gpu_path_gives_the_cpu_bytes(to):
+    """CuPy tables are quantised on their GPU into the CPU kernels' bytes."""
+    import cupy
+
+    source = source_rows()
+    want = nc.quantize_table(source, to, chunk_rows=64)
+    got = nc.quantize_table(cupy.asarray(source.astype(np.float32)), to, chunk_rows=64)
+    assert float(got.scale or 0) == float(want.scale or 0)
+    assert np.array_equal(cupy.asnumpy(got.weight), want.weight.view(np.uint8))
+    if want.block_scales is not None:
+        assert np.array_equal(cupy.asnumpy(got.block_scales), want.block_scales.view(np.uint8))
+    table = nc.EmbeddingTable(got, placement="gpu")
+    ids = cupy.arange(ROWS).reshape(-1, 1)
+    assert np.array_equal(cupy.asnumpy(table.lookup(ids)).view(np.uint16),
+                          vllm_decode(want, BF16).view(np.uint16))
