@@ -32,8 +32,10 @@ class ArrayEngine:
     def values(self, bits, code: int):
         """The float32 values of raw source bits."""
         xp = self.xp
-        if code == BFLOAT16:
-            return (bits.astype(xp.uint32) << 16).view(xp.float32)
+        if code == BFLOAT16:  # widened in place: one chunk of float32, no temporaries
+            wide = bits.astype(xp.uint32)
+            wide <<= 16
+            return wide.view(xp.float32)
         if code == FLOAT16:
             return bits.view(xp.float16).astype(xp.float32)
         return bits.view(xp.float32)
