@@ -184,7 +184,9 @@ def test_bad_arguments():
 def test_quantize_command_engram(tmp_path):
     """An Engram model's float tables to MXFP8 in DeepSeek's names, read back by
     load_engram_embedding: the bytes quantize_table gives."""
-    layout = engram_cases.small_layout(np.random.default_rng(3), (3, 2, 2))
+    tokens = engram_cases.token_map(np.random.default_rng(3), 200, 66)
+    layout = nc.engram_layout(nc.EngramConfig([4, 9], 3, 2, 32, 7, [2_000, 2_000], tokens.size,
+                                              0), tokens)
     folder = tmp_path / "model"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({"text_config": layout.config.to_hf()}))
