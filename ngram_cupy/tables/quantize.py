@@ -381,6 +381,7 @@ def quantize_table(weight, to: str, *, scale=None, block=None, chunk_rows=None,
             refuse_nonfinite(engine.to_host(engine.amax(piece)), start)
         engine.quantize(fmt, piece, given, out[start:stop],
                         None if blocks is None else blocks[start:stop])
+        del piece  # before the next chunk's values exist: one chunk at a time
         if progress is not None:
             progress(stop - start)
     if side is HOST:
