@@ -31,6 +31,7 @@ def sections() -> list[Bench]:
     """Every section in report order (GPU sections import CuPy only when run)."""
     from . import sections_cpu as cpu
     from . import sections_gpu as gpu
+    from . import sections_quantize as quantize
     from . import sections_shared as shared
     from . import sections_tiered as tiered
     from . import sections_training as training
@@ -48,6 +49,8 @@ def sections() -> list[Bench]:
               "loads", cpu.bench_gather_cpu),
         Bench("nvfp4-cpu", "cpu", "NVFP4 and MXFP8 -> bf16 gathers of 65,536 tokens against "
               "fp8 and the copy floor, under four loads", cpu.bench_nvfp4_gather_cpu),
+        Bench("quantize-cpu", "cpu", "quantize_table of a 1 GiB bf16 table to fp8, nvfp4, mxfp8 "
+              "against copying its bytes; peak extra memory", quantize.bench_quantize_cpu),
         Bench("gather-gpu", "gpu", "GPU-resident gathers, fused ids + gather",
               gpu.bench_gather_gpu),
         Bench("nvfp4-gpu", "gpu", "NVFP4 gathers: device, pinned UVA, tiered, fused, against "

@@ -22,6 +22,7 @@ _EXPORTS = {
     "PlacementPlan": "placement",
     "RowwiseAdagrad": "training.optimizers",
     "SGD": "training.optimizers",
+    "QuantizedTable": "tables.quantize",
     "ShardedLookup": "distributed",
     "SharedMemoryFallbackWarning": "tables.shared_memory",
     "SparseRows": "training.sparse_rows",
@@ -38,6 +39,7 @@ _EXPORTS = {
     "load_ngram_embedding": "files.checkpoint",
     "load_training_state": "training.state_files",
     "plan_placement": "placement",
+    "quantize_table": "tables.quantize",
     "save_engram_embedding": "files.engram_checkpoint",
     "save_ngram_embedding": "files.checkpoint",
     "save_training_state": "training.state_files",
@@ -55,6 +57,7 @@ __all__ = [
     "PlacementPlan",
     "RowwiseAdagrad",
     "SGD",
+    "QuantizedTable",
     "ShardedLookup",
     "SharedMemoryFallbackWarning",
     "SparseRows",
@@ -71,6 +74,7 @@ __all__ = [
     "load_ngram_embedding",
     "load_training_state",
     "plan_placement",
+    "quantize_table",
     "save_engram_embedding",
     "save_ngram_embedding",
     "save_training_state",
@@ -101,6 +105,7 @@ if TYPE_CHECKING:
     from .ids.engram_ids import advance_engram_lookback, compute_engram_ids
     from .ids.ngram_ids import advance_context, compute_ngram_ids
     from .placement import PlacementPlan, plan_placement
+    from .tables.quantize import QuantizedTable, quantize_table
     from .tables.shared_memory import SharedMemoryFallbackWarning
     from .tables.table import EmbeddingTable
     from .training.backward import embedding_backward

@@ -32,6 +32,7 @@ from .runtime.backends import DEVICE
 from .tables.dequant import check_scale_rounding
 from .tables.formats import find_format, output_format, storage_format
 from .tables.mapped import MappedTable
+from .tables.quantize import quantize_table, quantize_target
 from .tables.table import EmbeddingTable
 from .torch import TableWeights
 from .torch_training import OPTIMIZERS, TrainableRows, check_trainable, fused_optimizer
@@ -258,9 +259,10 @@ def _from_model(module: Qwen4ExpTextNGramEmbedding, layout: LayerLayout, weight_
     if weight.is_meta:
         raise ValueError("the model's n-gram tables are on the meta device: pass checkpoint=")
     fmt = storage_format(weight_dtype or weight.dtype, "weight_dtype")
-    if fmt.scaled:
-        raise ValueError(f"a {fmt.name} table needs its scale: pass checkpoint= (rows are only "
-                         "cast, never quantised, from the model)")
+    if fmt.scaled or fmt.blocked:  # quantised chunk by chunk (fp8, NVFP4), scales from the rows
+        quantized = quantize_table(weight.detach(), quantize_target(fmt, "Qwen4Exp"))
+        return NGramEmbedding(layout, EmbeddingTable(quantized, placement=placement,
+                                                     hot_rows=hot_rows))
     table = _private_table(layout, fmt.dtype, placement, None, hot_rows)
     parts = layout.config.split_ngram_parts
     with torch.no_grad():
@@ -335,7 +337,8 @@ def use_ngram_cupy(model: torch.nn.Module, *, placement: str = "pinned",
             on the meta device work. Default None: the model's own rows.
         weight_dtype: the tables' storage type without ``checkpoint`` (float32, float16,
             bfloat16, float8_e4m3fn, ``"nvfp4"``, ``"mxfp8"``); default None: the config's
-            ``ple_embedding_dtype``, else the model's dtype.
+            ``ple_embedding_dtype``, else the model's dtype. ``"fp8"`` and ``"nvfp4"`` of a
+            bf16 / float32 model quantise its rows (``quantize_table``, chunk by chunk).
         hot_rows: maps module names (or PLE layer indexes from 0) to sorted hot row ids;
             default None.
         trainable: ``True`` (float32 or bfloat16 tables in ``"pinned"``, ``"cpu"`` or

@@ -28,6 +28,7 @@ from .dequant import check_scale_rounding, rounded_scale
 from .formats import BFLOAT16, Format, default_output, holds, output_format, storage_format
 from .hot_rows import check_hot_rows
 from .prefetch import Prefetcher
+from .quantize import QuantizedTable
 from .storage import Gather, Storage, adopt, allocate, canonical_placement
 from .storage.tiered import TieredStorage
 
@@ -116,7 +117,8 @@ class EmbeddingTable:
     Args:
         weight: the rows, ``[rows, head_dim]`` (NVFP4: uint8 ``[rows, head_dim / 2]``, two E2M1
             codes a byte, low nibble first): a NumPy, CuPy or torch array, anything exporting
-            DLPack, or a ``tables.storage.Storage``.
+            DLPack, a ``tables.storage.Storage``, or a ``QuantizedTable`` (``quantize_table``'s
+            result, which brings its scale and block scales).
         scale: a finite scalar multiplied into every value, or None (default). float8: the
             checkpoint's ``weight_scale`` (any float type); NVFP4: the float32 global scale
             (``weight_scale_2``); refused for MXFP8, whose block scales are its only ones.
@@ -156,6 +158,10 @@ class EmbeddingTable:
                  total_rows: int | None = None, *, dtype=None, dedup: bool = False,
                  hot_rows=None, scale_rounding: str = "output", block_scales=None):
         check_scale_rounding(scale_rounding)
+        if isinstance(weight, QuantizedTable):  # its rows, scale, format and block scales
+            if scale is not None or dtype is not None or block_scales is not None:
+                raise ValueError("a QuantizedTable brings its own scale, dtype and block_scales")
+            weight, scale, dtype, block_scales = weight.table_arguments().values()
         if isinstance(weight, Storage):
             if block_scales is not None:
                 raise ValueError("block_scales come with the storage's rows, not beside them")
