@@ -23,7 +23,8 @@ The interface (``Storage`` in ``base``; each placement is one module: ``cpu``, `
   (block-scaled formats; else None): every placement carries them with the rows.
 - ``gather(job: Gather)``: write the dequantised rows of ``job.ids`` into ``job.out`` on
   ``job.side`` (on ``job.stream`` on the GPU, without a host synchronisation); ids outside
-  ``[job.row_start, job.row_start + num_rows)`` give zero rows and are never read.
+  ``[job.row_start, job.row_start + num_rows)`` give zero rows and are never read; with
+  ``job.total_rows``, ids outside ``[0, total_rows)`` are an IndexError (``row_ids``).
 - ``host_view``: a NumPy view of the rows (of ``format.dtype``) when they are in host memory,
   else None; ``device_view``: the raw ``[num_rows, head_dim]`` CuPy view GPU kernels read (device
   memory, or host memory mapped for the GPU), else None. Kernels outside the storage (the fused

@@ -15,7 +15,7 @@ def gather_host(rows: np.ndarray, code: int, job: Gather, scales=None) -> None:
     process under the workqueue threading layer)."""
     gather_numba.gather_rows(rows, code, job.row_start, job.scale, job.ids, job.out,
                              job.out_code, job.expected, parallel=False if job.worker else None,
-                             scales=scales)
+                             scales=scales, total_rows=job.total_rows)
 
 
 class CpuStorage(Storage):

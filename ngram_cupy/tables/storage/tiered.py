@@ -155,7 +155,8 @@ class TieredStorage(Storage):
                                      job.scale, job.ids, job.out, job.out_code, job.expected,
                                      parallel=False if job.worker else None,
                                      hot=(self.map, self.host_hot), counts=self.host_counts,
-                                     scales=self.host_scales, hot_scales=self.host_hot_scales)
+                                     scales=self.host_scales, hot_scales=self.host_hot_scales,
+                                     total_rows=job.total_rows)
             return
         from .. import gather_cupy
 
@@ -165,7 +166,7 @@ class TieredStorage(Storage):
                                 job.scale, job.ids, job.out, job.out_code, job.expected,
                                 stream=job.stream, hot=(self.device_map, self.device_hot),
                                 counts=self.device_counts, scales=self.cold.device_scales,
-                                hot_scales=self.device_hot_scales)
+                                hot_scales=self.device_hot_scales, total_rows=job.total_rows)
 
     @property
     def counters(self) -> dict[str, int]:
