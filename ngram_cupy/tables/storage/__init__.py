@@ -50,6 +50,7 @@ import numpy as np
 from ...runtime.backends import DEVICE, HOST, Backend, gpu_available
 from ..formats import Format
 from ..host_memory import anonymous_memory
+from ..packed import packed_rows
 from .base import Gather, Storage
 from .cpu import CpuStorage
 from .gpu import GpuStorage
@@ -73,7 +74,8 @@ def canonical_placement(placement: str) -> str:
 
 
 def allocate(placement: str, num_rows: int, head_dim: int, fmt: Format) -> Storage:
-    """Unfilled storage of a placement (with its block scales for a block-scaled format).
+    """Unfilled storage of a placement (with its block scales for a block-scaled format: in
+    host memory, packed with the rows, one record per row).
     ``"pinned"`` without a GPU is ordinary host memory (nothing could read it over PCIe
     anyway)."""
     placement = canonical_placement(placement)
@@ -90,6 +92,9 @@ def allocate(placement: str, num_rows: int, head_dim: int, fmt: Format) -> Stora
                          "(load_ngram_embedding(..., placement='shared'))")
     if placement == "pinned" and gpu_available() and num_rows * head_dim > 0:
         return PinnedStorage(num_rows, head_dim, fmt)
+    if fmt.blocked and num_rows * head_dim > 0:  # one record per row (``packed``)
+        records, rows, scales = packed_rows(num_rows, head_dim, fmt)
+        return CpuStorage(rows, fmt, scales, records)
     scales = np.empty(scale_shape, np.uint8) if fmt.blocked else None
     if num_rows * head_dim == 0:
         return CpuStorage(np.empty(shape, fmt.dtype), fmt, scales)
