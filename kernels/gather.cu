@@ -13,11 +13,15 @@
 // values, each multiplied by the block scale byte its block has in `scales` ([rows, head_dim /
 // BLOCK], beside the rows; a hot tier has its own copy in `hot_scales`).
 //
+// Ids outside the whole table, [0, total_rows), are noted in `bad` (row_ids.cuh): the minimum of
+// their item positions, which the host reads after the launch and raises on; they read nothing.
+//
 // gather_tiered_rows is the same gather over a hot-row tier (hot_rows.cuh): a row whose bit is set
 // in the slot map is read from `hot` (GPU memory) at its slot instead of from `table`, and each
 // row read is counted, per tier, in `counts`.
 #include "dequant.cuh"
 #include "hot_rows.cuh"
+#include "row_ids.cuh"
 
 namespace ngram {
 
@@ -41,7 +45,8 @@ __device__ __forceinline__ void gather_piece(
         int chunks, float scale, unsigned char* __restrict__ out,
         const unsigned long long* __restrict__ hot_words, const unsigned int* __restrict__ hot_ranks,
         const unsigned char* __restrict__ hot, unsigned long long* __restrict__ counts,
-        const unsigned char* __restrict__ scales, const unsigned char* __restrict__ hot_scales) {
+        const unsigned char* __restrict__ scales, const unsigned char* __restrict__ hot_scales,
+        long long total_rows, unsigned long long* __restrict__ bad) {
     using In = typename Raw<CODE>::type;
     using Out = typename Raw<OUT_CODE>::type;
     constexpr int PACK = Blocks<CODE>::PACK, BLOCK = Blocks<CODE>::BLOCK;
@@ -112,6 +117,7 @@ __device__ __forceinline__ void gather_piece(
             }
         }
     } else {
+        if (chunk == 0) note_bad_id(bad, total_rows, id, item);
 #pragma unroll
         for (int k = 0; k < N; ++k) result.values[k] = 0;
     }
@@ -128,11 +134,12 @@ __global__ void gather_rows(const unsigned char* __restrict__ table, long long l
                             long long row_start, const Id* __restrict__ ids,
                             const long long* __restrict__ expected, long long num_items,
                             int chunks, float scale, unsigned char* __restrict__ out,
-                            const unsigned char* __restrict__ scales) {
+                            const unsigned char* __restrict__ scales, long long total_rows,
+                            unsigned long long* __restrict__ bad) {
     ngram::gather_piece<CODE, OUT_CODE, VEC, Id, false>(table, local_rows, row_start, ids,
                                                         expected, num_items, chunks, scale, out,
                                                         nullptr, nullptr, nullptr, nullptr,
-                                                        scales, nullptr);
+                                                        scales, nullptr, total_rows, bad);
 }
 
 template <int CODE, int OUT_CODE, int VEC, typename Id>
@@ -145,9 +152,10 @@ __global__ void gather_tiered_rows(const unsigned char* __restrict__ table, long
                                    const unsigned char* __restrict__ hot,
                                    unsigned long long* __restrict__ counts,
                                    const unsigned char* __restrict__ scales,
-                                   const unsigned char* __restrict__ hot_scales) {
+                                   const unsigned char* __restrict__ hot_scales,
+                                   long long total_rows, unsigned long long* __restrict__ bad) {
     ngram::gather_piece<CODE, OUT_CODE, VEC, Id, true>(table, local_rows, row_start, ids,
                                                        expected, num_items, chunks, scale, out,
                                                        hot_words, hot_ranks, hot, counts,
-                                                       scales, hot_scales);
+                                                       scales, hot_scales, total_rows, bad);
 }

@@ -106,8 +106,9 @@ class ShardedLookup:
     __call__ = forward
 
     def _gather_ids(self, dist, ids, counts: Sequence[int] | None):
-        """Every dp rank's ids, padded with -1 (a zero row) to the largest count, concatenated;
-        and where this rank's tokens start in them."""
+        """Every dp rank's ids, padded with row 0 to the largest count (padding rows are looked
+        up and dropped: -1 would be refused, ``row_ids``), concatenated; and where this rank's
+        tokens start in them."""
         import torch
 
         local = torch.from_dlpack(ids.astype(np.int64, copy=False))
@@ -123,7 +124,7 @@ class ShardedLookup:
                 f"position {dp_rank}, got {list(counts)}"
             )
         slot = max(counts)
-        padded = torch.full((slot, ids.shape[1]), -1, dtype=torch.int64, device=local.device)
+        padded = torch.zeros((slot, ids.shape[1]), dtype=torch.int64, device=local.device)
         padded[: ids.shape[0]] = local
         if slot:
             parts = [torch.empty_like(padded) for _ in range(dp_size)]

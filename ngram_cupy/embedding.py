@@ -136,7 +136,7 @@ class NGramEmbedding:
                                   table.lookup_scale(out_format),
                                   batch.tokens, batch.query_start_loc, batch.context,
                                   result.view(out_format.raw), out_format.code, ids_out,
-                                  call.stream, tier, table.device_scales)
+                                  call.stream, tier, table.device_scales, table.total_rows)
         return call.result(result, out_format)
 
     def __repr__(self) -> str:

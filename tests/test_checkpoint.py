@@ -274,7 +274,7 @@ def test_prefix_errors_list_what_was_found(names, layer, ids, match):
 # --- loading: round trips ---------------------------------------------------------------------
 
 PLACEMENTS = ("cpu", "host", "mmap")
-ALL_IDS = np.arange(-2, 66).reshape(-1, 4)  # every row of the tiny table, and 2 beyond each end
+ALL_IDS = np.arange(64).reshape(-1, 4)  # every row of the tiny table
 
 
 def expected_lookup(weight, ids, scale=None, out_dtype=None):
@@ -368,7 +368,7 @@ def test_mmap_prefetch_then_lookup(tmp_path):
     nc.save_ngram_embedding(tmp_path / "m", layout, weight, SCALE, num_files=2)
     table = nc.load_ngram_embedding(tmp_path / "m", TINY, 0, placement="mmap").table
     changed = ALL_IDS.copy()
-    changed[::3, 1] = (changed[::3, 1] + 17) % 70 - 2
+    changed[::3, 1] = (changed[::3, 1] + 17) % 64
     for prefetched, asked in [(ALL_IDS, ALL_IDS), (ALL_IDS, changed), (changed, ALL_IDS[:5])]:
         table.prefetch(prefetched)
         assert_same_bits(table.lookup(asked), expected_lookup(weight, asked, SCALE))

@@ -50,9 +50,9 @@ def run_ranks(tmp_path, world: int, counts, backend="gloo", placements=("cpu", "
     scale = np.array(0.75, ml_dtypes.bfloat16) if dtype == ml_dtypes.float8_e4m3fn else None
     nc.save_ngram_embedding(tmp_path / "ckpt", LAYOUT, weight, scale, num_files=2)
     full = nc.load_ngram_embedding(tmp_path / "ckpt", CONFIG, 0)
-    # Ids include -1 and padded_rows (zero rows) and rows of every rank.
-    inputs = {"ids": np.concatenate([rng.integers(-1, LAYOUT.padded_rows + 1, (9, 4)),
-                                     [[0, 63, -1, 64]]])}
+    # Ids include the first and last rows and rows of every rank.
+    inputs = {"ids": np.concatenate([rng.integers(0, LAYOUT.padded_rows, (9, 4)),
+                                     [[0, 63, 1, 62]]])}
     for rank, count in enumerate(counts):
         tokens, starts, context = batch(rng, count)
         inputs.update({f"tokens_{rank}": tokens, f"starts_{rank}": starts,
@@ -134,7 +134,7 @@ def test_rank_lookups_sum_to_the_full_lookup(tmp_path):
     """In one process: each rank's table gives zeros outside its rows; the sum is exact."""
     weight = np.random.default_rng(1).normal(size=(LAYOUT.padded_rows, LAYOUT.head_dim))
     nc.save_ngram_embedding(tmp_path / "c.safetensors", LAYOUT, weight.astype(np.float32))
-    ids = np.arange(-1, LAYOUT.padded_rows + 1).reshape(-1, 2)
+    ids = np.arange(LAYOUT.padded_rows).reshape(-1, 2)
     full = nc.load_ngram_embedding(tmp_path / "c.safetensors", CONFIG, 0).table.lookup(ids)
     for world in (2, 3, 8):
         parts = []
@@ -166,7 +166,7 @@ def test_one_rank_group(tmp_path, one_rank_group):
     weight = np.random.default_rng(2).normal(size=(LAYOUT.padded_rows, LAYOUT.head_dim))
     nc.save_ngram_embedding(tmp_path / "c.safetensors", LAYOUT, weight.astype(np.float16))
     embedding = nc.load_ngram_embedding(tmp_path / "c.safetensors", CONFIG, 0)
-    ids = np.arange(-1, LAYOUT.padded_rows + 1).reshape(-1, 2)
+    ids = np.arange(LAYOUT.padded_rows).reshape(-1, 2)
     expect = embedding.table.lookup(ids)
     np.testing.assert_array_equal(nc.ShardedLookup(embedding).lookup(ids), expect)
     dp = nc.ShardedLookup(embedding, dp_group=one_rank_group.group.WORLD)

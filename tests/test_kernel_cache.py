@@ -75,7 +75,7 @@ def test_function_digests_follow_closure_constants_and_sources(monkeypatch):
     tiered = fused_cuda.fused_kernel(3, 8, 160, 3, 2, tiered=True)[0].py_func
     assert [m.__name__ for m in kernel_cache.kernel_modules(tiered)] == [
         "ngram_cupy.hashing.arithmetic", "ngram_cupy.ids.fused_cuda", "ngram_cupy.tables.dequant",
-        "ngram_cupy.tables.formats", "ngram_cupy.tables.hot_rows"]
+        "ngram_cupy.tables.formats", "ngram_cupy.tables.hot_rows", "ngram_cupy.tables.row_ids"]
     real = kernel_cache.inspect.getsource
 
     def edited(name):
@@ -216,8 +216,9 @@ def test_the_kernel_set_records_what_the_launchers_pass(monkeypatch):
     ((kernel, signature, cc),) = built
     assert signature == (vector, vector, matrix(types.int64), matrix(types.int64), types.int64,
                          matrix(types.uint64), types.int64, types.float32, types.boolean,
-                         matrix(types.int64), matrix(types.uint16), matrix(types.uint8)) \
-        and cc == (9, 0)  # the last: block scales (a placeholder for an fp8 table)
+                         matrix(types.int64), matrix(types.uint16), matrix(types.uint8),
+                         types.int64, types.Array(types.uint64, 1, "C")) \
+        and cc == (9, 0)  # block scales (a placeholder for an fp8 table), total rows, bad word
     assert kernel is fused_cuda.fused_kernel(3, 8, 160, 3, 2, None, 8, False)[0]
     with cuda_launch.recorded_launches() as launches:
         ids_cuda.launch_ngram_ids(kernel_set.SCHEMES["released"].layout, np.zeros(0, np.int64),

@@ -112,7 +112,7 @@ def test_every_host_placement_and_shard():
     typed = weight.view(E4M3)
     start, total = 1000, 2000
     ids = IDS + start
-    ids[0] = [-1, start - 1, start + 256, total - 1]  # other ranks' rows: zeros
+    ids[0] = [0, start - 1, start + 256, total - 1]  # other ranks' rows: zeros
     pinned = nc.EmbeddingTable.empty(256, 256, "mxfp8", placement="pinned", row_start=start,
                                      total_rows=total)
     pinned.write_rows(start, typed[:100], scales[:100].view(ml_dtypes.float8_e8m0fnu))

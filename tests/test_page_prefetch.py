@@ -92,11 +92,10 @@ def test_a_prefetch_advises_its_rows_off_the_callers_thread(table, weight, monke
                         lambda address, length: calls.append((address, length,
                                                               threading.get_ident())))
     ids = np.array([[0, 21, 40, 63], [5, 5, 70, -1]])
-    table.prefetch(ids)
-    got = table.lookup(ids)
+    table.prefetch(ids)  # ids outside the table: advised nothing, refused by the lookup
+    with pytest.raises(IndexError, match=r"ids\[1, 2\] = 70"):
+        table.lookup(ids)
     table.storage.pages.drain()
-    want = reference_lookup(weight, ids, np.float32(1), ml_dtypes.bfloat16)
-    assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
     assert calls and all(thread != threading.get_ident() for *_, thread in calls)
     storage = table.storage
     pages = reference_pages(ids.reshape(-1), storage.starts, storage.pages.addresses,
@@ -107,7 +106,7 @@ def test_a_prefetch_advises_its_rows_off_the_callers_thread(table, weight, monke
 
 
 def test_real_advice_changes_no_result(table, weight):
-    ids = np.random.default_rng(3).integers(-2, 66, (256, 4))
+    ids = np.random.default_rng(3).integers(0, 64, (256, 4))
     table.prefetch(ids)
     got = table.lookup(ids)
     table.storage.pages.drain()

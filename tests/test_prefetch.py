@@ -32,19 +32,22 @@ def expected(weight, ids, out_dtype=ml_dtypes.bfloat16):
     return reference_lookup(weight, ids, SCALE, out_dtype)
 
 
-def random_ids(seed, shape=(33, 4), high=210):
-    return np.random.default_rng(seed).integers(-5, high, shape)
+TOTAL = 210  # the tables' 200 rows are a shard of 210: ids past them give zero rows
+
+
+def random_ids(seed, shape=(33, 4), high=TOTAL):
+    return np.random.default_rng(seed).integers(0, high, shape)
 
 
 def test_prefetch_then_lookup(weight):
-    table = nc.EmbeddingTable(weight, scale=SCALE)
+    table = nc.EmbeddingTable(weight, scale=SCALE, total_rows=TOTAL)
     ids = random_ids(1)
     table.prefetch(ids)
     np.testing.assert_array_equal(table.lookup(ids), expected(weight, ids))
 
 
 def test_the_prefetch_gathers_a_copy_of_the_ids(weight):
-    table = nc.EmbeddingTable(weight, scale=SCALE)
+    table = nc.EmbeddingTable(weight, scale=SCALE, total_rows=TOTAL)
     ids = random_ids(2)
     original = ids.copy()
     table.prefetch(ids)
@@ -57,7 +60,7 @@ def test_the_prefetch_gathers_a_copy_of_the_ids(weight):
 
 
 def test_stale_prefetch_is_joined_then_the_changed_heads_regathered(weight, monkeypatch):
-    table = nc.EmbeddingTable(weight, scale=SCALE)
+    table = nc.EmbeddingTable(weight, scale=SCALE, total_rows=TOTAL)
     prefetched = random_ids(3)
     asked = prefetched.copy()
     asked[::3, 1] = random_ids(4, asked[::3, 1].shape)
@@ -80,7 +83,7 @@ def test_stale_prefetch_is_joined_then_the_changed_heads_regathered(weight, monk
 
 
 def test_a_stale_prefetch_of_another_shape_or_dtype_is_joined_too(weight):
-    table = nc.EmbeddingTable(weight, scale=SCALE)
+    table = nc.EmbeddingTable(weight, scale=SCALE, total_rows=TOTAL)
     table.prefetch(random_ids(5, (10, 4)))
     ids = random_ids(6, (7, 4))
     np.testing.assert_array_equal(table.lookup(ids), expected(weight, ids))
@@ -90,7 +93,7 @@ def test_a_stale_prefetch_of_another_shape_or_dtype_is_joined_too(weight):
 
 
 def test_repeated_prefetch_keeps_the_last(weight):
-    table = nc.EmbeddingTable(weight, scale=SCALE)
+    table = nc.EmbeddingTable(weight, scale=SCALE, total_rows=TOTAL)
     first, second = random_ids(7), random_ids(8)
     table.prefetch(first)
     table.prefetch(second)
@@ -99,7 +102,7 @@ def test_repeated_prefetch_keeps_the_last(weight):
 
 
 def test_staging_buffers_are_allocated_once_per_shape(weight):
-    table = nc.EmbeddingTable(weight, scale=SCALE)
+    table = nc.EmbeddingTable(weight, scale=SCALE, total_rows=TOTAL)
     results = []
     for seed in range(3):
         ids = random_ids(seed)
@@ -119,7 +122,7 @@ def test_host_staging_buffers_do_not_pile_up(weight):
     from ngram_cupy.runtime.backends import HOST
     from ngram_cupy.tables.prefetch import STAGING_SHAPES as HOST_BUFFER_SHAPES
 
-    table = nc.EmbeddingTable(weight, scale=SCALE)
+    table = nc.EmbeddingTable(weight, scale=SCALE, total_rows=TOTAL)
     kept = []
     for tokens in range(1, 4 * HOST_BUFFER_SHAPES):
         ids = random_ids(tokens, (tokens, 4))
@@ -131,7 +134,7 @@ def test_host_staging_buffers_do_not_pile_up(weight):
 
 
 def test_out_is_written_by_prefetch_and_lookup(weight):
-    table = nc.EmbeddingTable(weight, scale=SCALE)
+    table = nc.EmbeddingTable(weight, scale=SCALE, total_rows=TOTAL)
     ids = random_ids(10)
     out = np.zeros((33, 32), ml_dtypes.bfloat16)
     table.prefetch(ids, out=out)
@@ -149,7 +152,7 @@ def test_out_is_written_by_prefetch_and_lookup(weight):
 
 
 def test_an_error_in_the_worker_surfaces_at_lookup(weight, monkeypatch):
-    table = nc.EmbeddingTable(weight, scale=SCALE)
+    table = nc.EmbeddingTable(weight, scale=SCALE, total_rows=TOTAL)
 
     def broken(*args, **kwargs):
         raise RuntimeError("disk on fire")
@@ -169,7 +172,7 @@ def test_an_error_in_the_worker_surfaces_at_lookup(weight, monkeypatch):
 
 def test_the_worker_runs_beside_the_caller(weight, monkeypatch):
     """The gather runs on another thread while prefetch has already returned."""
-    table = nc.EmbeddingTable(weight, scale=SCALE)
+    table = nc.EmbeddingTable(weight, scale=SCALE, total_rows=TOTAL)
     started, release = threading.Event(), threading.Event()
     real = gather_numba.gather_rows
 
@@ -202,8 +205,8 @@ def test_the_worker_never_runs_a_parallel_gather(weight, monkeypatch):
     monkeypatch.setattr(gather_numba, "gather_rows", spy)
     ids = random_ids(30, (gather_numba.PARALLEL_MIN_ROWS // 4, 4))
     mapped = MappedTable([(0, weight[:90]), (90, weight[90:])], 8, weight.dtype, SCALE, 0, 200,
-                         200)
-    for table in (nc.EmbeddingTable(weight, scale=SCALE), mapped):
+                         TOTAL)
+    for table in (nc.EmbeddingTable(weight, scale=SCALE, total_rows=TOTAL), mapped):
         calls.clear()
         table.prefetch(ids)
         np.testing.assert_array_equal(table.lookup(ids), expected(weight, ids))
@@ -223,7 +226,7 @@ def _use_after_fork(table, ids, expect) -> None:
 def test_a_forked_child_does_not_wait_for_the_parents_worker(weight):
     """After a fork the worker thread exists only in the parent: a child waiting for it (or
     queueing work for it) would hang forever."""
-    table = nc.EmbeddingTable(weight, scale=SCALE)
+    table = nc.EmbeddingTable(weight, scale=SCALE, total_rows=TOTAL)
     ids = random_ids(31)
     release = threading.Event()
     in_flight = Pending(ids=ids, rows=None, out_code=-1)
@@ -241,7 +244,7 @@ def test_a_forked_child_does_not_wait_for_the_parents_worker(weight):
 
 
 def test_prefetch_argument_errors_are_raised_at_once(weight):
-    table = nc.EmbeddingTable(weight, scale=SCALE)
+    table = nc.EmbeddingTable(weight, scale=SCALE, total_rows=TOTAL)
     with pytest.raises(ValueError, match="ids must be 2-D"):
         table.prefetch(np.zeros(3, np.int64))
     with pytest.raises(ValueError, match="out must have shape"):
@@ -249,7 +252,7 @@ def test_prefetch_argument_errors_are_raised_at_once(weight):
 
 
 def test_close_finishes_the_worker(weight):
-    table = nc.EmbeddingTable(weight, scale=SCALE)
+    table = nc.EmbeddingTable(weight, scale=SCALE, total_rows=TOTAL)
     table.prefetch(random_ids(16))
     table.close()
     ids = random_ids(17)  # CPU tables stay usable after close (nothing was pinned)
@@ -415,7 +418,7 @@ def test_collecting_a_table_never_waits_for_its_prefetch_worker(weight):
     """The finaliser must not join the worker: run inside another thread's start (where a
     collection can happen), a join deadlocks. Here the worker is blocked until released, and a
     helper thread drops the last reference, so a regression fails instead of hanging."""
-    holder = [nc.EmbeddingTable(weight, scale=SCALE)]
+    holder = [nc.EmbeddingTable(weight, scale=SCALE, total_rows=TOTAL)]
     threads, release = holder[0].prefetcher.threads, threading.Event()
     threads.start(Pending(ids=None, rows=None, out_code=0), release.wait)
     collected = threading.Event()
@@ -481,7 +484,7 @@ def test_silent_wrong_threads_sharing_one_embedding_with_prefetch_are_exact_or_r
 
 
 def test_a_pending_prefetch_is_joined_only_by_its_thread(weight):
-    table = nc.EmbeddingTable(weight, scale=SCALE)
+    table = nc.EmbeddingTable(weight, scale=SCALE, total_rows=TOTAL)
     mine, theirs = random_ids(10), random_ids(11)
     table.prefetch(mine)
     results = {}
@@ -508,7 +511,7 @@ def test_kept_staging_shapes_survive_any_number_of_other_shapes(weight):
     are pinned with keep_staging and never dropped (the graph holds their addresses)."""
     from ngram_cupy.tables.prefetch import STAGING_SHAPES
 
-    table = nc.EmbeddingTable(weight, scale=SCALE)
+    table = nc.EmbeddingTable(weight, scale=SCALE, total_rows=TOTAL)
     table.keep_staging([5])
     table.prefetch(random_ids(40, (5, 4)))
     captured = table.lookup(random_ids(40, (5, 4)))

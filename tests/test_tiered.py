@@ -34,12 +34,19 @@ def random_bits(rng, rows: int, head_dim: int, dtype) -> np.ndarray:
     return bits.astype(fmt.raw).view(fmt.dtype)
 
 
-def adversarial_ids(rng, hot, row_start, num_rows, shape):
-    """Hot rows, cold rows, the first and last rows, ids just outside, negative ids."""
+def adversarial_ids(rng, hot, row_start, num_rows, shape, total_rows=None):
+    """Hot rows, cold rows, the first and last rows, ids just outside, negative ids (but those
+    outside ``[0, total_rows)`` when given: a table refuses them)."""
     stop = row_start + num_rows
     pool = np.concatenate([hot, rng.integers(row_start, stop, hot.size + 8),
                            [row_start, stop - 1, row_start - 1, stop, -1, -(1 << 40), 1 << 40]])
+    if total_rows is not None:
+        pool = pool[(pool >= 0) & (pool < total_rows)]
     return rng.choice(pool, shape).astype(np.int64)
+
+
+# The tables' total rows: ids past their rows, up to 1 << 40, are other shards' (zero rows).
+WHOLE = (1 << 40) + 1
 
 
 def tiered_gather(weight, hot_ids, hot_weight, row_start, ids, out_dtype, parallel, scale=0.5):
@@ -314,6 +321,7 @@ def test_fused_words_fit_the_table_and_the_tier():
 
 def tiered_and_plain(weight, hot, placement="pinned", **kwargs):
     """The same rows as a tiered table and as a plain CPU table."""
+    kwargs.setdefault("total_rows", WHOLE)
     return (nc.EmbeddingTable(weight, placement=placement, hot_rows=hot, **kwargs),
             nc.EmbeddingTable(weight.copy(), **kwargs))
 
@@ -330,7 +338,7 @@ def test_tiered_table_equals_the_plain_one(dtype, out_dtype, placement):
     hot = np.unique(rng.integers(0, 200, 50))
     tiered, plain = tiered_and_plain(weight, hot, placement, scale=0.75)
     assert tiered.counters == {"hot_rows": 0, "cold_rows": 0} and plain.counters == {}
-    ids = adversarial_ids(rng, hot, 0, 200, (64, 4))
+    ids = adversarial_ids(rng, hot, 0, 200, (64, 4), WHOLE)
     got = tiered.lookup(ids, out_dtype=out_dtype)
     np.testing.assert_array_equal(got.view(f"u{got.itemsize}"),
                                   plain.lookup(ids, out_dtype=out_dtype).view(f"u{got.itemsize}"))
@@ -352,7 +360,7 @@ def test_row_sharded_tiered_tables_sum_to_the_table():
     weight = random_bits(rng, rows, head_dim, np.float16)
     weight.view(np.uint16)[(weight.view(np.uint16) & 0x7C00) == 0x7C00] = 0  # no inf/NaN sums
     hot = np.unique(rng.integers(0, rows, 120))
-    ids = adversarial_ids(rng, hot, 0, rows, (40, 8))
+    ids = adversarial_ids(rng, hot, 0, rows, (40, 8), rows)
     total = np.zeros((40, 8 * head_dim), np.float32)
     counted = 0
     for start, stop in [(0, 64), (64, 200), (200, 300)]:
@@ -405,9 +413,9 @@ def test_prefetch_through_the_tier():
     weight = random_bits(rng, 500, 8, ml_dtypes.bfloat16)
     hot = np.unique(rng.integers(0, 500, 100))
     tiered, plain = tiered_and_plain(weight, hot)
-    first = adversarial_ids(rng, hot, 0, 500, (300, 3))
+    first = adversarial_ids(rng, hot, 0, 500, (300, 3), WHOLE)
     changed = first.copy()
-    changed[::3] = adversarial_ids(rng, hot, 0, 500, changed[::3].shape)
+    changed[::3] = adversarial_ids(rng, hot, 0, 500, changed[::3].shape, WHOLE)
     tiered.prefetch(first)
     got = tiered.lookup(changed)
     np.testing.assert_array_equal(got.view(np.uint16), plain.lookup(changed).view(np.uint16))
@@ -426,7 +434,7 @@ def test_a_prefetch_of_another_output_type_is_discarded_and_counted(prefetch_dty
     weight = random_bits(rng, 300, 8, ml_dtypes.bfloat16)
     hot = np.unique(rng.integers(0, 300, 60))
     tiered, plain = tiered_and_plain(weight, hot)
-    ids = adversarial_ids(rng, hot, 0, 300, (50, 3))
+    ids = adversarial_ids(rng, hot, 0, 300, (50, 3), WHOLE)
     tiered.prefetch(ids, out_dtype=prefetch_dtype)
     got = tiered.lookup(ids, out_dtype=np.float32)
     np.testing.assert_array_equal(got, plain.lookup(ids, out_dtype=np.float32))

@@ -27,6 +27,7 @@ from ..tables.dequant import convert, convert_blocked
 from ..tables.formats import FORMATS, Format
 from ..tables.gather_cupy import data_address
 from ..tables.hot_rows import hot_slot
+from ..tables.row_ids import NO_BAD_WORD, UNCHECKED, first_bad
 from .ids_cuda import device_params, staging_shape
 
 WORD_BYTES = (8, 4, 2, 1)
@@ -96,6 +97,14 @@ def store_blocked_word(packed, inside, per_word, bits, mask, code, scale, out_co
             out[t, column + k] = 0
 
 
+@inline_jitable
+def note_bad_id(bad, total_rows, row_id, position):
+    """Keep in ``bad[0]`` the least ``position`` of an id outside ``[0, total_rows)``
+    (``row_ids``; ``total_rows`` -1: unchecked)."""
+    if total_rows >= 0 and (row_id < 0 or row_id >= total_rows):
+        cuda.atomic.min(bad, 0, uint64(position))
+
+
 @cache
 def fused_kernel(ngram_size: int, heads_per_ngram: int, head_dim: int, code: int, out_code: int,
                  block: int | None = None, word: int | None = None, tiered: bool = False):
@@ -107,7 +116,8 @@ def fused_kernel(ngram_size: int, heads_per_ngram: int, head_dim: int, code: int
     and reads each hot row from it, counting each row read per tier into ``counts`` (uint64
     ``[lanes, 2]``: hot, cold; the lane picked by block), as ``gather_tiered_rows`` does. A
     block-scaled format's kernel reads the block scales from ``scales`` (``hot_scales`` for hot
-    rows); other formats take any uint8 2-D placeholders there.
+    rows); other formats take any uint8 2-D placeholders there. An id outside ``[0,
+    total_rows)`` notes its position (token-major) in ``bad`` (``note_bad_id``).
     """
     heads = (ngram_size - 1) * heads_per_ngram
     shape = staging_shape(heads, block)
@@ -122,7 +132,7 @@ def fused_kernel(ngram_size: int, heads_per_ngram: int, head_dim: int, code: int
     mask = (1 << bits) - 1
 
     def fused_ids_gather(tokens, query_start_loc, context, params, eos, table, row_start, scale,
-                         write_ids, ids_out, out, scales):
+                         write_ids, ids_out, out, scales, total_rows, bad):
         staged = cuda.shared.array(shape, int64)
         lane = cuda.threadIdx.x
         first = cuda.blockIdx.x * block
@@ -134,6 +144,8 @@ def fused_kernel(ngram_size: int, heads_per_ngram: int, head_dim: int, code: int
             row, head, word = locate(flat, words, heads)
             local = staged[row, head] - row_start
             inside = 0 <= local < rows
+            if not inside and word == 0:
+                note_bad_id(bad, total_rows, staged[row, head], (first + row) * heads + head)
             packed = uint64(table[local, word]) if inside else uint64(0)
             if blocked:
                 store_blocked_word(packed, inside, per_word, bits, mask, code, scale, out_code,
@@ -145,7 +157,7 @@ def fused_kernel(ngram_size: int, heads_per_ngram: int, head_dim: int, code: int
 
     def fused_tiered_ids_gather(tokens, query_start_loc, context, params, eos, table, row_start,
                                 scale, write_ids, ids_out, out, hot_words, hot_ranks, hot,
-                                counts, scales, hot_scales):
+                                counts, scales, hot_scales, total_rows, bad):
         staged = cuda.shared.array(shape, int64)
         lane = cuda.threadIdx.x
         first = cuda.blockIdx.x * block
@@ -158,6 +170,8 @@ def fused_kernel(ngram_size: int, heads_per_ngram: int, head_dim: int, code: int
             row, head, word = locate(flat, words, heads)
             local = staged[row, head] - row_start
             inside = 0 <= local < rows
+            if not inside and word == 0:
+                note_bad_id(bad, total_rows, staged[row, head], (first + row) * heads + head)
             packed = uint64(0)
             slot = int64(-1)
             if inside:
@@ -180,7 +194,8 @@ def fused_kernel(ngram_size: int, heads_per_ngram: int, head_dim: int, code: int
 
 def launch_fused(layout, tokens, query_start_loc, context, params, table_words, code: int,
                  row_start: int, scale, write_ids: bool, ids_out, out, out_code: int, stream=None,
-                 block: int | None = None, hot=None, counts=None, scales=None, hot_scales=None):
+                 block: int | None = None, hot=None, counts=None, scales=None, hot_scales=None,
+                 total_rows: int | None = None, bad=None):
     """Launch on device arrays (simulator arrays in tests).
 
     ``table_words`` is the table as ``[rows, words]`` unsigned words (see ``word_bytes``),
@@ -190,7 +205,8 @@ def launch_fused(layout, tokens, query_start_loc, context, params, table_words, 
     table's width) hot rows are read from the hot rows and each row read is counted in
     ``counts`` (uint64 ``[COUNTER_LANES, 2]``: hot, cold), as the tiered gather does. A
     block-scaled table's rows come with their uint8 block ``scales`` (and the hot rows' with
-    ``hot_scales``).
+    ``hot_scales``). With ``total_rows`` and ``bad`` (uint64 ``[1]``, ``row_ids.NO_BAD_WORD``),
+    the position of the first id outside ``[0, total_rows)`` is noted in ``bad``.
     """
     num_tokens = tokens.shape[0]
     placeholder = table_words.view(np.uint8)  # never read: only block-scaled kernels read scales
@@ -213,8 +229,18 @@ def launch_fused(layout, tokens, query_start_loc, context, params, table_words, 
         args += (placeholder if scales is None else scales,)
         if hot is not None:
             args += (placeholder if hot_scales is None else hot_scales,)
+        checked = total_rows is not None and bad is not None
+        args += (np.int64(total_rows if checked else UNCHECKED),
+                 bad if checked else bad_word(table_words))
         kernel(-(-num_tokens // block), block, args, stream)
     return out
+
+
+def bad_word(like):
+    """A fresh ``bad`` word (uint64 ``[1]``, ``NO_BAD_WORD``) beside the array ``like``: NumPy
+    for NumPy arrays (the simulator), else CuPy on the current stream."""
+    module = np if isinstance(like, np.ndarray) else cupy_module()
+    return module.full(1, NO_BAD_WORD, np.uint64)
 
 
 def table_words(rows, itemsize: int, *also):
@@ -239,7 +265,8 @@ def placeholder_ids(device: int):
 
 
 def fused_lookup_cuda(layout, rows, fmt: Format, row_start: int, scale, tokens, query_start_loc,
-                      context, out, out_code: int, ids_out, stream, tier=None, scales=None):
+                      context, out, out_code: int, ids_out, stream, tier=None, scales=None,
+                      total_rows: int | None = None):
     """Fused ids + gather on checked, contiguous CuPy arrays, on the CuPy ``stream``.
 
     ``rows`` is the table's raw ``[rows, head_dim]`` CuPy view (``EmbeddingTable.device_rows``)
@@ -247,6 +274,9 @@ def fused_lookup_cuda(layout, rows, fmt: Format, row_start: int, scale, tokens, 
     ``out`` the raw output array; ``ids_out`` an int64 ``[T, H]`` CuPy array or None. ``tier``:
     a hot tier over ``rows`` (``TieredStorage.device_tier``: slot map, raw hot rows, counters,
     hot block scales), or None. ``scales``: a block-scaled table's block scales beside ``rows``.
+    With ``total_rows``, a hashed id outside ``[0, total_rows)`` (a layout that does not match
+    the table) is an IndexError naming its token and head, read after the launch (waiting for
+    the stream; not while it captures a CUDA graph).
     """
     device = out.device.id
     write_ids = ids_out is not None
@@ -259,7 +289,23 @@ def fused_lookup_cuda(layout, rows, fmt: Format, row_start: int, scale, tokens, 
         words = table_words(rows, fmt.itemsize, tier.rows)
         hot, counts = (tier.map, tier.rows.view(words.dtype)), tier.counts
         hot_scales = tier.scales
-    return launch_fused(layout, tokens, query_start_loc, context, device_params(layout, device),
-                        words, fmt.code, row_start, 1.0 if scale is None else scale, write_ids,
-                        ids_out, out, out_code, stream, hot=hot, counts=counts, scales=scales,
-                        hot_scales=hot_scales)
+    checked = total_rows is not None and not stream.is_capturing()
+    with stream:
+        bad = bad_word(words) if checked else None
+    launch_fused(layout, tokens, query_start_loc, context, device_params(layout, device),
+                 words, fmt.code, row_start, 1.0 if scale is None else scale, write_ids,
+                 ids_out, out, out_code, stream, hot=hot, counts=counts, scales=scales,
+                 hot_scales=hot_scales, total_rows=total_rows, bad=bad)
+    if checked:
+        raise_hashed(bad.get(stream=stream), layout.num_heads, total_rows)
+    return out
+
+
+def raise_hashed(recorded, heads: int, total_rows: int) -> None:
+    """The IndexError for a fused launch whose ``bad`` word (on the host) holds a position: the
+    ids were hashed in the kernel, so the token and head are named (the id is in ``ids_out``)."""
+    position = first_bad(recorded)
+    if position >= 0:
+        raise IndexError(f"the id hashed for token {position // heads}, head {position % heads} "
+                         f"is outside the table's rows [0, {total_rows}): the layout does not "
+                         f"match the table")

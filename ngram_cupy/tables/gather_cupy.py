@@ -22,6 +22,7 @@ from ..runtime import kernel_cache, nvrtc
 from ..runtime.backends import cupy_module
 from ..runtime.kernel_cache import entry_key
 from .dequant import FORMATS, OUTPUT_CODES
+from .row_ids import NO_BAD_WORD, UNCHECKED, check_row_ids, raise_recorded
 
 # kernels/ at the top of a source checkout; installed wheels carry it as ngram_cupy/kernels.
 _PACKAGE = Path(__file__).resolve().parents[1]
@@ -131,11 +132,13 @@ class Launch:
 
 def launch_plan(table, code: int, row_start: int, scale, ids, out, out_code: int,
                 expected=None, hot=None, counts=None, scales=None,
-                hot_scales=None) -> Launch | None:
+                hot_scales=None, total_rows=None, bad=None) -> Launch | None:
     """The launch that gathers ``table[ids - row_start]`` into ``out``; None when there is nothing
     to do. Works on CuPy or NumPy arrays alike (only shapes, dtypes and addresses are read).
     With ``hot = ((words, ranks), hot rows)``, the tiered gather counting into ``counts``.
-    A block-scaled table's rows come with their ``scales`` (and a hot tier's ``hot_scales``)."""
+    A block-scaled table's rows come with their ``scales`` (and a hot tier's ``hot_scales``).
+    With ``total_rows`` and ``bad`` (a uint64 word, ``row_ids.NO_BAD_WORD`` before the launch),
+    the kernel notes there the first position of an id outside ``[0, total_rows)``."""
     if FORMATS[code].blocked and (scales is None or (hot is not None and hot_scales is None)):
         raise ValueError(f"{FORMATS[code].name} rows need their block scales")
     num_items = ids.size
@@ -157,13 +160,15 @@ def launch_plan(table, code: int, row_start: int, scale, ids, out, out_code: int
     args += (np.uint64(0) if scales is None else scales,)
     if hot is not None:
         args += (np.uint64(0) if hot_scales is None else hot_scales,)
+    checked = total_rows is not None and bad is not None
+    args += (np.int64(total_rows if checked else UNCHECKED), bad if checked else np.uint64(0))
     name = instance_name(code, out_code, width, ids.dtype, hot is not None)
     return Launch(name, blocks, THREADS_PER_BLOCK, args)
 
 
 def gather_rows(table, code: int, row_start: int, scale, ids, out, out_code: int,
                 expected=None, stream=None, hot=None, counts=None, scales=None,
-                hot_scales=None):
+                hot_scales=None, total_rows=None):
     """Launch the gather: raw rows ``table[ids - row_start]`` dequantised into raw ``out``.
 
     ``table`` is a CuPy ``[rows, head_dim]`` array of raw bits (device memory or mapped host
@@ -173,32 +178,45 @@ def gather_rows(table, code: int, row_start: int, scale, ids, out, out_code: int
     ``hot_rows``) hot rows are read from the hot rows and each row read is counted in ``counts``
     (uint64 ``[COUNTER_LANES, 2]``: hot, cold). Block-scaled rows (``[rows, head_dim / pack]``)
     come with their ``scales`` (``[rows, head_dim / block]``; ``hot_scales`` for the hot tier).
-    Runs on ``stream`` (default: CuPy's current stream); no host sync.
+    Runs on ``stream`` (default: CuPy's current stream); no host sync, except with
+    ``total_rows``: the kernel notes the first id outside ``[0, total_rows)`` in a word that is
+    read after the launch (waiting for the stream) and raised on (``row_ids``); while the stream
+    captures a CUDA graph the word cannot be read and ids are not checked.
     """
     cupy = cupy_module()
+    stream = stream if stream is not None else cupy.cuda.get_current_stream()
+    device = ids.device.id
+    bad = None
+    if total_rows is not None and not stream.is_capturing():
+        with cupy.cuda.Device(device), stream:
+            bad = cupy.full(1, NO_BAD_WORD, np.uint64)
     plan = launch_plan(table, code, row_start, scale, ids, out, out_code, expected, hot, counts,
-                       scales, hot_scales)
+                       scales, hot_scales, total_rows, bad)
     if plan is None:
         return out
-    device = ids.device.id
     kernel = _kernel(plan.name, device)
     with cupy.cuda.Device(device):  # the module's context is the arrays' device's
-        kernel((plan.grid,), (plan.block,), plan.args,
-               stream=stream if stream is not None else cupy.cuda.get_current_stream())
+        kernel((plan.grid,), (plan.block,), plan.args, stream=stream)
+        if bad is not None:
+            raise_recorded(ids, bad.get(stream=stream), total_rows)
     return out
 
 
 def gather_unique_rows(table, code: int, row_start: int, scale, ids, out, out_code: int,
-                       stream=None, scales=None):
+                       stream=None, scales=None, total_rows=None):
     """The gather with repeated ids fetched once: each row crosses PCIe (or HBM) a single time.
 
     ``cupy.unique`` finds the distinct ids (its result size makes it wait for the GPU, so this
     path is for large batches and cannot be captured in a CUDA graph); the distinct rows are
     gathered and dequantised into a scratch block, which the same kernel then expands to ``out``.
+    With ``total_rows``, ids outside ``[0, total_rows)`` are refused first (``row_ids``; this
+    path waits for the GPU anyway).
     """
     cupy = cupy_module()
     if ids.size == 0:
         return out
+    if total_rows is not None:
+        check_row_ids(ids, total_rows)
     with stream if stream is not None else cupy.cuda.get_current_stream():
         unique, inverse = cupy.unique(ids.ravel(), return_inverse=True)
         head_dim = table.shape[1] * FORMATS[code].pack

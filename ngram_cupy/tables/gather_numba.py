@@ -40,6 +40,7 @@ from .dequant import (
     float32_to_bits,
 )
 from .hot_rows import HotRowMap, hot_slot
+from .row_ids import NO_BAD_ID, UNCHECKED, raise_recorded
 
 # Numba's on-disk cache only watches this file: the digest of dequant.py in the kernels' closure
 # changes the cache key whenever the shared decoding (or the hot-row slot map) changes.
@@ -159,13 +160,17 @@ def prefetch_line(typingctx, array, row, column):
 
 @cache
 def _gather_kernel(code: int, out_code: int, parallel: bool, tiered: bool = False,
-                   digest: int = DEQUANT_DIGEST):
+                   packed: bool = False, digest: int = DEQUANT_DIGEST):
     """The gather for one (storage, output) format pair, threaded or not, tiered or not, ``nogil``.
 
     Numba's disk cache keys an entry by the code and the closure's values, not by ``parallel=``,
     so the serial gather is its own closure (one block); ``digest`` ties it to dequant.py.
     Tiered, hot rows (``hot_slot(hot_words, hot_ranks, local) >= 0``) are read from ``hot`` and
-    ``counts[block]`` gets the block's ``(hot, cold)`` rows read.
+    ``counts[block]`` gets the block's ``(hot, cold)`` rows read. ``bad[block]`` gets the flat
+    position of the block's first id outside ``[0, total_rows)`` (-1: none; ``total_rows`` -1:
+    unchecked), found on the zero-row branch, so rows inside the shard pay nothing for it.
+    ``packed``: ``table`` (and ``hot``) hold block-scaled records (``packed``): row ``r``'s
+    ``width`` stored bytes then its block scales, read as one record.
     """
     block_size = BLOCK if parallel else 1 << 62
     fmt = FORMATS[code]
@@ -178,8 +183,11 @@ def _gather_kernel(code: int, out_code: int, parallel: bool, tiered: bool = Fals
     by_blocks = code == MXFP8 and out_code == BFLOAT16
 
     def gather(table, row_start, scale, outputs, ids, expected, out, hot_words, hot_ranks, hot,
-               counts, scales, hot_scales):
-        rows, head_dim = table.shape  # block-scaled: stored bytes, ``out`` in their units
+               counts, scales, hot_scales, total_rows, bad, width):
+        rows = table.shape[0]
+        head_dim = width  # block-scaled: stored bytes, ``out`` in their units
+        record = table.shape[1]
+        scale_width = head_dim // per_block
         num_tokens, num_heads = ids.shape
         check = expected.shape[0] != 0 or (digest & 0) != 0  # digest: cache key only
         formula = by_formula and abs(scale) <= FLOAT32_MAX  # a NaN or infinite scale: the table
@@ -187,11 +195,19 @@ def _gather_kernel(code: int, out_code: int, parallel: bool, tiered: bool = Fals
             last = min(block * block_size + block_size, num_tokens)
             hot_read = 0
             cold_read = 0
+            first_bad = int64(-1)
             for t in range(block * block_size, last):
                 for h in range(num_heads):
                     ahead = int64(ids[t + 1, h]) - row_start if t + 1 < last else int64(-1)
                     if 0 <= ahead < rows:
                         slot = hot_slot(hot_words, hot_ranks, ahead) if tiered else int64(-1)
+                        if packed:  # one record: its lines, the last one included
+                            for c in range(0, record, line):
+                                prefetch_line(hot if slot >= 0 else table, slot if slot >= 0
+                                              else ahead, c)
+                            prefetch_line(hot if slot >= 0 else table, slot if slot >= 0
+                                          else ahead, record - 1)
+                            continue
                         for c in range(0, head_dim, line):
                             if slot >= 0:
                                 prefetch_line(hot, slot, c)
@@ -218,6 +234,18 @@ def _gather_kernel(code: int, out_code: int, parallel: bool, tiered: bool = Fals
                         row = slot if slot >= 0 else local
                         hot_read += slot >= 0
                         cold_read += slot < 0
+                        if packed:
+                            codes = source[row]
+                            dest = out[t, first:first + head_dim]
+                            if by_blocks:
+                                mxfp8_row_to_bf16(codes[:head_dim],
+                                                  codes[head_dim:head_dim + scale_width], dest,
+                                                  outputs, per_block)
+                            else:
+                                blocked_row(codes[:head_dim],
+                                            codes[head_dim:head_dim + scale_width], dest,
+                                            outputs, per_block)
+                            continue
                         if formula:
                             fp8_row_to_bf16(source[row], out[t, first:first + head_dim], scale)
                             continue
@@ -237,9 +265,13 @@ def _gather_kernel(code: int, out_code: int, parallel: bool, tiered: bool = Fals
                             else:
                                 out[t, first + c] = convert(source[row, c], code, scale,
                                                             out_code)
-                    else:
+                    else:  # another shard's id, or one outside the whole table: its first noted
+                        outside = total_rows >= 0 and (row_id < 0 or row_id >= total_rows)
+                        if outside and first_bad < 0:
+                            first_bad = int64(t * num_heads + h)
                         for c in range(head_dim):
                             out[t, first + c] = 0
+            bad[block] = first_bad
             if tiered:
                 counts[block, 0] += hot_read
                 counts[block, 1] += cold_read
@@ -309,8 +341,13 @@ def gather_rows(table: np.ndarray, code: int, row_start: int, scale: np.float32,
                 out: np.ndarray, out_code: int, expected: np.ndarray | None = None,
                 parallel: bool | None = None, hot: tuple[HotRowMap, np.ndarray] | None = None,
                 counts: np.ndarray | None = None, scales: np.ndarray | None = None,
-                hot_scales: np.ndarray | None = None) -> np.ndarray:
+                hot_scales: np.ndarray | None = None,
+                total_rows: int | None = None, records: np.ndarray | None = None) -> np.ndarray:
     """Write dequantised rows ``table[ids - row_start]`` (zeros outside the table) into ``out``.
+
+    With ``total_rows``, an id outside ``[0, total_rows)`` is an IndexError naming the first
+    (``row_ids``; found in the gather loop itself, raised after it; ``out`` is then partly
+    written); ids of other shards give zero rows either way.
 
     ``table`` and ``out`` are raw unsigned views; ``ids`` is ``[T, H]`` int32/int64 and ``out``
     ``[T, H * head_dim]``. With ``expected`` (int64, ``ids``' shape), heads whose id equals the
@@ -319,26 +356,35 @@ def gather_rows(table: np.ndarray, code: int, row_start: int, scale: np.float32,
     never. With ``hot = (slot map, hot rows)`` (raw, like ``table``), hot rows are read from the
     hot rows, and the rows read from each tier are added to ``counts`` (int64 ``[hot, cold]``)
     when given. A block-scaled table's ``[rows, width]`` bytes come with their ``scales``
-    (uint8 ``[rows, head_dim / block]``), and a hot tier's with ``hot_scales``.
+    (uint8 ``[rows, head_dim / block]``), and a hot tier's with ``hot_scales``. With
+    ``records`` (``packed.packed_rows``: ``table`` and ``scales`` are views into them), each row
+    is read as one record, and a hot tier's rows are records too (``hot``).
     """
-    if FORMATS[code].blocked and (scales is None or (hot is not None and hot_scales is None)):
+    packed = records is not None
+    if FORMATS[code].blocked and not packed and (scales is None
+                                                 or (hot is not None and hot_scales is None)):
         raise ValueError(f"{FORMATS[code].name} rows need their block scales")
     scale = np.float32(scale)
     outputs = output_table(code, out_code, int(scale.view(np.uint32)))
     if hot is None:
-        words, ranks, hot_table, blocks = NO_WORDS, NO_RANKS, table, 0
+        words, ranks, hot_table, blocks = NO_WORDS, NO_RANKS, records if packed else table, 0
     else:
         (words, ranks), hot_table = hot
         blocks = max(-(-ids.shape[0] // BLOCK), 1)  # a serial gather counts in the first
     block_counts = np.zeros((blocks, 2), np.int64)
+    bad = np.full(max(-(-ids.shape[0] // BLOCK), 1), NO_BAD_ID, np.int64)
     target = out.view(unit_dtype(code, out_code)) if FORMATS[code].blocked else out
     min_rows = PARALLEL_MIN_ROWS if parallel is None else 0 if parallel else 1 << 62
     with use_threads(ids.size, min_rows, PARALLEL_BUSY_MIN_ROWS) as threaded:
-        _gather_kernel(code, out_code, threaded, hot is not None)(
-            table, np.int64(row_start), scale, outputs, ids,
+        _gather_kernel(code, out_code, threaded, hot is not None, packed)(
+            records if packed else table, np.int64(row_start), scale, outputs, ids,
             NO_EXPECTED if expected is None else expected, target, words, ranks, hot_table,
-            block_counts, NO_SCALES if scales is None else scales,
-            NO_SCALES if hot_scales is None else hot_scales)
+            block_counts, NO_SCALES if scales is None or packed else scales,
+            NO_SCALES if hot_scales is None or packed else hot_scales,
+            np.int64(UNCHECKED if total_rows is None else total_rows), bad,
+            np.int64(table.shape[1]))
+    if total_rows is not None:
+        raise_recorded(ids, bad, total_rows)
     if counts is not None:
         counts += block_counts.sum(axis=0)
     return out

@@ -418,7 +418,8 @@ class EmbeddingTable:
         self.storage.gather(Gather(
             request.side, ids, out.view(request.out_format.raw), request.out_format.code,
             self.row_start, self.lookup_scale(request.out_format), expected,
-            worker, self.dedup, cuda_stream() if request.side is DEVICE else None))
+            worker, self.dedup, cuda_stream() if request.side is DEVICE else None,
+            self.total_rows))
 
     def lookup_scale(self, out_format: Format) -> np.float32:
         """The float32 scale lookups to ``out_format`` multiply by (``scale_rounding``; a
@@ -441,7 +442,10 @@ class EmbeddingTable:
         ``stream`` (default: torch's current stream for torch ids, else CuPy's) without a host
         sync. After a ``prefetch`` of the same shape, the result lives in the prefetch's buffer
         (or is copied to ``out``) and only the heads whose ids changed are gathered again; that
-        buffer is reused by the next prefetch of the same shape.
+        buffer is reused by the next prefetch of the same shape. Ids of other shards (in
+        ``[0, total_rows)``) give zero rows; an id outside ``[0, total_rows)`` is an IndexError
+        naming the first (``row_ids``; a GPU lookup then waits for its stream to read the
+        kernel's error word, except during a CUDA graph capture, where ids are not checked).
         """
         request = self._request(ids, out, out_dtype, stream)
         with request.call.on():
@@ -461,10 +465,11 @@ class EmbeddingTable:
 
         On the GPU the gather runs on a private stream once ``stream`` (the caller's) reaches
         this point; on the CPU, on a worker thread. ``ids`` may change afterwards: a copy is
-        gathered. Rows go to ``out`` when given (pass the same ``out`` to ``lookup``), else to a
-        staging buffer kept per shape (see ``keep_staging``). Errors in the worker surface at
-        the next ``lookup`` or ``prefetch``. In a CUDA graph capture, capture the ``lookup``
-        that consumes a prefetch in the same graph.
+        gathered (ids outside ``[0, total_rows)`` are refused as by ``lookup``, at the
+        ``lookup`` on the CPU). Rows go to ``out`` when given (pass the same ``out`` to
+        ``lookup``), else to a staging buffer kept per shape (see ``keep_staging``). Errors in
+        the worker surface at the next ``lookup`` or ``prefetch``. In a CUDA graph capture,
+        capture the ``lookup`` that consumes a prefetch in the same graph.
         """
         request = self._request(ids, out, out_dtype, stream)
         with request.call.on():

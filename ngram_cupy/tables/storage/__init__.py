@@ -23,7 +23,8 @@ The interface (``Storage`` in ``base``; each placement is one module: ``cpu``, `
   (block-scaled formats; else None): every placement carries them with the rows.
 - ``gather(job: Gather)``: write the dequantised rows of ``job.ids`` into ``job.out`` on
   ``job.side`` (on ``job.stream`` on the GPU, without a host synchronisation); ids outside
-  ``[job.row_start, job.row_start + num_rows)`` give zero rows and are never read.
+  ``[job.row_start, job.row_start + num_rows)`` give zero rows and are never read; with
+  ``job.total_rows``, ids outside ``[0, total_rows)`` are an IndexError (``row_ids``).
 - ``host_view``: a NumPy view of the rows (of ``format.dtype``) when they are in host memory,
   else None; ``device_view``: the raw ``[num_rows, head_dim]`` CuPy view GPU kernels read (device
   memory, or host memory mapped for the GPU), else None. Kernels outside the storage (the fused
@@ -49,6 +50,7 @@ import numpy as np
 from ...runtime.backends import DEVICE, HOST, Backend, gpu_available
 from ..formats import Format
 from ..host_memory import anonymous_memory
+from ..packed import packed_rows
 from .base import Gather, Storage
 from .cpu import CpuStorage
 from .gpu import GpuStorage
@@ -72,7 +74,8 @@ def canonical_placement(placement: str) -> str:
 
 
 def allocate(placement: str, num_rows: int, head_dim: int, fmt: Format) -> Storage:
-    """Unfilled storage of a placement (with its block scales for a block-scaled format).
+    """Unfilled storage of a placement (with its block scales for a block-scaled format: in
+    host memory, packed with the rows, one record per row).
     ``"pinned"`` without a GPU is ordinary host memory (nothing could read it over PCIe
     anyway)."""
     placement = canonical_placement(placement)
@@ -89,6 +92,9 @@ def allocate(placement: str, num_rows: int, head_dim: int, fmt: Format) -> Stora
                          "(load_ngram_embedding(..., placement='shared'))")
     if placement == "pinned" and gpu_available() and num_rows * head_dim > 0:
         return PinnedStorage(num_rows, head_dim, fmt)
+    if fmt.blocked and num_rows * head_dim > 0:  # one record per row (``packed``)
+        records, rows, scales = packed_rows(num_rows, head_dim, fmt)
+        return CpuStorage(rows, fmt, scales, records)
     scales = np.empty(scale_shape, np.uint8) if fmt.blocked else None
     if num_rows * head_dim == 0:
         return CpuStorage(np.empty(shape, fmt.dtype), fmt, scales)

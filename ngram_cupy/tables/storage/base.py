@@ -20,6 +20,8 @@ class Gather:
     ``expected`` (int64 ``[T, H]``): ids whose rows ``out`` already holds (a finished prefetch),
     skipped. ``worker``: on the CPU prefetch worker (serial gathers only). ``dedup``: fetch each
     distinct id once (GPU; waits for the GPU). ``stream``: the CuPy stream (GPU).
+    ``total_rows``: the whole table's rows; an id outside ``[0, total_rows)`` is an IndexError
+    (``row_ids``), None leaves ids unchecked.
     """
 
     side: Backend
@@ -32,6 +34,7 @@ class Gather:
     worker: bool = False
     dedup: bool = False
     stream: Any = None
+    total_rows: int | None = None
 
 
 class Storage:

@@ -9,25 +9,34 @@ from ..formats import Format
 from .base import Gather, Storage
 
 
-def gather_host(rows: np.ndarray, code: int, job: Gather, scales=None) -> None:
-    """The CPU gather of raw host ``rows`` of format ``code``, with their block ``scales`` (the
-    worker gathers serially: two threads running Numba parallel kernels at once abort the
-    process under the workqueue threading layer)."""
+def gather_host(rows: np.ndarray, code: int, job: Gather, scales=None, records=None) -> None:
+    """The CPU gather of raw host ``rows`` of format ``code``, with their block ``scales`` (or
+    the packed ``records`` they are views into; the worker gathers serially: two threads
+    running Numba parallel kernels at once abort the process under the workqueue threading
+    layer)."""
     gather_numba.gather_rows(rows, code, job.row_start, job.scale, job.ids, job.out,
                              job.out_code, job.expected, parallel=False if job.worker else None,
-                             scales=scales)
+                             scales=scales, total_rows=job.total_rows, records=records)
 
 
 class CpuStorage(Storage):
     """``[num_rows, head_dim]`` values of ``fmt`` in a NumPy array (the caller's, or new); a
-    block-scaled format's packed rows with their block ``scales`` beside them."""
+    block-scaled format's packed rows with their block ``scales`` beside them, or both as views
+    into one record per row (``records``, see ``packed``)."""
 
     placement = "cpu"
 
-    def __init__(self, rows: np.ndarray, fmt: Format, scales: np.ndarray | None = None):
+    def __init__(self, rows: np.ndarray, fmt: Format, scales: np.ndarray | None = None,
+                 records: np.ndarray | None = None):
         super().__init__(rows.shape[0], rows.shape[1] * fmt.pack, fmt)
         self.host_view = rows
         self.host_scales = scales
+        self.records = records
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the rows and block scales: whole records when packed."""
+        return super().nbytes if self.records is None else self.records.nbytes
 
     @property
     def writable(self) -> bool:
@@ -42,7 +51,8 @@ class CpuStorage(Storage):
 
     def gather(self, job: Gather) -> None:
         """The Numba gather."""
-        gather_host(self.host_view.view(self.format.raw), self.format.code, job, self.host_scales)
+        gather_host(self.host_view.view(self.format.raw), self.format.code, job, self.host_scales,
+                    self.records)
 
 
 def write_host(destination: np.ndarray, local_start: int, rows) -> None:

@@ -19,10 +19,12 @@ def gather_device(rows, code: int, job: Gather, scales=None) -> None:
 
     if job.dedup and job.expected is None:
         gather_cupy.gather_unique_rows(rows, code, job.row_start, job.scale, job.ids, job.out,
-                                       job.out_code, stream=job.stream, scales=scales)
+                                       job.out_code, stream=job.stream, scales=scales,
+                                       total_rows=job.total_rows)
     else:
         gather_cupy.gather_rows(rows, code, job.row_start, job.scale, job.ids, job.out,
-                                job.out_code, job.expected, stream=job.stream, scales=scales)
+                                job.out_code, job.expected, stream=job.stream, scales=scales,
+                                total_rows=job.total_rows)
 
 
 def fill(destination, rows, stream: Any) -> None:

@@ -22,6 +22,7 @@ from ...runtime.backends import DEVICE, HOST, Backend, cupy_module, gpu_availabl
 from .. import gather_numba
 from ..formats import Format
 from ..page_prefetch import PagePrefetcher
+from ..row_ids import row_id_error
 from .base import Gather, Storage
 from .gpu import gather_device
 
@@ -111,6 +112,11 @@ class MappedStorage(Storage):
         rows[where] = 0
         local = flat[where] - job.row_start
         owned = (local >= 0) & (local < self.num_rows)
+        if job.total_rows is not None:  # among the ids not owned (a pass this path makes anyway)
+            other = where[~owned]
+            outside = (flat[other] < 0) | (flat[other] >= job.total_rows)
+            if outside.any():
+                raise row_id_error(job.ids, int(other[outside.argmax()]), job.total_rows)
         where, local = where[owned], local[owned]
         block = np.searchsorted(self.starts, local, side="right") - 1
         order = np.argsort(block, kind="stable")

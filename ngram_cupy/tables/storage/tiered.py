@@ -22,6 +22,7 @@ from ...runtime.backends import DEVICE, HOST, Backend, cuda_stream, cupy_module
 from ...runtime.used_streams import UsedStreams
 from .. import gather_numba
 from ..hot_rows import build_map
+from ..packed import record_views
 from .base import Gather, Storage
 from .gpu import fill
 
@@ -74,9 +75,18 @@ class TieredStorage(Storage):
         self.hot_rows = hot_rows
         self.host_view = cold.host_view
         self.map = build_map(hot_rows, 0, cold.num_rows)
-        self.host_hot = self.host_view.view(cold.format.raw)[hot_rows]
+        self.records = getattr(cold, "records", None)  # packed cold rows: packed hot ones
         self.host_scales = cold.host_scales
-        self.host_hot_scales = None if cold.host_scales is None else cold.host_scales[hot_rows]
+        if self.records is not None:
+            self.host_hot_records = self.records[hot_rows]
+            hot_view, self.host_hot_scales = record_views(self.host_hot_records, cold.format,
+                                                          cold.head_dim)
+            self.host_hot = hot_view.view(cold.format.raw)
+        else:
+            self.host_hot_records = None
+            self.host_hot = self.host_view.view(cold.format.raw)[hot_rows]
+            self.host_hot_scales = (None if cold.host_scales is None
+                                    else cold.host_scales[hot_rows])
         self.host_counts = np.zeros(2, np.int64)
         self.device_map = self.device_hot = self.device_counts = self.device_hot_scales = None
         self.streams = UsedStreams()  # those whose kernels add to device_counts
@@ -102,6 +112,8 @@ class TieredStorage(Storage):
     @property
     def hot_nbytes(self) -> int:
         """Bytes of the hot tier and its slot map (GPU memory when the GPU reads the table)."""
+        if self.host_hot_records is not None:
+            return self.host_hot_records.nbytes + self.map.nbytes
         scales = 0 if self.host_hot_scales is None else self.host_hot_scales.nbytes
         return self.host_hot.nbytes + scales + self.map.nbytes
 
@@ -151,11 +163,15 @@ class TieredStorage(Storage):
         """The tiered gather of the ids' side (``job.dedup`` is not used: one launch)."""
         raw = self.cold.format.raw
         if job.side is HOST:
+            packed = self.records is not None
             gather_numba.gather_rows(self.host_view.view(raw), self.format.code, job.row_start,
                                      job.scale, job.ids, job.out, job.out_code, job.expected,
                                      parallel=False if job.worker else None,
-                                     hot=(self.map, self.host_hot), counts=self.host_counts,
-                                     scales=self.host_scales, hot_scales=self.host_hot_scales)
+                                     hot=(self.map, self.host_hot_records if packed
+                                          else self.host_hot),
+                                     counts=self.host_counts, scales=self.host_scales,
+                                     hot_scales=self.host_hot_scales,
+                                     total_rows=job.total_rows, records=self.records)
             return
         from .. import gather_cupy
 
@@ -165,7 +181,7 @@ class TieredStorage(Storage):
                                 job.scale, job.ids, job.out, job.out_code, job.expected,
                                 stream=job.stream, hot=(self.device_map, self.device_hot),
                                 counts=self.device_counts, scales=self.cold.device_scales,
-                                hot_scales=self.device_hot_scales)
+                                hot_scales=self.device_hot_scales, total_rows=job.total_rows)
 
     @property
     def counters(self) -> dict[str, int]:
