@@ -1,4 +1,4 @@
-"""Row-sharded lookups across ranks (SPEC section 6), communicating through ``torch.distributed``
+"""Row-sharded lookups across ranks (docs/torch.md), communicating through ``torch.distributed``
 (Gloo on CPUs, NCCL on GPUs).
 
 Each rank of a table group loads only its slice of the rows (``load_ngram_embedding(...,

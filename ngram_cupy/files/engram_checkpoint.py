@@ -1,4 +1,4 @@
-"""Engram tables from a DeepSeek V4.1 checkpoint (SPEC section 11): one tensor per layer,
+"""Engram tables from a DeepSeek V4.1 checkpoint (docs/engram.md): one tensor per layer,
 ``layers.{l}.engram.embed.weight`` (``l`` the decoder layer) with its block ``.scale``, and
 tensor-parallel ranks that own whole heads, i.e. contiguous rows."""
 

@@ -104,7 +104,7 @@ def clamp(value, low, high):
 def find_request(query_start_loc, t):
     """The last request ``r < R`` with ``query_start_loc[r] <= t``, by binary search.
 
-    A padded token (``t >= query_start_loc[R]``, SPEC 10.3) gets ``R - 1``, as vLLM's kernel
+    A padded token (``t >= query_start_loc[R]``, docs/ids.md) gets ``R - 1``, as vLLM's kernel
     clamps its search. Reads only ``query_start_loc[1..R-1]``, and returns a valid row whatever
     those hold.
     """

@@ -1,4 +1,4 @@
-"""Per-token Engram arithmetic (SPEC section 11) shared by the Numba CPU and CUDA kernels.
+"""Per-token Engram arithmetic (docs/engram.md) shared by the Numba CPU and CUDA kernels.
 
 What differs from Qwen4Exp lives here: compressed sources through the token map, the walk back
 by absolute position with a lookback window (newest first) before the chunk, dead tokens and the

@@ -1,4 +1,4 @@
-"""DeepSeek V4.1 Engram configuration (SPEC section 11), validated once at construction.
+"""DeepSeek V4.1 Engram configuration (docs/engram.md), validated once at construction.
 
 The fields keep the Hugging Face ``text_config`` names. Ranges follow from the arithmetic:
 ids are int32, so every layer's table has fewer than ``2**31`` rows; the multipliers draw from

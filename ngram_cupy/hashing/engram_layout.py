@@ -1,4 +1,4 @@
-"""The Engram hash layout of all layers at once (SPEC section 11): multipliers, prime head sizes
+"""The Engram hash layout of all layers at once (docs/engram.md): multipliers, prime head sizes
 and offsets per layer, the pad id, and the token map the kernels read.
 
 Host-side exact integers, like ``layout.py`` for Qwen4Exp (whose prime search it reuses).

@@ -1,4 +1,4 @@
-"""Plain reference for SPEC section 11's Engram ids and lookback: Python integers, one token at a
+"""Plain reference for docs/engram.md's Engram ids and lookback: Python integers, one token at a
 time, written from the definition and sharing nothing with the kernels. Slow and obviously right:
 every fast path is tested against it."""
 
@@ -20,7 +20,7 @@ def _signed(value: int) -> int:
 def compute_engram_ids(layout: EngramLayout, input_ids, positions, query_start_loc,
                        lookback_token_ids=None, dead_mask=None,
                        lookback_dead_mask=None) -> np.ndarray:
-    """``[T, L, H]`` int32 ids of a packed batch, straight from SPEC 11."""
+    """``[T, L, H]`` int32 ids of a packed batch, straight from docs/engram.md."""
     tokens = [int(x) for x in np.asarray(input_ids).ravel()]
     where = [int(x) for x in np.asarray(positions).ravel()]
     starts = [int(x) for x in np.asarray(query_start_loc).ravel()]

@@ -18,7 +18,7 @@ def token_histories(layout: LayerLayout, input_ids, query_start_loc, ngram_conte
     context = np.asarray(ngram_context, dtype=np.int64)
     n, eos = layout.ngram_size, layout.eos_token_id
     positions = np.arange(tokens.size)
-    # Padded tokens past the last request's end (SPEC 10.3) count as its tokens.
+    # Padded tokens past the last request's end (docs/ids.md) count as its tokens.
     request = np.minimum(np.searchsorted(starts, positions, side="right") - 1, starts.size - 2)
     start = starts[request]
 

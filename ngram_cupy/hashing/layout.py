@@ -1,4 +1,4 @@
-"""Per-layer hash layout: multipliers, per-head prime table sizes and row offsets (SPEC section 1),
+"""Per-layer hash layout: multipliers, per-head prime table sizes and row offsets (docs/ids.md),
 and the row ranges a table is cut into (checkpoint shards, ranks).
 
 Everything here is exact host-side integer arithmetic in plain Python ints; the arrays it returns

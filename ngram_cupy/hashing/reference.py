@@ -1,4 +1,4 @@
-"""Plain NumPy reference for SPEC sections 2 and 3: slow, vectorised, and obviously right.
+"""Plain NumPy reference for the ids and context rolling (docs/ids.md): slow, obviously right.
 
 Every fast path is tested against these functions; they favour clarity over speed and never
 share code with the kernels (``token_histories``, the EOS-cut histories in plain NumPy, is shared
@@ -15,7 +15,7 @@ from .layout import LayerLayout
 
 def compute_ngram_ids(layout: LayerLayout, input_ids, query_start_loc, ngram_context) -> np.ndarray:
     """``[T, num_heads]`` int64 row ids, computed straight from the definition; tokens past
-    ``query_start_loc[R]`` (padding, SPEC 10.3) count as tokens of the last request."""
+    ``query_start_loc[R]`` (padding, docs/ids.md) count as tokens of the last request."""
     history = token_histories(layout, input_ids, query_start_loc, ngram_context)
     # Wrapping int64 products and XORs are the same bits as uint64 ones.
     products = history.view(np.uint64) * layout.multipliers.view(np.uint64)

@@ -1,4 +1,4 @@
-"""The Engram compressed token map (SPEC section 11): token id -> id of its normalised text.
+"""The Engram compressed token map (docs/engram.md): token id -> id of its normalised text.
 
 Building it decodes every id of the tokenizer once (about a second for 129,280 ids), so the map
 is cached on disk in the library's cache folder (``runtime.kernel_cache.cache_dir``), keyed by the
@@ -49,7 +49,7 @@ class TokenMap:
 
 
 def normalizer():
-    """SPEC 11's normalisation as one ``tokenizers`` normalizer sequence."""
+    """The normalisation of docs/engram.md as one ``tokenizers`` normalizer sequence."""
     from tokenizers import Regex, normalizers
 
     return normalizers.Sequence([

@@ -1,8 +1,8 @@
-"""Checks of a packed batch (SPEC section 2): shapes and dtypes, then the request starts' values.
+"""Checks of a packed batch (docs/ids.md): shapes and dtypes, then the request starts' values.
 
 Shape and dtype checks read only metadata, so they cost nothing on GPU arrays; the value checks
 of ``query_start_loc`` need host data and run on the CPU path only. A batch may be padded to a
-captured CUDA-graph size (SPEC 10.3): ``input_ids`` then holds tokens past ``query_start_loc[R]``,
+captured CUDA-graph size (docs/ids.md): ``input_ids`` then holds tokens past ``query_start_loc[R]``,
 which get ids as if they belonged to the last request; a batch with no request has nothing to pad.
 """
 
@@ -38,7 +38,7 @@ def check_batch(layout: LayerLayout, input_ids, query_start_loc, ngram_context) 
 def check_query_start_loc_values(query_start_loc: np.ndarray, num_tokens: int,
                                  padded: bool = True) -> None:
     """Host-side: ``0 = q_0 <= q_1 <= ... <= q_R <= T``, so no kernel reads out of bounds
-    (tokens past ``q_R`` are padding, SPEC 10.3; ``padded=False``: ``q_R == T``)."""
+    (tokens past ``q_R`` are padding, docs/ids.md; ``padded=False``: ``q_R == T``)."""
     if query_start_loc[0] != 0:
         raise ValueError(f"query_start_loc must start at 0, got {int(query_start_loc[0])}")
     if not padded and query_start_loc[-1] != num_tokens:

@@ -1,4 +1,4 @@
-"""Public entry points for Engram ids and lookback rolling (SPEC section 11).
+"""Public entry points for Engram ids and lookback rolling (docs/engram.md).
 
 Arguments bind as for ``compute_ngram_ids``: NumPy (or torch CPU) runs the Numba CPU kernel, CuPy
 or CUDA torch the Numba CUDA kernel on the caller's stream; results follow the inputs, and a
@@ -127,7 +127,7 @@ def compute_engram_ids(layout: EngramLayout, input_ids, positions, query_start_l
     positions, ``query_start_loc[R+1]`` where each request starts; ``lookback_token_ids[R' >= R,
     n-1]`` the raw tokens just before each chunk, newest first (-1 unknown; default: all
     unknown); ``dead_mask[T]`` and ``lookback_dead_mask`` mark tokens that take no part
-    (default: none). Bit-exact with SPEC 11 on any input the checks accept.
+    (default: none). Bit-exact with docs/engram.md on any input the checks accept.
     """
     call, arrays = _bind(layout, stream, input_ids, positions, query_start_loc,
                          lookback_token_ids, dead_mask, lookback_dead_mask, out)

@@ -1,5 +1,5 @@
 """The fast CPU path for Engram ids: one pass over the tokens, all layers per token, parallel
-over blocks of tokens (the structure of ``ids_numba``, with SPEC 11's arithmetic)."""
+over blocks of tokens (the structure of ``ids_numba``, the arithmetic of docs/engram.md)."""
 
 from __future__ import annotations
 

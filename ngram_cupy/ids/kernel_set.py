@@ -50,7 +50,7 @@ class Scheme:
         return layer_layout(self.config, 0)
 
 
-RELEASED = NGramConfig(  # the released model's PLE configuration (SPEC section 1)
+RELEASED = NGramConfig(  # the released model's PLE configuration (docs/ids.md)
     vocab_size=248320, ngram_size=3, heads_per_ngram=8, ngram_vocab_size_base=20_000_000,
     eos_token_id=248044, embedding_dim=2560, make_ngram_vocab_size_divisible_by=512,
     split_ngram_parts=128, ple_embedding_dtype="float8_e4m3fn")

@@ -56,7 +56,7 @@ def check_scale_rounding(scale_rounding) -> str:
 def rounded_scale(scale, out_dtype, scale_rounding: str = "output") -> np.float32:
     """The float32 scale a lookup multiplies by. ``"output"``: the scale first rounded (to
     nearest even) to the output dtype, as vLLM 0.33's ``rows.to(dtype) * scale.to(dtype)``
-    does (SPEC 10.1; a float8 value is exact in the output dtype, so only the scale and the
+    does (docs/tables.md; a float8 value is exact in the output dtype, so only the scale and the
     product round); ``"float32"``: the scale as it is (one rounding of the product)."""
     scale = np.float32(scale)
     if check_scale_rounding(scale_rounding) == "float32":
@@ -87,7 +87,7 @@ E2M1_MAGNITUDES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float32)
 
 def reference_block_lookup(fmt: Format, weight: np.ndarray, block_scales: np.ndarray, scale,
                            ids: np.ndarray, out_dtype, row_start: int = 0) -> np.ndarray:
-    """Plain NumPy / ml_dtypes definition of a block-scaled lookup (SPEC 10.2, 11):
+    """Plain NumPy / ml_dtypes definition of a block-scaled lookup (docs/tables.md):
     ``(value * block scale) * scale`` in float32, rounded once to ``out_dtype``.
 
     NVFP4: ``weight`` the packed ``[rows, head_dim / 2]`` bytes (low nibble first),
@@ -252,5 +252,5 @@ def block_value(bits, code):
 @inline_jitable
 def convert_blocked(bits, block_bits, code, scale, out_code):
     """Output bits of one value of a block-scaled format: ``(value * block) * scale`` in
-    float32 (the first product is exact), rounded once (SPEC 10.2's order)."""
+    float32 (the first product is exact), rounded once (vLLM 0.33's order, docs/tables.md)."""
     return encode((decode(bits, code) * block_value(block_bits, code)) * scale, out_code)

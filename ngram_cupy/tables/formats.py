@@ -6,7 +6,7 @@ CuPy, DLPack and the kernels move), its torch dtype name, its safetensors dtype 
 checkpoints store a scale with it, and whether it can be an output type. Adding a format is
 adding an entry here (and its decoding in ``dequant.py``).
 
-A block-scaled format (NVFP4, SPEC 10.2; MXFP8, SPEC 11) packs ``pack`` values per stored byte
+A block-scaled format (NVFP4 and MXFP8, docs/tables.md) packs ``pack`` values per stored byte
 and keeps one scale byte per ``block`` values in a second array beside the rows (``[rows,
 head_dim / block]``, carried by every storage); its value is ``(value * block scale) * scale``
 in float32. Such formats are found by name only: their bytes are plain ``uint8`` (or float8) to
@@ -96,7 +96,7 @@ FORMATS = (
     Format(NVFP4, np.dtype(np.uint8), np.dtype(np.uint8), "uint8", "U8", True, False,
            label="nvfp4", pack=2, block=16, block_scale=np.dtype(ml_dtypes.float8_e4m3fn),
            block_scale_safetensors="F8_E4M3"),
-    # OCP MXFP8 (SPEC 11): E4M3 values, a UE8M0 scale byte per 32 values, no global scale.
+    # OCP MXFP8 (docs/engram.md): E4M3 values, a UE8M0 scale byte per 32 values, no global scale.
     Format(MXFP8, np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(np.uint8), "float8_e4m3fn",
            "F8_E4M3", False, False, label="mxfp8", block=32,
            block_scale=np.dtype(ml_dtypes.float8_e8m0fnu), block_scale_safetensors="F8_E8M0"),
