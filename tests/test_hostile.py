@@ -146,17 +146,6 @@ def test_an_mxfp8_module_loads_ue8m0_block_scales_and_refuses_a_global_scale():
         fresh.load_weights([("ngram_embedding.weight_scale_2", torch.tensor(2.0))])
 
 
-def test_use_ngram_cupy_names_what_an_nvfp4_weight_dtype_lacks():
-    """weight_dtype='nvfp4' from the model's rows: the scale it needs, not 'got torch.uint8'."""
-    pytest.importorskip("transformers")
-    import test_transformers
-
-    from ngram_cupy.transformers import use_ngram_cupy
-
-    with pytest.raises(ValueError, match="a nvfp4 table needs its scale: pass checkpoint="):
-        use_ngram_cupy(test_transformers.tiny_model(), placement="cpu", weight_dtype="nvfp4")
-
-
 def test_layout_gives_no_bytes_for_formats_that_cannot_hold_the_head_dim(tmp_path, capsys):
     """head_dim 40: no NVFP4 (16-value blocks) or MXFP8 (32) table exists, so no figure."""
     from ngram_cupy.cli import main
