@@ -196,6 +196,19 @@ def decode(bits, code):
 # ---- encoding: float32 -> output bits, rounded to nearest even ----
 
 @inline_jitable
+def subnormal_bits(magnitude, shift):
+    """The float32 ``magnitude``'s significand in units ``2**shift`` times its last bit's,
+    rounded to nearest even: a subnormal's bits in a narrower float type."""
+    significand = (magnitude & 0x7FFFFF) | 0x800000
+    quotient = significand >> shift
+    remainder = significand & ((1 << shift) - 1)
+    half = 1 << (shift - 1)
+    if remainder > half or (remainder == half and (quotient & 1) == 1):
+        quotient += 1
+    return quotient
+
+
+@inline_jitable
 def _float16_bits(b):
     """IEEE half bits of the non-NaN float32 bits ``b``, rounded to nearest even."""
     sign = (b >> 16) & 0x8000
@@ -208,14 +221,7 @@ def _float16_bits(b):
     exponent = magnitude >> 23
     if exponent < 102:  # below 2**-25: rounds to zero
         return sign
-    significand = (magnitude & 0x7FFFFF) | 0x800000
-    shift = 126 - exponent  # units of the smallest subnormal, 2**-24
-    quotient = significand >> shift
-    remainder = significand & ((1 << shift) - 1)
-    half = 1 << (shift - 1)
-    if remainder > half or (remainder == half and (quotient & 1) == 1):
-        quotient += 1
-    return sign | quotient
+    return sign | subnormal_bits(magnitude, 126 - exponent)  # units of 2**-24
 
 
 @inline_jitable

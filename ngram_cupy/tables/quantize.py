@@ -28,7 +28,7 @@ from numba import float32, int64, njit, prange, uint32
 
 from ..runtime.backends import HOST, Backend, cupy_module, unwrap_torch, where
 from ..runtime.checks import check_integer
-from .dequant import bits_to_float32, float32_to_bits
+from .dequant import bits_to_float32, float32_to_bits, subnormal_bits
 from .formats import FLOAT8_E4M3, FORMATS, MXFP8, NVFP4, Format, find_format
 from .quantize_array import E4M3_VALUES, ArrayEngine
 
@@ -50,14 +50,7 @@ def e4m3_bits(value):
     exponent = magnitude >> 23
     if exponent < 117:  # at most 2**-10 (half the smallest subnormal): rounds to zero
         return sign
-    significand = (magnitude & 0x7FFFFF) | 0x800000
-    shift = 141 - exponent  # units of the smallest subnormal, 2**-9
-    quotient = significand >> shift
-    remainder = significand & ((1 << shift) - 1)
-    half = 1 << (shift - 1)
-    if remainder > half or (remainder == half and (quotient & 1) == 1):
-        quotient += 1
-    return sign | quotient
+    return sign | subnormal_bits(magnitude, 141 - exponent)  # units of 2**-9
 
 
 @njit(inline="always")
