@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ngram_cupy.files.atomic import atomic_file
+from ngram_cupy.runtime.atomic import atomic_file
 
 MARK = "<!-- section: {} -->"
 REPORT_HEAD = "# Benchmarks"  # the first line of every report (bench.py refuses other files)

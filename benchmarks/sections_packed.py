@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 
 import ngram_cupy as nc
-from ngram_cupy.tables.formats import storage_format
+from ngram_cupy.formats import storage_format
 from ngram_cupy.tables.packed import record_bytes
 from ngram_cupy.tables.storage.cpu import CpuStorage
 

@@ -14,8 +14,8 @@ import numpy as np
 import pyarrow.parquet as pq
 
 import ngram_cupy as nc
-from ngram_cupy import stats
-from ngram_cupy.tables import formats, gather_numba
+from ngram_cupy import formats, stats
+from ngram_cupy.tables import gather_numba
 from ngram_cupy.tables.hot_rows import build_map
 
 from .data import CORPUS, RELEASED, RELEASED_HEAD_DIM, RELEASED_HEADS

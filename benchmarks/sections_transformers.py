@@ -29,7 +29,7 @@ MEMORY_CASES = ("transformers bf16", "ngram_cupy bf16", "ngram_cupy fp8", "ngram
 
 
 def tiny_config(**overrides):
-    """The tiny Qwen4Exp of tests/test_transformers.py (4 layers, hidden 64)."""
+    """The tiny Qwen4Exp of tests/faces/test_transformers.py (4 layers, hidden 64)."""
     from transformers import Qwen4ExpTextConfig
 
     values = dict(

@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from ._version import package_version
+
 # Each public name and the module that defines it.
 _EXPORTS = {
     "Adam": "training.optimizers",
@@ -81,16 +83,6 @@ __all__ = [
 ]
 
 
-def _package_version() -> str:
-    """The installed distribution's version (a source tree on ``PYTHONPATH`` has none)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("ngram-cupy")
-    except PackageNotFoundError:
-        return "0+unknown"
-
-
 if TYPE_CHECKING:
     from .distributed import ShardedLookup
     from .distributed_training import ShardedOptimizer
@@ -118,7 +110,7 @@ def __getattr__(name: str) -> Any:
     """Import the module defining ``name`` on first access, and keep the name here
     (``__version__`` is read from the package metadata on first access too)."""
     if name == "__version__":
-        globals()[name] = _package_version()
+        globals()[name] = package_version()
         return globals()[name]
     if name not in _EXPORTS:
         raise AttributeError(f"module 'ngram_cupy' has no attribute {name!r}")

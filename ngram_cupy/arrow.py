@@ -30,6 +30,7 @@ except ImportError:  # as the text extra's hint: say which extra brings it
     raise ModuleNotFoundError("ngram_cupy.arrow needs pyarrow: pip install 'ngram-cupy[arrow]'"
                               ) from None
 
+from ._version import package_version
 from .hashing.config import NGramConfig
 from .hashing.layout import LayerLayout
 from .ids.ngram_ids import advance_context, compute_ngram_ids
@@ -76,15 +77,13 @@ def ids_metadata(layout: LayerLayout | Sequence[LayerLayout], out_column: str | 
     """Schema metadata for a file of ids: under ``ngram_cupy``, JSON naming the library version,
     the config's hash (:func:`config_hash`) and hash parameters, the token column, and each id
     column's PLE layer (and decoder layer, with ``ple_layer_ids``)."""
-    from . import __version__
-
     layouts = as_layouts(layout)
     config = layouts[0].config
     ids = config.ple_layer_ids
     layers = [{"column": name, "layer": item.layer,
                **({} if ids is None else {"decoder_layer": ids[item.layer]})}
               for name, item in zip(id_column_names(layout, out_column), layouts, strict=True)]
-    record = {"version": __version__, "config_hash": config_hash(config),
+    record = {"version": package_version(), "config_hash": config_hash(config),
               "config": config.to_hf(), "token_column": column, "layers": layers}
     return {b"ngram_cupy": json.dumps(record, sort_keys=True).encode()}
 

@@ -18,12 +18,12 @@ from collections.abc import Iterator
 from fractions import Fraction
 from typing import Any
 
-from .files.atomic import atomic_file
+from .formats import FORMATS
 from .hashing.config import NGramConfig
 from .hashing.layout import LayerLayout, layer_layout
 from .runtime import interrupts
+from .runtime.atomic import atomic_file
 from .runtime.backends import gpu_available
-from .tables.formats import FORMATS
 
 PROG = "ngram-cupy"
 DEFAULT_HOT_ROWS = (1_000, 10_000, 100_000, 1_000_000)  # as ngram_cupy.stats (not imported early)
@@ -538,11 +538,11 @@ def describe_backend() -> list[str]:
     import numba
     import numpy as np
 
-    from . import __version__
+    from ._version import package_version
     from .runtime.cpu_threads import threading_layer
 
-    lines = [f"{PROG} {__version__} (Python {sys.version.split()[0]}, NumPy {np.__version__}, "
-             f"Numba {numba.__version__})",
+    lines = [f"{PROG} {package_version()} (Python {sys.version.split()[0]}, "
+             f"NumPy {np.__version__}, Numba {numba.__version__})",
              f"CPU: {numba.get_num_threads()} threads of {os.cpu_count()} cores, Numba threading "
              f"layer {threading_layer()}"]
     try:
@@ -707,11 +707,11 @@ class OneLineParser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with the ``ids``, ``layout``, ``stats``, ``compile`` and ``info``
     commands."""
-    from . import __version__
+    from ._version import package_version
 
     parser = OneLineParser(
         prog=PROG, description="Exact hashed n-gram (PLE) ids, table layouts and hash statistics.")
-    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}",
+    parser.add_argument("--version", action="version", version=f"{PROG} {package_version()}",
                         help="print the version and exit (`ngram-cupy info`: the backends too)")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 

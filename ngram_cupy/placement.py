@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .formats import storage_format
 from .hashing.layout import LayerLayout
-from .tables.formats import storage_format
 from .tables.hot_rows import map_nbytes
 from .tables.table import EmbeddingTable
 

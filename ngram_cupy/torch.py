@@ -20,9 +20,9 @@ import torch
 
 from .embedding import NGramEmbedding
 from .files.checkpoint import BUFFERS, check_scale
+from .formats import BFLOAT16, FLOAT8_E4M3, FORMATS, Format, default_output, output_format
 from .hashing.config import NGramConfig
 from .hashing.layout import layer_layout, split_rows
-from .tables.formats import BFLOAT16, FLOAT8_E4M3, FORMATS, Format, default_output, output_format
 from .tables.table import EmbeddingTable
 from .torch_training import TrainableRows
 from .torch_training import fused_optimizer as fused_optimizer  # nc.torch.fused_optimizer

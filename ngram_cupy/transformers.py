@@ -25,12 +25,12 @@ from .files.checkpoint import (
     verify_buffers,
 )
 from .files.safetensors_files import DTYPES, Checkpoint
+from .formats import find_format, output_format, storage_format
 from .hashing.config import NGramConfig
 from .hashing.layout import LayerLayout, layer_layout, split_rows
 from .ids.ngram_ids import compute_ngram_ids
 from .runtime.backends import DEVICE
 from .tables.dequant import check_scale_rounding
-from .tables.formats import find_format, output_format, storage_format
 from .tables.mapped import MappedTable
 from .tables.quantize import quantize_table, quantize_target
 from .tables.table import EmbeddingTable

@@ -103,7 +103,7 @@ CPU_STEP=1 step compile 90 python3 -m ngram_cupy compile --arch sm_90 --jobs 16 
 # 2. The gpu tests, each file its own pytest run (a broken kernel in one cannot hide the others'
 # results), sharing 170 s; the kernel cache and test files in the order they matter.
 tests_end=$((SECONDS + 170))
-for file in tests/test_kernel_cache.py $(grep -l "pytest.mark.gpu" tests/test_*.py \
+for file in tests/runtime/test_kernel_cache.py $(grep -l "pytest.mark.gpu" tests/*/test_*.py \
         | grep -v test_kernel_cache.py); do
     left=$((tests_end - SECONDS))
     name="gpu-tests-$(basename "$file" .py)"

@@ -4,7 +4,7 @@
 #                              write the n-gram ids of the sample corpus in data/
 #   sh scripts/setup.sh test   make or reuse .venv, install the test extras (constraints-ci.txt),
 #                              then run the test suite in two processes, as CI does (.ci/run);
-#                              further arguments go to pytest (e.g. tests/test_config.py)
+#                              further arguments go to pytest (e.g. tests/hashing/test_config.py)
 # .venv sees the interpreter's installed packages (--system-site-packages), so packages already
 # there are not downloaded again; pip's own settings (PIP_EXTRA_INDEX_URL, ...) apply.
 set -eu

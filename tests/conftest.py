@@ -16,7 +16,7 @@ import ngram_cupy as nc
 from ngram_cupy.runtime.backends import gpu_available
 
 GOLDEN_DIR = Path(__file__).resolve().parent / "data" / "golden"
-# Qwen4Exp cases; the Engram family's engram_*.json are read by tests/test_engram_ids.py.
+# Qwen4Exp cases; the Engram family's engram_*.json are read by tests/ids/test_engram_ids.py.
 GOLDEN_FILES = sorted(p for p in GOLDEN_DIR.glob("*.json") if not p.name.startswith("engram_"))
 
 if not GOLDEN_FILES:  # a broken checkout must fail, not skip
@@ -129,7 +129,7 @@ def shm_dir(monkeypatch):
 
 def assert_same(got, want, message=""):
     """Equal bits, NaNs as a class (their payload and sign differ between platforms)."""
-    from ngram_cupy.tables.formats import find_format
+    from ngram_cupy.formats import find_format
 
     want = np.asarray(want)
     raw = find_format(want.dtype).raw

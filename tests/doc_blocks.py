@@ -1,5 +1,5 @@
 """Run the ```python blocks of one Markdown page, each in a fresh namespace, in this process
-(started by tests/test_docs.py in a temporary folder); one JSON line per block on stdout."""
+(started by tests/project/test_docs.py in a temporary folder); one JSON line per block on stdout."""
 
 from __future__ import annotations
 

@@ -21,11 +21,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ..embedding import NGramEmbedding
-from ..hashing.config import MAX_SPLIT_PARTS, NGramConfig
-from ..hashing.layout import LayerLayout, check_layout, layer_layout, split_rows
-from ..runtime.backends import HOST, unwrap_torch
-from ..runtime.checks import check_scale
-from ..tables.formats import (
+from ..formats import (
     BY_SAFETENSORS,
     FORMATS,
     MXFP8,
@@ -36,11 +32,15 @@ from ..tables.formats import (
     find_format,
     storage_format,
 )
+from ..hashing.config import MAX_SPLIT_PARTS, NGramConfig
+from ..hashing.layout import LayerLayout, check_layout, layer_layout, split_rows
+from ..runtime.atomic import atomic_file
+from ..runtime.backends import HOST, unwrap_torch
+from ..runtime.checks import check_scale
 from ..tables.hot_rows import check_hot_rows
 from ..tables.mapped import MappedTable
 from ..tables.storage.shared import SharedStorage
 from ..tables.table import EmbeddingTable, block_scale_bits
-from .atomic import atomic_file
 from .safetensors_files import DTYPES, Checkpoint, write_checkpoint
 
 # Safetensors dtype codes of table rows, and which of them carry a scale.

@@ -10,10 +10,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..embedding import EngramEmbedding
+from ..formats import BY_SAFETENSORS, FORMATS, MXFP8, Format, storage_format
 from ..hashing.engram_layout import EngramLayout, check_engram_layout
 from ..runtime.backends import HOST, unwrap_torch
 from ..runtime.checks import check_integer
-from ..tables.formats import BY_SAFETENSORS, FORMATS, MXFP8, Format, storage_format
 from ..tables.mapped import MappedTable
 from ..tables.storage.shared import SharedStorage
 from ..tables.table import EmbeddingTable, block_scale_bits

@@ -68,11 +68,11 @@ class EngramIds:
         """Schema metadata as the Qwen ids write it, under ``ngram_cupy``: the library version,
         the config's hash and fields, the token column, the id column's Engram layers and the
         token map's tokenizer."""
-        from .. import __version__
+        from .._version import package_version
         from ..arrow import config_hash
 
         config = self.layout.config
-        record = {"version": __version__, "scheme": "engram",
+        record = {"version": package_version(), "scheme": "engram",
                   "config_hash": config_hash(config), "config": config.to_hf(),
                   "token_column": self.column,
                   "layers": [{"column": self.out_column,

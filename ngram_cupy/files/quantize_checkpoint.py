@@ -20,11 +20,12 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
+from ..formats import BY_SAFETENSORS
 from ..hashing.config import NGramConfig
 from ..hashing.engram_config import EngramConfig
 from ..hashing.layout import layer_layout
 from ..runtime import interrupts
-from ..tables.formats import BY_SAFETENSORS
+from ..runtime.atomic import temporary_name
 from ..tables.quantize import (
     FORMAT_OF,
     QuantizedTable,
@@ -33,7 +34,6 @@ from ..tables.quantize import (
     quantize_target,
     table_amax,
 )
-from .atomic import temporary_name
 from .checkpoint import (
     block_scales_key,
     global_scale_key,

@@ -26,8 +26,8 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
-from ..tables.formats import BY_SAFETENSORS
-from .atomic import atomic_file, remove_stale_temporaries
+from ..formats import BY_SAFETENSORS
+from ..runtime.atomic import atomic_file, remove_stale_temporaries
 
 INDEX_FILE = "model.safetensors.index.json"
 # The __metadata__ key (in each file) and index metadata key naming a checkpoint's generation.

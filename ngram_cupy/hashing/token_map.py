@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ..files.atomic import atomic_file
+from ..runtime.atomic import atomic_file
 from ..runtime.kernel_cache import cache_dir
 
 # Bumped whenever the normalisation or the entry changes, so no stale map is ever read back.

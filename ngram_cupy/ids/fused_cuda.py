@@ -19,12 +19,12 @@ from functools import cache
 import numpy as np
 from numba import cuda, int64, uint64
 
+from ..formats import FORMATS, Format
 from ..hashing.arithmetic import clamp, stage_token_ids
 from ..runtime.backends import cupy_module
 from ..runtime.cuda_launch import NumbaKernel
 from ..runtime.jitable import inline_jitable
 from ..tables.dequant import convert, convert_blocked
-from ..tables.formats import FORMATS, Format
 from ..tables.gather_cupy import data_address
 from ..tables.hot_rows import hot_slot
 from ..tables.row_ids import NO_BAD_WORD, UNCHECKED, first_bad

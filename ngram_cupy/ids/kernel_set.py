@@ -16,6 +16,7 @@ from itertools import product
 
 import numpy as np
 
+from ..formats import BFLOAT16, FLOAT8_E4M3, FORMATS, default_output, find_format
 from ..hashing.config import NGramConfig, read_hf_config
 from ..hashing.engram_config import EngramConfig
 from ..hashing.engram_layout import engram_layout
@@ -23,7 +24,6 @@ from ..hashing.layout import LayerLayout, layer_layout
 from ..hashing.token_map import TokenMap
 from ..runtime.cuda_launch import NumbaKernel, numba_type, recorded_launches
 from ..tables import gather_cupy
-from ..tables.formats import BFLOAT16, FLOAT8_E4M3, FORMATS, default_output, find_format
 from ..tables.hot_rows import build_map
 from .engram_cuda import engram_params, launch_advance_lookback, launch_engram_ids
 from .fused_cuda import launch_fused, word_bytes

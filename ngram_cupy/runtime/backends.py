@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from ..tables.formats import Format, bits_name, block_scale_type, find_format, raw_torch_name
+from ..formats import Format, bits_name, block_scale_type, find_format, raw_torch_name
 
 _DLPACK_CPU, _DLPACK_CUDA, _DLPACK_CUDA_HOST = 1, 2, 3
 

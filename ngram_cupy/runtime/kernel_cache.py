@@ -6,7 +6,7 @@ source text (a Numba kernel's Python module and every module of this package hol
 calls, its closure constants; a CUDA C file with its headers), the argument types, the compute
 capability, the compiler options and the compilers' versions. Entries live in
 ``NGRAM_CUPY_CACHE_DIR`` (default: ``$XDG_CACHE_HOME/ngram_cupy``, else ``~/.cache/ngram_cupy``),
-one file each, written to a temporary and renamed into place (``files.atomic``): processes
+one file each, written to a temporary and renamed into place (``runtime.atomic``): processes
 filling the cache at once each write whole entries, and a reader sees an old entry, a new one,
 or none. An entry that does not check out (truncated, edited, another format) is ignored and
 rebuilt.
@@ -28,7 +28,7 @@ from importlib import metadata
 from pathlib import Path
 from types import CodeType, ModuleType
 
-from ..files.atomic import atomic_file
+from .atomic import atomic_file
 
 CACHE_ENV = "NGRAM_CUPY_CACHE_DIR"
 PACKAGE = __name__.split(".")[0]

@@ -18,8 +18,7 @@ from llvmlite import ir
 from numba import float32, int64, types, uint32
 from numba.core.extending import intrinsic, overload
 
-from ..runtime.jitable import inline_jitable
-from .formats import (
+from ..formats import (
     BFLOAT16,
     FLOAT8_E4M3,
     FLOAT16,
@@ -33,6 +32,7 @@ from .formats import (
     output_format,
     storage_format,
 )
+from ..runtime.jitable import inline_jitable
 
 # The format registry lives in formats.py; its names stay importable from here.
 __all__ = [

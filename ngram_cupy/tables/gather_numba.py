@@ -25,9 +25,10 @@ from llvmlite import ir
 from numba import float32, int64, njit, prange, types, uint16, uint32, uint64
 from numba.core.extending import intrinsic
 
+from .. import formats
 from ..runtime.cpu_threads import use_threads
 from ..runtime.jitable import source_digest
-from . import dequant, formats, hot_rows
+from . import dequant, hot_rows
 from .dequant import (
     BFLOAT16,
     FLOAT8_E4M3,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from .formats import storage_format
+from ..formats import storage_format
 from .storage.mapped import MappedStorage
 from .table import EmbeddingTable, block_scale_bits
 

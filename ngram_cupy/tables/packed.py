@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .formats import Format
+from ..formats import Format
 from .host_memory import anonymous_memory
 
 RECORD_ALIGN = 16

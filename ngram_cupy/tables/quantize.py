@@ -26,10 +26,10 @@ from typing import Any
 import numpy as np
 from numba import float32, int64, njit, prange, uint32
 
+from ..formats import FLOAT8_E4M3, FORMATS, MXFP8, NVFP4, Format, find_format
 from ..runtime.backends import HOST, Backend, cupy_module, unwrap_torch, where
 from ..runtime.checks import check_integer
 from .dequant import bits_to_float32, float32_to_bits, subnormal_bits
-from .formats import FLOAT8_E4M3, FORMATS, MXFP8, NVFP4, Format, find_format
 from .quantize_array import E4M3_VALUES, ArrayEngine
 
 E4M3_MAX = 448.0

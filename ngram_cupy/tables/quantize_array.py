@@ -9,7 +9,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from .formats import BFLOAT16, FLOAT8_E4M3, FLOAT16, NVFP4, Format
+from ..formats import BFLOAT16, FLOAT8_E4M3, FLOAT16, NVFP4, Format
 
 # The float32 value of every E4M3 byte (NaN for the two NaN codes).
 E4M3_VALUES = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from ..formats import BFLOAT16, Format, default_output, holds, output_format, storage_format
 from ..runtime.backends import DEVICE, HOST, Backend, Call, bind, cuda_stream
 from ..runtime.checks import (
     check_destination,
@@ -25,7 +26,6 @@ from ..runtime.checks import (
     check_scale,
 )
 from .dequant import check_scale_rounding, rounded_scale
-from .formats import BFLOAT16, Format, default_output, holds, output_format, storage_format
 from .hot_rows import check_hot_rows
 from .prefetch import Prefetcher
 from .quantize import QuantizedTable

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from ..formats import find_format
 from ..runtime.checks import INDEX_DTYPES
-from ..tables.formats import find_format
 
 GRAD_DTYPES = ("float32", "bfloat16", "float16")
 

@@ -8,7 +8,7 @@ import os
 
 import numpy as np
 
-from ..files.atomic import atomic_file
+from ..runtime.atomic import atomic_file
 
 ROWS = "rows"
 FORMAT = "ngram_cupy.training/1"

@@ -47,8 +47,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...formats import Format
 from ...runtime.backends import DEVICE, HOST, Backend, gpu_available
-from ..formats import Format
 from ..host_memory import anonymous_memory
 from ..packed import packed_rows
 from .base import Gather, Storage

@@ -7,9 +7,9 @@ from typing import Any
 
 import numpy as np
 
+from ...formats import Format
 from ...runtime.backends import HOST, Backend
 from ...runtime.used_streams import UsedStreams
-from ..formats import Format
 
 
 @dataclass

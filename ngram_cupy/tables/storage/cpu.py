@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...formats import Format
 from .. import gather_numba
-from ..formats import Format
 from .base import Gather, Storage
 
 

@@ -6,8 +6,8 @@ from typing import Any
 
 import numpy as np
 
+from ...formats import Format
 from ...runtime.backends import DEVICE, cuda_stream
-from ..formats import Format
 from .base import Gather, Storage
 
 

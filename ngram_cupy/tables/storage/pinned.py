@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...formats import Format
 from ...runtime.backends import HOST
-from ..formats import Format
 from ..pinned import PinnedBuffer
 from .base import Gather, Storage
 from .cpu import gather_host, write_host

@@ -18,9 +18,9 @@ from collections.abc import Callable
 
 import numpy as np
 
+from ...formats import Format
 from ...runtime.backends import HOST, gpu_available
 from .. import shared_memory
-from ..formats import Format
 from ..pinned import PinnedBuffer
 from .base import Gather, Storage
 from .cpu import gather_host
