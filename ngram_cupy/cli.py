@@ -67,6 +67,11 @@ def load_config(path: str) -> NGramConfig:
 def layouts_for(config: NGramConfig, layers: list[int]) -> list[LayerLayout]:
     """The layouts of the chosen PLE layers (no more than the config's ``ple_layer_ids`` name)."""
     count = len(config.ple_layer_ids) if config.ple_layer_ids is not None else None
+    negative = [layer for layer in layers if layer < 0]
+    if negative:
+        which = f"0..{count - 1}" if count else "0, 1, ..."
+        raise UserError(f"layer {negative[0]} is not a PLE layer: layers are counted from 0 "
+                        f"({which})")
     beyond = [layer for layer in layers if count is not None and layer >= count]
     if beyond:
         raise UserError(f"layer {beyond[0]} is beyond the config's {count} PLE layers "

@@ -361,6 +361,12 @@ def use_ngram_cupy(model: torch.nn.Module, *, placement: str = "pinned",
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     targets = [(name, module) for name, module in model.named_modules()
                if isinstance(module, Qwen4ExpTextNGramEmbedding)]
+    done = [name for name, module in model.named_modules()
+            if isinstance(module, CachedNGramEmbedding)]
+    if done and not targets:
+        raise ValueError(f"use_ngram_cupy was already applied to this {type(model).__name__} "
+                         f"({done[0]} is ngram_cupy's): its layers are replaced once; to change "
+                         "placement or weight_dtype, load the model again and call it once")
     if not targets:
         raise ValueError(f"{type(model).__name__} has no Qwen4ExpTextNGramEmbedding: "
                          "use_ngram_cupy replaces the n-gram embeddings of transformers' "

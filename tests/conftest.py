@@ -137,3 +137,11 @@ def assert_same(got, want, message=""):
     nan = np.isnan(want.astype(np.float32))
     np.testing.assert_array_equal(np.isnan(got.astype(np.float32)), nan, err_msg=message)
     np.testing.assert_array_equal(got.view(raw)[~nan], want.view(raw)[~nan], err_msg=message)
+
+
+def layer_rows(config, dtype, seed: int = 0) -> np.ndarray:
+    """Random values in [-4, 4) for every row of PLE layer 0 of ``config`` (its padded rows),
+    as ``dtype``: a whole table to save, load and look up."""
+    layout = nc.layer_layout(config, 0)
+    values = np.random.default_rng(seed).uniform(-4, 4, (layout.padded_rows, layout.head_dim))
+    return values.astype(np.float32).astype(dtype)

@@ -686,3 +686,11 @@ def test_ugly_missing_pyarrow_gives_the_extra_to_install(tmp_path):
     assert result.returncode == 2, result.stderr
     assert result.stderr == ("ngram-cupy: error: ngram_cupy.arrow needs pyarrow: "
                              "pip install 'ngram-cupy[arrow]'\n")
+
+
+def test_a_negative_layer_is_named_as_such_not_as_a_prime_limit(tmp_path, capsys):
+    write_bad_files(tmp_path)
+    status, stdout, err = run(["layout", "--config", tmp_path / "two_layers.json", "--layer", -1],
+                              capsys)
+    assert status == 2 and stdout == ""
+    assert "layer -1 is not a PLE layer: layers are counted from 0 (0..1)" in err, err

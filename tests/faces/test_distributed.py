@@ -5,33 +5,23 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 import pytest
+from gloo_ranks import TIMEOUT_S, init_method, run_ranks
 
 import ngram_cupy as nc
 from ngram_cupy.files import checkpoint as ck
 
 WORKER = Path(__file__).with_name("dist_worker.py")
-TIMEOUT_S = 120  # a hung collective fails the test instead of blocking CI
 # 4 heads of prime sizes 11..19: 60 rows padded to 64, in 5 shards of 13 (the last 12).
 CONFIG = nc.NGramConfig(
     vocab_size=50, ngram_size=3, heads_per_ngram=2, ngram_vocab_size_base=11, eos_token_id=0,
     embedding_dim=16, make_ngram_vocab_size_divisible_by=8, split_ngram_parts=5,
 )
 LAYOUT = nc.layer_layout(CONFIG, 0)
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def batch(rng, num_tokens: int):
@@ -42,7 +32,7 @@ def batch(rng, num_tokens: int):
     return tokens, starts, context
 
 
-def run_ranks(tmp_path, world: int, counts, backend="gloo", placements=("cpu", "mmap"),
+def run_job(tmp_path, world: int, counts, backend="gloo", placements=("cpu", "mmap"),
               dtype=ml_dtypes.float8_e4m3fn):
     """Run ``world`` worker processes on one checkpoint: (full embedding, inputs, outputs)."""
     rng = np.random.default_rng(world)
@@ -61,26 +51,13 @@ def run_ranks(tmp_path, world: int, counts, backend="gloo", placements=("cpu", "
     np.savez(tmp_path / "inputs.npz", **inputs)
     job = dict(
         config=CONFIG.__dict__, layer=0, checkpoint=str(tmp_path / "ckpt"), world_size=world,
-        backend=backend, init_method=f"tcp://127.0.0.1:{free_port()}", timeout_s=TIMEOUT_S // 2,
+        backend=backend, init_method=init_method(), timeout_s=TIMEOUT_S // 2,
         placements=list(placements),
     )
     (tmp_path / "job.json").write_text(json.dumps(job))
     if backend == "gloo":
         compile_for_ranks(tmp_path / "ckpt", placements, world)
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
-    procs = [
-        subprocess.Popen([sys.executable, str(WORKER), str(tmp_path), str(rank)], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for rank in range(world)
-    ]
-    try:
-        logs = [p.communicate(timeout=TIMEOUT_S)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    for rank, (p, log) in enumerate(zip(procs, logs, strict=True)):
-        assert p.returncode == 0, f"rank {rank} failed:\n{log}"
-    outs = [dict(np.load(tmp_path / f"out_{rank}.npz")) for rank in range(world)]
+    outs = run_ranks(WORKER, tmp_path, world)
     return full, inputs, outs
 
 
@@ -110,7 +87,7 @@ def check_equal_to_unsharded(full, inputs, outs, placements):
 
 @pytest.mark.parametrize("world, counts", [(2, [7, 3]), (3, [4, 0, 9])])
 def test_gloo_ranks_equal_unsharded(tmp_path, world, counts):
-    full, inputs, outs = run_ranks(tmp_path, world, counts)
+    full, inputs, outs = run_job(tmp_path, world, counts)
     check_equal_to_unsharded(full, inputs, outs, ("cpu", "mmap"))
 
 
@@ -125,7 +102,7 @@ def test_nccl_ranks_equal_unsharded(tmp_path, world, counts):
         pytest.skip("needs a CUDA build of PyTorch with NCCL")
     if cupy.cuda.runtime.getDeviceCount() < world:
         pytest.skip(f"NCCL with {world} ranks needs {world} GPUs (one per rank)")
-    full, inputs, outs = run_ranks(tmp_path, world, counts, backend="nccl",
+    full, inputs, outs = run_job(tmp_path, world, counts, backend="nccl",
                                    placements=("gpu", "host"), dtype=ml_dtypes.bfloat16)
     check_equal_to_unsharded(full, inputs, outs, ("gpu", "host"))
 

@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from test_distributed import TIMEOUT_S, free_port
+from gloo_ranks import TIMEOUT_S, init_method, run_ranks
 
 import ngram_cupy as nc
 
@@ -62,22 +60,11 @@ def test_two_ranks_train_as_one_process(tmp_path):
     expect = {mode: one_process(checkpoint, inputs, mode) for mode in ("tp", "dp")}  # and
     # compiles the kernels into Numba's disk cache before the ranks start
     job = dict(config=CONFIG.__dict__, checkpoint=str(checkpoint), world_size=WORLD,
-               init_method=f"tcp://127.0.0.1:{free_port()}", timeout_s=TIMEOUT_S // 2,
+               init_method=init_method(), timeout_s=TIMEOUT_S // 2,
                steps=STEPS, lr=LR)
     (tmp_path / "job.json").write_text(json.dumps(job))
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
-           "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1"}  # 2 ranks on 2 cores
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(tmp_path), str(rank)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for rank in range(WORLD)]
-    try:
-        logs = [p.communicate(timeout=TIMEOUT_S)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    for rank, (p, log) in enumerate(zip(procs, logs, strict=True)):
-        assert p.returncode == 0, f"rank {rank} failed:\n{log}"
-    outs = [np.load(tmp_path / f"out_{rank}.npz") for rank in range(WORLD)]
+    outs = run_ranks(WORKER, tmp_path, WORLD, OMP_NUM_THREADS="1",
+                     NUMBA_NUM_THREADS="1")  # 2 ranks on 2 cores
     for mode in ("tp", "dp"):
         trained = np.concatenate([out[mode] for out in outs])
         assert not np.array_equal(trained, weight)

@@ -113,6 +113,13 @@ def test_replaces_every_ngram_embedding(float32_pair):
     assert layer.table.placement == "pinned"  # ordinary host memory on a machine without a GPU
 
 
+def test_a_second_call_says_the_model_already_uses_ngram_cupy(float32_pair):
+    _, patched = float32_pair
+    with pytest.raises(ValueError, match="already applied to this Qwen4ExpForCausalLM "
+                                         r"\(model\.layers\.\d+\..*ngram_cupy's\)"):
+        use_ngram_cupy(patched)
+
+
 def test_float32_logits_and_greedy_generate(float32_pair):
     reference, patched = float32_pair
     ids = prompts()

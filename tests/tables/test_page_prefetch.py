@@ -9,6 +9,7 @@ import threading
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import layer_rows
 
 import ngram_cupy as nc
 from ngram_cupy.runtime.backends import DEVICE, HOST
@@ -25,9 +26,8 @@ CONFIG = nc.NGramConfig(
 
 @pytest.fixture
 def bf16_layer():
-    layout = nc.layer_layout(CONFIG, 0)
-    values = np.random.default_rng(0).uniform(-4, 4, (layout.padded_rows, layout.head_dim))
-    return values.astype(np.float32).astype(ml_dtypes.bfloat16)
+    """The padded bf16 table of layer 0."""
+    return layer_rows(CONFIG, ml_dtypes.bfloat16)
 
 
 @pytest.fixture

@@ -25,6 +25,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import layer_rows
 
 import ngram_cupy as nc
 from ngram_cupy.tables import rendezvous
@@ -50,9 +51,7 @@ pytestmark = pytest.mark.usefixtures("shm_dir")  # conftest: nothing held at the
 @pytest.fixture(scope="module")
 def fp8_layer():
     """The padded fp8 table of layer 0."""
-    layout = nc.layer_layout(CONFIG, 0)
-    values = np.random.default_rng(0).uniform(-4, 4, (layout.padded_rows, layout.head_dim))
-    return values.astype(np.float32).astype(ml_dtypes.float8_e4m3fn)
+    return layer_rows(CONFIG, ml_dtypes.float8_e4m3fn)
 
 
 @pytest.fixture
