@@ -257,7 +257,7 @@ def test_dataset_scan_streams_multi_file_datasets(tmp_path):
     mapper = NGramIds(LAYOUT, doc_id_column="doc")
     ds.write_dataset(map(mapper, dataset.to_batches(batch_size=2)), tmp_path / "out",
                      schema=mapper.output_schema(dataset.schema), format="parquet",
-                     use_threads=False)  # threads may write batches out of order (a busy CPU)
+                     preserve_order=True)  # otherwise a busy CPU may write batches out of order
     result = ds.dataset(tmp_path / "out", format="parquet").to_table()
     assert result.column("doc").to_pylist() == doc_ids
     assert_rows_equal(id_rows(result.column("ngram_ids")), expected_document_ids(rows, doc_ids))
