@@ -11,7 +11,7 @@ import pytest
 import ngram_cupy as nc
 from ngram_cupy.formats import BFLOAT16, storage_format
 from ngram_cupy.runtime.backends import DEVICE, HOST
-from ngram_cupy.tables import pinned
+from ngram_cupy.tables import pinned_memory as pinned
 from ngram_cupy.tables.dequant import reference_lookup
 from ngram_cupy.tables.storage import Gather, allocate, canonical_placement
 from ngram_cupy.tables.storage.gpu import fill
