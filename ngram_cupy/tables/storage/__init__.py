@@ -35,7 +35,6 @@ The interface (``Storage`` in ``base``; each placement is one module: ``cpu``, `
 - ``used_on(stream)``: note that a kernel reading ``device_view`` runs on ``stream`` (the fused
   kernel calls it); storages whose memory must outlive such kernels remember it.
 - ``close()``: release what the storage holds (registrations); it may be unusable afterwards.
-
 - Optional abilities, with defaults here for every storage (callers ask them, never the class
   or the placement name): ``cold`` (the storage holding the rows themselves: the one under a
   hot tier, else itself), ``device_tier``, ``counters``, ``refresh_hot_rows()`` and
@@ -95,8 +94,7 @@ class Placement:
     @property
     def fills(self) -> str:
         """The placement rows are filled in before they are placed: ``"cpu"`` for a per-node
-        one when nothing names the rows but their content (``place_filled`` then moves them),
-        else the placement itself."""
+        one (``place_filled`` then moves them into the node's segment), else itself."""
         return "cpu" if self.per_node else self.name
 
     def check_holds(self, fmt: Format, what: str | None = None) -> None:
