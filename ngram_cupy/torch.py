@@ -23,6 +23,7 @@ from .files.checkpoint import BUFFERS, check_scale
 from .formats import BFLOAT16, FLOAT8_E4M3, FORMATS, Format, default_output, output_format
 from .hashing.config import NGramConfig
 from .hashing.layout import layer_layout, split_rows
+from .tables.storage import place_filled, placement_named
 from .tables.table import EmbeddingTable
 from .torch_training import TrainableRows
 from .torch_training import fused_optimizer as fused_optimizer  # nc.torch.fused_optimizer
@@ -274,15 +275,13 @@ class NGramEmbeddingModule(torch.nn.Module):
         if weight_dtype is None:
             weight_dtype = config.ple_embedding_dtype or torch.get_default_dtype()
         layout = layer_layout(config, layer)
-        self._share_when_loaded = placement == "shared"
+        self._placement = placement_named(placement)
+        self._share_when_loaded = self._placement.fills != self._placement.name
         self._hot_rows = hot_rows
         table = EmbeddingTable.empty(layout.padded_rows, layout.head_dim, weight_dtype,
-                                     placement="cpu" if self._share_when_loaded else placement,
-                                     hot_rows=hot_rows, scale_rounding=scale_rounding)
-        if self._share_when_loaded and table.format.blocked:
-            raise ValueError(f"placement='shared' holds tables of one array; {table.format.name} "
-                             "rows carry block scales beside them: use placement 'pinned' or "
-                             "'cpu'")
+                                     placement=self._placement.fills, hot_rows=hot_rows,
+                                     scale_rounding=scale_rounding)
+        self._placement.check_holds(table.format)
         self.layout = layout
         self.out_dtype = (default_output(table.format) if out_dtype is None
                           else output_format(out_dtype, "out_dtype")).torch_dtype
@@ -451,7 +450,7 @@ class NGramEmbeddingModule(torch.nn.Module):
         layer runs (a side CUDA stream, or a worker thread on the CPU); ``forward`` joins it.
         Nothing for a table in GPU memory, as in the reference layer."""
         batch = batch_arguments("start_prefetch", args, kwargs)
-        if self.table.placement == "gpu":
+        if self.table.storage.device_resident:
             return
         self._check_loaded()
         input_ids, query_start_loc, ngram_context, stream = self._batch(*batch)
@@ -585,7 +584,7 @@ class NGramEmbeddingModule(torch.nn.Module):
         if not self._share_when_loaded or self.missing_shards:
             return
         private = self.table
-        table = EmbeddingTable(private.host_view, private.scale, placement="shared",
+        table = EmbeddingTable(place_filled(self._placement.name, private.storage), private.scale,
                                hot_rows=self._hot_rows, scale_rounding=private.scale_rounding)
         self.embedding = self._embedding_over(table)
         self.ngram_embedding.table = table

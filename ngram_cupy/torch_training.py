@@ -16,6 +16,8 @@ import torch
 
 import ngram_cupy as nc
 
+from .tables.storage import find_placement
+
 # Names ``fused_optimizer`` takes -> the row optimizer class of the package.
 OPTIMIZERS = {"sgd": "SGD", "rowwise_adagrad": "RowwiseAdagrad", "adam": "Adam"}
 TRAINABLE_FORMATS = ("float32", "bfloat16")
@@ -27,7 +29,8 @@ def check_trainable(table: nc.EmbeddingTable, what: str) -> None:
     if table.format.name not in TRAINABLE_FORMATS:
         raise ValueError(f"{what}: a {table.format.name} table cannot be trained (rows are "
                          f"updated in float32 and stored as {' or '.join(TRAINABLE_FORMATS)})")
-    if not table.storage.writable or table.placement in ("shared", "mmap"):
+    placement = find_placement(table.placement)
+    if not table.storage.writable or placement is not None and not placement.private:
         raise ValueError(f"{what}: placement {table.placement!r} is read-only here; train a "
                          "table in placement 'cpu', 'pinned' or 'gpu'")
 

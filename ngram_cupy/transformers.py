@@ -31,8 +31,8 @@ from .hashing.layout import LayerLayout, layer_layout, split_rows
 from .ids.ngram_ids import compute_ngram_ids
 from .runtime.backends import DEVICE
 from .tables.dequant import check_scale_rounding
-from .tables.mapped import MappedTable
 from .tables.quantize import quantize_table, quantize_target
+from .tables.storage import RowsSource, find_placement, place, placement_named
 from .tables.table import EmbeddingTable
 from .torch import TableWeights
 from .torch_training import OPTIMIZERS, TrainableRows, check_trainable, fused_optimizer
@@ -173,7 +173,7 @@ def _prefetch_hook(target: CachedNGramEmbedding):
         if input_ids is None:
             return
         if target.prefetch is False or target.prefetch is None and not (
-                input_ids.is_cuda and target.table.placement != "gpu"):
+                input_ids.is_cuda and not target.table.storage.device_resident):
             return
         target.start_prefetch(input_ids, kwargs.get("past_key_values"))
     return hook
@@ -220,36 +220,18 @@ def _load_single_weight(checkpoint: Checkpoint, prefix: str, layout: LayerLayout
     if info.shape != shape:
         raise ValueError(f"{name} has shape {info.shape} but the config's layout needs {shape}")
     scale = read_scale(checkpoint, prefix, info.dtype)
-    if placement == "mmap":
-        table = MappedTable([(0, checkpoint.view(name))], layout.head_dim, fmt.dtype, scale, 0,
-                            layout.padded_rows, layout.padded_rows, guard=checkpoint.check_mapped)
-        return NGramEmbedding(layout, table)
-    table = _private_table(layout, fmt.dtype, placement, scale, hot_rows)
     parts = layout.config.split_ngram_parts
-    for index in range(parts):
-        start, stop = split_rows(layout.padded_rows, parts, index)
-        table.write_rows(start, checkpoint.read(name, start, stop))
-    return NGramEmbedding(layout, _placed(table, placement, hot_rows))
 
+    def blocks():
+        for index in range(parts):
+            start, stop = split_rows(layout.padded_rows, parts, index)
+            yield start, checkpoint.read(name, start, stop), None
 
-def _private_table(layout: LayerLayout, dtype, placement: str, scale,
-                   hot_rows) -> EmbeddingTable:
-    """An empty table to fill block by block: for ``placement="shared"`` a private CPU one
-    (the node's segment is named by the rows, so it is made from them once filled)."""
-    if placement == "shared":
-        return EmbeddingTable.empty(layout.padded_rows, layout.head_dim, dtype, scale=scale)
-    return EmbeddingTable.empty(layout.padded_rows, layout.head_dim, dtype,
-                                placement=placement, scale=scale, hot_rows=hot_rows)
-
-
-def _placed(table: EmbeddingTable, placement: str, hot_rows) -> EmbeddingTable:
-    """``table`` itself, or for ``placement="shared"`` its rows moved into the node's segment
-    (the private copy closed)."""
-    if placement != "shared":
-        return table
-    shared = EmbeddingTable(table.host_view, table.scale, placement="shared", hot_rows=hot_rows)
-    table.close()
-    return shared
+    source = RowsSource(layout.padded_rows, layout.head_dim, fmt, blocks,
+                        mapped=lambda: [(0, checkpoint.view(name))],
+                        guard=checkpoint.check_mapped)
+    return NGramEmbedding(layout, EmbeddingTable(place(placement, source), scale,
+                                                 hot_rows=hot_rows))
 
 
 def _from_model(module: Qwen4ExpTextNGramEmbedding, layout: LayerLayout, weight_dtype,
@@ -263,14 +245,15 @@ def _from_model(module: Qwen4ExpTextNGramEmbedding, layout: LayerLayout, weight_
         quantized = quantize_table(weight.detach(), quantize_target(fmt, "Qwen4Exp"))
         return NGramEmbedding(layout, EmbeddingTable(quantized, placement=placement,
                                                      hot_rows=hot_rows))
-    table = _private_table(layout, fmt.dtype, placement, None, hot_rows)
     parts = layout.config.split_ngram_parts
-    with torch.no_grad():
+
+    def blocks():
         for index in range(parts):
             start, stop = split_rows(layout.padded_rows, parts, index)
-            block = weight[start:stop].detach().to(fmt.torch_dtype)
-            table.write_rows(start, block if table.host_view is None else block.cpu())
-    return NGramEmbedding(layout, _placed(table, placement, hot_rows))
+            yield start, weight[start:stop].detach().to(fmt.torch_dtype), None
+
+    source = RowsSource(layout.padded_rows, layout.head_dim, fmt, blocks)
+    return NGramEmbedding(layout, EmbeddingTable(place(placement, source), hot_rows=hot_rows))
 
 
 def _check_module(name: str, module: Qwen4ExpTextNGramEmbedding, layout: LayerLayout) -> None:
@@ -371,8 +354,8 @@ def use_ngram_cupy(model: torch.nn.Module, *, placement: str = "pinned",
         raise ValueError(f"{type(model).__name__} has no Qwen4ExpTextNGramEmbedding: "
                          "use_ngram_cupy replaces the n-gram embeddings of transformers' "
                          "Qwen4Exp models with PLE layers")
-    if placement == "mmap" and checkpoint is None:
-        raise ValueError("placement 'mmap' serves a checkpoint's rows: pass checkpoint=")
+    if placement_named(placement, mapped=True).mapped and checkpoint is None:
+        raise ValueError(f"placement {placement!r} serves a checkpoint's rows: pass checkpoint=")
     config = ngram_config(model.config.get_text_config())
     names = [name for name, _ in targets]
     layers = [module.ple_layer_index for _, module in targets]
@@ -391,7 +374,8 @@ def use_ngram_cupy(model: torch.nn.Module, *, placement: str = "pinned",
         layouts.append(layout)
     prefixes = []
     if checkpoint is not None:
-        opened = Checkpoint.open(checkpoint, random_access=placement == "mmap")
+        opened = Checkpoint.open(checkpoint,
+                                 random_access=placement_named(placement, mapped=True).mapped)
         for (name, _), layout in zip(targets, layouts, strict=True):
             prefix = name if f"{name}.layer_multipliers" in opened else \
                 find_prefix(opened.tensors, config, layout.layer)
@@ -440,7 +424,8 @@ def _check_training(trainable: bool, optimizer, optimizer_options, placement: st
         if optimizer is not None or optimizer_options is not None:
             raise ValueError("optimizer and optimizer_options need trainable=True")
         return
-    if placement not in ("pinned", "cpu", "gpu"):
+    known = find_placement(placement)
+    if known is None or not known.private:
         raise ValueError(f"trainable=True needs placement 'pinned', 'cpu' or 'gpu', got "
                          f"{placement!r}")
     if optimizer is None:

@@ -38,8 +38,7 @@ from ..runtime.atomic import atomic_file
 from ..runtime.backends import HOST, unwrap_torch
 from ..runtime.checks import check_scale
 from ..tables.hot_rows import check_hot_rows
-from ..tables.mapped import MappedTable
-from ..tables.storage.shared import SharedStorage
+from ..tables.storage import RowsSource, place, placement_named
 from ..tables.table import EmbeddingTable, block_scale_bits
 from .safetensors_files import DTYPES, Checkpoint, write_checkpoint
 
@@ -54,7 +53,6 @@ _PLE_KEY = re.compile(
     r"|ngram_embedding\.(?:shard_\d+\.weight|weight_scale))$"
 )
 _LAYER_NUMBER = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
-PLACEMENTS = ("cpu", "gpu", "pinned", "host", "shared", "mmap")
 
 
 def shard_key(prefix: str, index: int) -> str:
@@ -363,8 +361,7 @@ def load_ngram_embedding(
     """
     if not isinstance(config, NGramConfig):
         raise TypeError(f"config must be an NGramConfig, got {type(config).__name__}")
-    if placement not in PLACEMENTS:
-        raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
+    mapped = placement_named(placement, mapped=True).mapped
     if config.head_dim is None:
         raise ValueError("config has no embedding_dim (ple_embed_dim): the table size is unknown")
     layout = layer_layout(config, layer)
@@ -374,12 +371,12 @@ def load_ngram_embedding(
         raise ValueError(f"rank must be an integer in [0, world_size={world_size}), got {rank!r}")
     row_start, row_stop = split_rows(layout.padded_rows, world_size, rank)
     if hot_rows is not None:
-        if placement == "mmap":
-            raise ValueError("hot_rows need placement 'pinned' or 'cpu', not 'mmap'")
+        if mapped:
+            raise ValueError(f"hot_rows need placement 'pinned' or 'cpu', not {placement!r}")
         hot_rows = check_hot_rows(hot_rows, 0, layout.padded_rows)
         hot_rows = hot_rows[np.searchsorted(hot_rows, row_start):
                             np.searchsorted(hot_rows, row_stop)]
-    checkpoint = Checkpoint.open(path, random_access=placement == "mmap")
+    checkpoint = Checkpoint.open(path, random_access=mapped)
     if prefix is None:
         prefix = find_prefix(checkpoint.tensors, config, layer)
     verify_buffers(checkpoint, prefix, layout)
@@ -398,48 +395,35 @@ def load_ngram_embedding(
             layout.padded_rows, config.split_ngram_parts, row_start, row_stop
         )
     ]
-    if placement == "mmap":
-        table = MappedTable(
-            [(lo, checkpoint.view(name)[a:b])
-             + (() if scales is None else (checkpoint.view(scales)[a:b],))
-             for name, scales, a, b, lo in pieces],
-            layout.head_dim, target, scale, row_start, row_stop, layout.padded_rows,
-            guard=checkpoint.check_mapped, scale_rounding=scale_rounding,
-        )
-        return NGramEmbedding(layout, table)
-    if placement == "shared" and row_stop > row_start:
-
-        def fill(rows: np.ndarray) -> None:
-            for name, _, a, b, lo in pieces:
-                block = checkpoint.read(name, a, b)
-                if block.dtype != target.dtype:  # exact to float32, then rounded once
-                    block = block.astype(np.float32).astype(target.dtype)
-                rows[lo - row_start : lo - row_start + b - a] = block.view(target.raw)
-
-        key = shared_key(checkpoint, prefix, [name for name, *_ in pieces], layer, row_start,
-                         row_stop, target.name)
-        storage = SharedStorage(key, row_stop - row_start, layout.head_dim, target, fill)
-        table = EmbeddingTable(storage, scale, row_start=row_start,
-                               total_rows=layout.padded_rows, hot_rows=hot_rows,
-                               scale_rounding=scale_rounding)
-        return NGramEmbedding(layout, table)
-    table = EmbeddingTable.empty(
-        row_stop - row_start, layout.head_dim, target, placement=placement, scale=scale,
-        row_start=row_start, total_rows=layout.padded_rows, hot_rows=hot_rows,
-        scale_rounding=scale_rounding,
-    )
     row_bytes = target.row_bytes(layout.head_dim)
-    with tqdm(
-        total=(row_stop - row_start) * row_bytes, unit="B", unit_scale=True, unit_divisor=1024,
-        desc=f"loading {prefix}", disable=None if progress is None else not progress,
-        delay=1.0 if progress is None else 0.0,
-    ) as bar:
-        for name, scales, a, b, lo in pieces:
-            rows = checkpoint.read(name, a, b)
-            if rows.dtype != target.dtype:  # exact to float32, then rounded once
-                rows = rows.astype(np.float32).astype(target.dtype)
-            table.write_rows(lo, rows, None if scales is None else checkpoint.read(scales, a, b))
-            bar.update((b - a) * row_bytes)
+
+    def blocks():
+        with tqdm(
+            total=(row_stop - row_start) * row_bytes, unit="B", unit_scale=True,
+            unit_divisor=1024, desc=f"loading {prefix}",
+            disable=None if progress is None else not progress,
+            delay=1.0 if progress is None else 0.0,
+        ) as bar:
+            for name, scales, a, b, lo in pieces:
+                rows = checkpoint.read(name, a, b)
+                if rows.dtype != target.dtype:  # exact to float32, then rounded once
+                    rows = rows.astype(np.float32).astype(target.dtype)
+                block_scales = None if scales is None else checkpoint.read(scales, a, b)
+                yield lo - row_start, rows, block_scales
+                bar.update((b - a) * row_bytes)
+
+    def mapped_blocks():
+        return [(lo - row_start, checkpoint.view(name)[a:b])
+                + (() if scales is None else (checkpoint.view(scales)[a:b],))
+                for name, scales, a, b, lo in pieces]
+
+    key = shared_key(checkpoint, prefix, [name for name, *_ in pieces], layer, row_start,
+                     row_stop, target.name)
+    source = RowsSource(row_stop - row_start, layout.head_dim, target, blocks, key,
+                        mapped_blocks, checkpoint.check_mapped)
+    table = EmbeddingTable(place(placement, source), scale, row_start=row_start,
+                           total_rows=layout.padded_rows, hot_rows=hot_rows,
+                           scale_rounding=scale_rounding)
     return NGramEmbedding(layout, table)
 
 
@@ -476,7 +460,7 @@ def loaded_format(stored: Format, config: NGramConfig, weight_dtype, placement: 
     if wanted.scaled or stored.scaled:
         raise ValueError(f"weight_dtype={wanted.name} would convert {stored.name} rows, but "
                          "conversions to or from float8 need a scale: load them as stored")
-    if placement == "mmap":
+    if placement_named(placement, mapped=True).mapped:
         raise ValueError(f"weight_dtype={wanted.name} would convert {stored.name} rows, but an "
                          "mmap table serves the rows as stored")
     return wanted

@@ -7,20 +7,16 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-import numpy as np
-
 from ..embedding import EngramEmbedding
 from ..formats import BY_SAFETENSORS, FORMATS, MXFP8, Format, storage_format
 from ..hashing.engram_layout import EngramLayout, check_engram_layout
 from ..runtime.backends import HOST, unwrap_torch
 from ..runtime.checks import check_integer
-from ..tables.mapped import MappedTable
-from ..tables.storage.shared import SharedStorage
+from ..tables.storage import RowsSource, place, placement_named
 from ..tables.table import EmbeddingTable, block_scale_bits
 from .checkpoint import shared_key
 from .safetensors_files import Checkpoint, write_checkpoint
 
-PLACEMENTS = ("cpu", "gpu", "pinned", "host", "shared", "mmap")
 FLOAT_TABLES = ("F32", "F16", "BF16")
 MX = FORMATS[MXFP8]
 
@@ -81,6 +77,24 @@ def engram_table_format(checkpoint: Checkpoint, name: str, scales: str | None,
     return MX
 
 
+def engram_rows(checkpoint: Checkpoint, layout: EngramLayout, index: int, name: str,
+                scales: str | None, fmt: Format, start: int, stop: int) -> RowsSource:
+    """Rows ``[start, stop)`` of Engram layer ``index``'s weight ``name`` (with its block
+    ``scales``, or None), read or mapped from the checkpoint."""
+
+    def blocks():
+        yield (0, checkpoint.read(name, start, stop),
+               None if scales is None else checkpoint.read(scales, start, stop))
+
+    def mapped():
+        block = (0, checkpoint.view(name)[start:stop])
+        return [block if scales is None else (*block, checkpoint.view(scales)[start:stop])]
+
+    key = shared_key(checkpoint, name, [name], index, start, stop, fmt.name)
+    return RowsSource(stop - start, layout.head_dim, fmt, blocks, key, mapped,
+                      checkpoint.check_mapped)
+
+
 def load_engram_embedding(path: str | os.PathLike | Sequence[str | os.PathLike],
                           layout: EngramLayout, placement: str = "cpu", rank: int = 0,
                           world_size: int = 1) -> EngramEmbedding:
@@ -94,13 +108,12 @@ def load_engram_embedding(path: str | os.PathLike | Sequence[str | os.PathLike],
     are read; the table answers zeros for the others.
     """
     check_engram_layout(layout)
-    if placement not in PLACEMENTS:
-        raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
+    placed = placement_named(placement, mapped=True)
     world_size = check_integer("world_size", world_size, 1)
     rank = check_integer("rank", rank, 0)
     if rank >= world_size:
         raise ValueError(f"rank must lie in [0, world_size={world_size}), got {rank}")
-    checkpoint = Checkpoint.open(path, random_access=placement == "mmap")
+    checkpoint = Checkpoint.open(path, random_access=placed.mapped)
     found = []
     for index, layer_id in enumerate(layout.layer_ids):  # every tensor checked before any read
         name = engram_tensor_name(checkpoint.tensors, layer_id)
@@ -109,35 +122,15 @@ def load_engram_embedding(path: str | os.PathLike | Sequence[str | os.PathLike],
                              f"(Engram layer {index})")
         scales = engram_tensor_name(checkpoint.tensors, layer_id, "scale")
         fmt = engram_table_format(checkpoint, name, scales, layout, index)
-        if placement == "shared" and fmt.blocked:
-            raise ValueError(f"{name}: placement='shared' holds tables of one array; MXFP8 "
-                             "rows carry block scales beside them: use placement 'pinned' or "
-                             "'cpu'")
+        placed.check_holds(fmt, name)
         found.append((index, name, scales, fmt))
     tables = []
     for index, name, scales, fmt in found:
         start, stop = engram_head_rows(layout, index, rank, world_size)
         total = layout.rows_per_layer[index]
-        if placement == "mmap":
-            block = (start, checkpoint.view(name)[start:stop])
-            if scales is not None:
-                block += (checkpoint.view(scales)[start:stop],)
-            tables.append(MappedTable([block], layout.head_dim, fmt, None, start, stop, total,
-                                      guard=checkpoint.check_mapped))
-        elif placement == "shared" and stop > start:
-
-            def fill(rows: np.ndarray, name=name, start=start, stop=stop) -> None:
-                rows[:] = checkpoint.read(name, start, stop).view(rows.dtype)
-
-            key = shared_key(checkpoint, name, [name], index, start, stop, fmt.name)
-            storage = SharedStorage(key, stop - start, layout.head_dim, fmt, fill)
-            tables.append(EmbeddingTable(storage, row_start=start, total_rows=total))
-        else:
-            table = EmbeddingTable.empty(stop - start, layout.head_dim, fmt,
-                                         placement=placement, row_start=start, total_rows=total)
-            table.write_rows(start, checkpoint.read(name, start, stop),
-                             None if scales is None else checkpoint.read(scales, start, stop))
-            tables.append(table)
+        source = engram_rows(checkpoint, layout, index, name, scales, fmt, start, stop)
+        tables.append(EmbeddingTable(place(placement, source), row_start=start,
+                                     total_rows=total))
     return EngramEmbedding(layout, tables)
 
 

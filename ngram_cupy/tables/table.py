@@ -262,16 +262,14 @@ class EmbeddingTable:
     def pinned(self) -> bool:
         """Whether the rows (the cold ones, under a hot tier) are in page-locked host memory the
         GPU reads."""
-        storage = self.storage.cold if isinstance(self.storage, TieredStorage) else self.storage
-        return storage.placement == "pinned" or (storage.placement == "shared"
-                                                 and storage.device_view is not None)
+        return self.storage.cold.page_locked
 
     @property
     def counters(self) -> dict[str, int]:
         """Rows read from each tier since creation, ``{"hot_rows": .., "cold_rows": ..}``, for a
         table with ``hot_rows`` (reading the GPU's counts waits for the streams that looked the
         table up, and refuses while one of them captures a CUDA graph); else empty."""
-        return self.storage.counters if isinstance(self.storage, TieredStorage) else {}
+        return self.storage.counters
 
     @property
     def host_view(self) -> np.ndarray | None:
@@ -297,19 +295,17 @@ class EmbeddingTable:
         None)`` when the GPU cannot read the table. The storage keeps its memory until that
         stream's work is done."""
         storage = self.storage
-        tiered = isinstance(storage, TieredStorage)
-        rows = storage.cold.device_view if tiered else storage.device_view
+        rows = storage.cold.device_view
         if rows is None:
             return None, None
         storage.used_on(stream)
-        return rows, storage.device_tier if tiered else None
+        return rows, storage.device_tier
 
     @property
     def device_scales(self):
         """The block scales beside ``device_rows`` (the cold rows' of a tiered table), uint8
         ``[num_rows, head_dim / block]`` on the GPU; None for other formats or off the GPU."""
-        storage = self.storage
-        return (storage.cold if isinstance(storage, TieredStorage) else storage).device_scales
+        return self.storage.cold.device_scales
 
     def write_rows(self, start: int, rows, block_scales=None) -> None:
         """Copy a block of rows into global rows ``[start, start + len(rows))``, in place.
@@ -353,9 +349,7 @@ class EmbeddingTable:
         ``write_rows`` keeps the tier current; rows changed any other way (in place through
         ``host_view``, or a torch tensor sharing it) leave stale hot copies until this is called.
         """
-        if isinstance(self.storage, TieredStorage):
-            self.storage.wait_for_readers("refresh the hot rows")  # as write_rows
-            self.storage.refresh()
+        self.storage.refresh_hot_rows()  # after the lookups still reading, as write_rows
 
     # ---- lookups ----
 

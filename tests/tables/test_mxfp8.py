@@ -19,7 +19,7 @@ from ngram_cupy.tables import gather_cupy
 from ngram_cupy.tables.dequant import reference_block_lookup
 from ngram_cupy.tables.gather_numba import gather_rows
 from ngram_cupy.tables.hot_rows import build_map
-from ngram_cupy.tables.mapped import MappedTable
+from ngram_cupy.tables.mapped_table import MappedTable
 
 FMT = FORMATS[MXFP8]
 E4M3 = ml_dtypes.float8_e4m3fn

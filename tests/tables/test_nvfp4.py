@@ -20,7 +20,7 @@ from ngram_cupy.ids import fused_cuda, ids_cuda
 from ngram_cupy.tables import gather_cupy
 from ngram_cupy.tables.dequant import reference_block_lookup
 from ngram_cupy.tables.gather_numba import gather_rows
-from ngram_cupy.tables.mapped import MappedTable
+from ngram_cupy.tables.mapped_table import MappedTable
 
 GOLDEN = sorted((Path(__file__).resolve().parents[1] / "data" / "golden" / "nvfp4").glob("*.npz"))
 FMT = FORMATS[NVFP4]

@@ -18,7 +18,7 @@ from ngram_cupy.ids import fused_cuda, ids_cuda
 from ngram_cupy.tables import gather_cupy
 from ngram_cupy.tables.gather_numba import gather_rows
 from ngram_cupy.tables.hot_rows import build_map
-from ngram_cupy.tables.mapped import MappedTable
+from ngram_cupy.tables.mapped_table import MappedTable
 from ngram_cupy.tables.row_ids import NO_BAD_WORD, check_row_ids, first_bad
 
 ROW_START, ROWS, TOTAL, HEAD_DIM = 8, 12, 40, 32

@@ -4,6 +4,8 @@ synchronisation and never inside a capture (bug 5). CUDA streams are mocked here
 
 from __future__ import annotations
 
+import os
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -11,9 +13,20 @@ import pytest
 import ngram_cupy as nc
 from ngram_cupy.formats import BFLOAT16, storage_format
 from ngram_cupy.runtime.backends import DEVICE, HOST
-from ngram_cupy.tables import pinned
+from ngram_cupy.tables import pinned_memory as pinned
 from ngram_cupy.tables.dequant import reference_lookup
-from ngram_cupy.tables.storage import Gather, allocate, canonical_placement
+from ngram_cupy.tables.storage import (
+    PLACEMENTS,
+    Gather,
+    RowsSource,
+    allocate,
+    canonical_placement,
+    find_placement,
+    place,
+    place_filled,
+    placement_named,
+)
+from ngram_cupy.tables.storage.cpu import CpuStorage
 from ngram_cupy.tables.storage.gpu import fill
 from ngram_cupy.tables.storage.mapped import MappedStorage
 
@@ -53,6 +66,86 @@ def test_placement_names():
         canonical_placement("disk")
     table = nc.EmbeddingTable(rows(), placement="host", scale=1.0)
     assert table.placement == "pinned"
+
+
+def test_the_registry_knows_every_placement_and_what_it_is():
+    assert tuple(PLACEMENTS) == ("cpu", "gpu", "pinned", "shared", "mmap")
+    assert find_placement("host") is PLACEMENTS["pinned"] and find_placement("disk") is None
+    assert find_placement(None) is None
+    assert [name for name, p in PLACEMENTS.items() if p.private] == ["cpu", "gpu", "pinned"]
+    assert PLACEMENTS["shared"].fills == "cpu" and PLACEMENTS["pinned"].fills == "pinned"
+    assert placement_named("mmap", mapped=True).mapped
+    with pytest.raises(ValueError, match=r"one of 'cpu', 'gpu', 'pinned', 'shared', 'host', got "
+                                         r"'mmap' \('mmap' serves a checkpoint's rows"):
+        placement_named("mmap")
+    with pytest.raises(ValueError, match="one of 'cpu', 'gpu', 'pinned', 'shared', 'mmap', 'host'"):
+        placement_named("disk", mapped=True)
+    with pytest.raises(ValueError, match="weight: placement='shared' holds tables of one array"):
+        PLACEMENTS["shared"].check_holds(storage_format("nvfp4"), "weight")
+    PLACEMENTS["pinned"].check_holds(storage_format("nvfp4"))
+
+
+def source_of(weight, key=None, mapped=True):
+    """The rows of ``weight`` as a source of two blocks (and, with ``mapped``, two mapped ones)."""
+    return RowsSource(weight.shape[0], weight.shape[1], FP8,
+                      lambda: iter([(0, weight[:25], None), (25, weight[25:], None)]), key,
+                      (lambda: [(0, weight[:13]), (13, weight[13:])]) if mapped else None)
+
+
+@pytest.mark.parametrize("placement, kind", [
+    ("cpu", "cpu"), ("host", "pinned"), ("mmap", "mmap"), ("shared", "shared")])
+@pytest.mark.parametrize("keyed", [False, True])
+def test_place_builds_the_storage_of_a_placement_from_its_source(placement, kind, keyed):
+    weight = rows(seed=3)
+    key = f"test_storage {placement} {keyed} {os.getpid()}" if keyed else None
+    storage = place(placement, source_of(weight, key))
+    assert storage.placement == kind and storage.num_rows == 40
+    ids = np.random.default_rng(2).integers(0, 40, (9, 2))
+    np.testing.assert_array_equal(gather(storage, ids).view(np.uint16),
+                                  reference_lookup(weight, ids, 0.5, ml_dtypes.bfloat16)
+                                  .view(np.uint16))
+    assert storage.writable == (kind in ("cpu", "pinned"))
+    assert (storage.shared_segment is not None) == (kind == "shared" and storage.segment.shared)
+    storage.close()
+
+
+def test_place_refuses_what_a_placement_cannot_hold():
+    with pytest.raises(ValueError, match="placement must be one of .* got 'mmap'"):
+        place("mmap", source_of(rows(), mapped=False))
+    fmt = storage_format("nvfp4")
+    packed = np.zeros((4, 8), np.uint8)
+    source = RowsSource(4, 16, fmt, lambda: iter([(0, packed, np.zeros((4, 1), np.uint8))]))
+    with pytest.raises(ValueError, match="placement='shared' holds tables of one array"):
+        place("shared", source)
+    assert place("cpu", source).host_scales.shape == (4, 1)
+
+
+def test_place_filled_moves_filled_rows_into_the_segment_of_their_content():
+    weight = rows(seed=4)
+    filled = allocate(PLACEMENTS["shared"].fills, 40, 6, FP8)
+    filled.write_rows(0, weight.view(np.uint8))
+    shared = place_filled("shared", filled)
+    assert shared.placement == "shared" and not shared.writable
+    np.testing.assert_array_equal(shared.host_view.view(np.uint8), weight.view(np.uint8))
+    assert place_filled("cpu", filled) is filled
+    shared.close()
+
+
+def test_every_storage_answers_the_optional_abilities():
+    storage = allocate("cpu", 10, 4, storage_format("float32"))
+    assert storage.cold is storage and storage.counters == {} and storage.device_tier is None
+    assert not storage.page_locked and not storage.device_resident
+    assert storage.shared_segment is None and storage.training_refusal() is None
+    assert storage.training_rows().dtype == np.uint32
+    storage.rows_changed(np.array([1]))
+    storage.refresh_hot_rows()
+    frozen = np.zeros((10, 4), np.float32)
+    frozen.flags.writeable = False
+    assert "read-only" in CpuStorage(frozen, storage_format("float32")).training_refusal()
+    assert "'mmap' tables are read-only" in MappedStorage([(0, rows())], 6, FP8).training_refusal()
+    table = nc.EmbeddingTable(np.zeros((10, 4), np.float32), hot_rows=[2, 5])
+    assert table.storage.cold is not table.storage and table.storage.cold.placement == "cpu"
+    assert table.counters == {"hot_rows": 0, "cold_rows": 0} and not table.pinned
 
 
 def test_mapped_storage_is_read_only_and_cpu_only():

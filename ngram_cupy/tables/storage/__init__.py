@@ -35,42 +35,108 @@ The interface (``Storage`` in ``base``; each placement is one module: ``cpu``, `
 - ``used_on(stream)``: note that a kernel reading ``device_view`` runs on ``stream`` (the fused
   kernel calls it); storages whose memory must outlive such kernels remember it.
 - ``close()``: release what the storage holds (registrations); it may be unusable afterwards.
+- Optional abilities, with defaults here for every storage (callers ask them, never the class
+  or the placement name): ``cold`` (the storage holding the rows themselves: the one under a
+  hot tier, else itself), ``device_tier``, ``counters``, ``refresh_hot_rows()`` and
+  ``rows_changed(local_rows)`` (a hot tier's), ``page_locked`` (host memory the GPU reads over
+  UVA), ``device_resident`` (rows in GPU memory), ``shared_segment`` (the node-wide segment the
+  rows are in), ``training_refusal()`` and ``training_rows()`` (what a row optimizer updates).
 
 A new placement is one more class: a tiered storage (hot rows in GPU memory over a cold storage)
 implements the same methods, gathering hot rows itself and the rest through the cold storage,
 and ``EmbeddingTable(storage, scale, row_start=..., total_rows=...)`` takes it as it is.
-``allocate`` makes the storage of a placement name; ``adopt`` wraps a caller's array when it can
-serve as the storage without a copy.
+
+This module is also the registry of placement names (``PLACEMENTS``, the alias ``"host"``), the
+one place that turns a name into a storage: ``allocate`` makes the unfilled storage of a name,
+``adopt`` wraps a caller's array when it can serve without a copy, and ``place`` builds a
+table's storage from a ``RowsSource`` (the mapped files for ``"mmap"``; for ``"shared"`` the
+node's segment, filled by the process that creates it, or filled privately first and named by
+the rows' content, ``place_filled``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
 import numpy as np
 
 from ...formats import Format
-from ...runtime.backends import DEVICE, HOST, Backend, gpu_available
+from ...runtime.backends import DEVICE, HOST, Backend, bind, gpu_available
 from ..host_memory import anonymous_memory
 from ..packed import packed_rows
 from .base import Gather, Storage
 from .cpu import CpuStorage
 from .gpu import GpuStorage
+from .mapped import MappedStorage
 from .pinned import PinnedStorage
-from .shared import SharedStorage, content_key
+from .shared import SharedStorage, block_scales_refusal, content_key
 
-__all__ = ["Gather", "Storage", "adopt", "allocate", "canonical_placement"]
+__all__ = ["PLACEMENTS", "Gather", "Placement", "RowsSource", "Storage", "adopt", "allocate",
+           "canonical_placement", "find_placement", "place", "place_filled", "placement_named"]
 
-# Placement names; "host" is the old name of "pinned" (page-locked host memory).
-PLACEMENTS = ("cpu", "gpu", "pinned", "shared")
+
+@dataclass(frozen=True)
+class Placement:
+    """One placement name and what a table placed there is: ``mapped`` (served from a
+    checkpoint's mapped files: only ``place`` with a source that maps them builds it) and
+    ``per_node`` (one read-only segment per node, named by the rows)."""
+
+    name: str
+    mapped: bool = False
+    per_node: bool = False
+
+    @property
+    def private(self) -> bool:
+        """Whether the rows are in this process's own memory, which it may write and train."""
+        return not (self.mapped or self.per_node)
+
+    @property
+    def fills(self) -> str:
+        """The placement rows are filled in before they are placed: ``"cpu"`` for a per-node
+        one (``place_filled`` then moves them into the node's segment), else itself."""
+        return "cpu" if self.per_node else self.name
+
+    def check_holds(self, fmt: Format, what: str | None = None) -> None:
+        """A ValueError (prefixed by ``what``, e.g. the tensor) when the placement cannot hold
+        ``fmt``'s rows: a node's segment holds one array, not block scales beside it."""
+        if self.per_node and fmt.blocked:
+            prefix = "" if what is None else f"{what}: "
+            raise ValueError(prefix + block_scales_refusal(fmt))
+
+
+# Every placement, by name; "host" is the old name of "pinned" (page-locked host memory).
+PLACEMENTS = {entry.name: entry for entry in (
+    Placement("cpu"), Placement("gpu"), Placement("pinned"), Placement("shared", per_node=True),
+    Placement("mmap", mapped=True))}
 ALIASES = {"host": "pinned"}
 
 
+def find_placement(placement) -> Placement | None:
+    """The placement of a name (aliases resolved), or None for anything else."""
+    if not isinstance(placement, str):
+        return None
+    return PLACEMENTS.get(ALIASES.get(placement, placement))
+
+
+def placement_named(placement, *, mapped: bool = False) -> Placement:
+    """The placement of a name (aliases resolved); ``mapped``: the rows come from a checkpoint
+    that can map them, so ``"mmap"`` is one too. A ValueError naming the choices otherwise."""
+    entry = find_placement(placement)
+    if entry is not None and (mapped or not entry.mapped):
+        return entry
+    names = [name for name, known in PLACEMENTS.items() if mapped or not known.mapped]
+    choices = ", ".join(repr(name) for name in (*names, *ALIASES))
+    why = ("" if entry is None else
+           f" ({entry.name!r} serves a checkpoint's rows from its mapped files: load the "
+           f"checkpoint with placement={entry.name!r})")
+    raise ValueError(f"placement must be one of {choices}, got {placement!r}{why}")
+
+
 def canonical_placement(placement: str) -> str:
-    """The placement name, aliases resolved; a ValueError naming the choices otherwise."""
-    placement = ALIASES.get(placement, placement) if isinstance(placement, str) else placement
-    if placement not in PLACEMENTS:
-        choices = ", ".join(repr(p) for p in (*PLACEMENTS, *ALIASES))
-        raise ValueError(f"placement must be one of {choices}, got {placement!r}")
-    return placement
+    """The name of a placement an in-memory weight can take, aliases resolved; a ValueError
+    naming the choices otherwise."""
+    return placement_named(placement).name
 
 
 def allocate(placement: str, num_rows: int, head_dim: int, fmt: Format) -> Storage:
@@ -125,3 +191,75 @@ def adopt(placement: str, side: Backend, array, fmt: Format) -> Storage | None:
             raise RuntimeError("placement='gpu' needs CuPy and a CUDA device")
         return GpuStorage(array.view(fmt.raw), fmt)
     return None
+
+
+@dataclass
+class RowsSource:
+    """Where a table's local rows ``[0, num_rows)`` of ``format`` come from, for ``place``.
+
+    ``blocks()`` yields ``(first local row, rows, block scales or None)`` tiling them (NumPy, CuPy
+    or torch arrays of the format's values or raw bits); it is called once, when the rows are
+    copied. ``key`` names the rows for a node's segment (a checkpoint's files and row range), so
+    that only the process that creates the segment reads them; None: the segment is named by
+    their content, read into private memory first. ``mapped()`` gives the ``MappedStorage``
+    blocks that serve the rows from mapped files (None: they cannot be mapped), checked by
+    ``guard`` before every gather.
+    """
+
+    num_rows: int
+    head_dim: int
+    format: Format
+    blocks: Callable[[], Iterable[tuple]]
+    key: str | None = None
+    mapped: Callable[[], Sequence[tuple]] | None = None
+    guard: Callable[[], None] | None = None
+
+
+def write_blocks(storage: Storage, blocks: Iterable[tuple]) -> None:
+    """Copy ``(first local row, rows, block scales or None)`` blocks into ``storage``."""
+    fmt = storage.format
+    for start, rows, scales in blocks:
+        call = bind(rows=rows, block_scales=scales)
+        with call.on():
+            storage.write_rows(start, call["rows"].view(fmt.raw),
+                               None if scales is None else call["block_scales"].view(np.uint8))
+
+
+def place(placement: str, source: RowsSource) -> Storage:
+    """The storage of ``placement`` holding the source's rows: its mapped files for ``"mmap"``
+    (when it has them); for ``"shared"`` the node's segment of ``source.key`` (filled by the
+    process that creates it, attached by the others) or, without a key, the rows filled
+    privately and then moved into the segment of their content; else a new storage of the
+    placement with the rows copied in block by block."""
+    entry = placement_named(placement, mapped=source.mapped is not None)
+    fmt, num_rows, head_dim = source.format, source.num_rows, source.head_dim
+    entry.check_holds(fmt)
+    if entry.mapped:
+        return MappedStorage(source.mapped(), head_dim, fmt, source.guard)
+    if entry.per_node and source.key is not None and num_rows * head_dim:
+
+        def fill(rows: np.ndarray) -> None:
+            write_blocks(CpuStorage(rows.view(fmt.dtype), fmt), source.blocks())
+
+        return SharedStorage(source.key, num_rows, head_dim, fmt, fill)
+    filled = allocate(entry.fills, num_rows, head_dim, fmt)
+    write_blocks(filled, source.blocks())
+    placed = place_filled(entry.name, filled)
+    if placed is not filled:
+        filled.close()
+    return placed
+
+
+def place_filled(placement: str, filled: Storage) -> Storage:
+    """The storage of ``placement`` over rows already filled into ``filled`` (a storage of
+    ``Placement.fills``, e.g. loaded shard by shard): ``filled`` itself, or for ``"shared"``
+    the node's segment named by the rows' content (then the caller closes ``filled``). The
+    storage reports ``placement`` (pinned memory without a GPU is CPU storage)."""
+    entry = placement_named(placement)
+    placed = filled
+    if entry.fills != entry.name:
+        host = filled.host_view
+        placed = adopt(entry.name, HOST, host, filled.format) or allocate(
+            entry.name, host.shape[0], filled.head_dim, filled.format)
+    placed.placement = entry.name
+    return placed

@@ -46,6 +46,10 @@ class Storage:
     device_view: Any = None
     host_scales: np.ndarray | None = None  # block scales beside ``host_view`` (blocked formats)
     device_scales: Any = None  # block scales beside ``device_view``
+    device_tier: Any = None  # a hot tier's GPU side over ``cold.device_view`` (``tiered``)
+    page_locked = False  # rows in page-locked host memory the GPU reads over UVA
+    device_resident = False  # rows in GPU memory: lookups there need no prefetch
+    shared_segment: Any = None  # the node-wide segment holding the rows (``shared_memory``)
 
     def __init__(self, num_rows: int, head_dim: int, fmt: Format):
         self.num_rows, self.head_dim, self.format = num_rows, head_dim, fmt
@@ -89,6 +93,34 @@ class Storage:
             raise RuntimeError(f"cannot {doing} while a stream that looks up the table is "
                                f"capturing a CUDA graph: {doing} after the capture")
         self.readers.synchronize()
+
+    @property
+    def cold(self) -> Storage:
+        """The storage holding the rows themselves: this one (a tiered storage's is the one
+        under its hot tier)."""
+        return self
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """Rows read from each tier: none without a hot tier."""
+        return {}
+
+    def refresh_hot_rows(self) -> None:
+        """Copy the hot tier's rows again from the rows: nothing without a hot tier."""
+
+    def rows_changed(self, local_rows: np.ndarray) -> None:
+        """These local rows changed in place (an optimizer step): nothing holds copies of them
+        by default."""
+
+    def training_refusal(self) -> str | None:
+        """Why a row optimizer cannot update these rows in place (``training_rows``), or None."""
+        if not self.writable:
+            return "the table's rows are read-only (a read-only array was adopted)"
+        return None
+
+    def training_rows(self) -> np.ndarray:
+        """The raw rows ``[num_rows, head_dim]`` a row optimizer updates in place."""
+        return self.host_view.view(self.format.raw)
 
     def close(self) -> None:
         """Nothing to release by default."""

@@ -48,6 +48,7 @@ class GpuStorage(Storage):
     block-scaled format's packed rows with their block ``scales``."""
 
     placement = "gpu"
+    device_resident = True
 
     def __init__(self, rows, fmt: Format, scales=None):
         super().__init__(rows.shape[0], rows.shape[1] * fmt.pack, fmt)
@@ -62,6 +63,11 @@ class GpuStorage(Storage):
             if scales is not None:
                 fill(self.device_scales[local_start : local_start + scales.shape[0]], scales,
                      cuda_stream())
+
+    def training_refusal(self) -> str | None:
+        """Row optimizers update host rows only, so far."""
+        return ("training tables in GPU memory is not supported yet: place the table on 'cpu', "
+                "'pinned' or 'shared'")
 
     def gather(self, job: Gather) -> None:
         """The CUDA gather."""

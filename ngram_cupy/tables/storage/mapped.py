@@ -89,6 +89,11 @@ class MappedStorage(Storage):
         """Why GPU ids cannot read this table (the device attribute it lacks)."""
         return None if self.reads(side) else NO_PAGEABLE_ACCESS
 
+    def training_refusal(self) -> str | None:
+        """The rows are the checkpoint files' pages, mapped read-only."""
+        return ("placement='mmap' tables are read-only (the rows are the checkpoint files' "
+                "pages): load the table into 'cpu', 'pinned' or 'shared' memory to train it")
+
     def will_read(self, ids, row_start: int, stream=None) -> None:
         """Advise the pages of these rows ``MADV_WILLNEED``, off the caller's thread."""
         self.pages.submit(ids, row_start, stream)

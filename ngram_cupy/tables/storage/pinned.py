@@ -6,7 +6,7 @@ import numpy as np
 
 from ...formats import Format
 from ...runtime.backends import HOST
-from ..pinned import PinnedBuffer
+from ..pinned_memory import PinnedBuffer
 from .base import Gather, Storage
 from .cpu import gather_host, write_host
 from .gpu import gather_device
@@ -17,6 +17,7 @@ class PinnedStorage(Storage):
     block-scaled format's block scales in a second one)."""
 
     placement = "pinned"
+    page_locked = True
 
     def __init__(self, num_rows: int, head_dim: int, fmt: Format):
         super().__init__(num_rows, head_dim, fmt)

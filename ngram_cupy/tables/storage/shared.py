@@ -21,10 +21,16 @@ import numpy as np
 from ...formats import Format
 from ...runtime.backends import HOST, gpu_available
 from .. import shared_memory
-from ..pinned import PinnedBuffer
+from ..pinned_memory import PinnedBuffer
 from .base import Gather, Storage
 from .cpu import gather_host
 from .gpu import gather_device
+
+
+def block_scales_refusal(fmt: Format) -> str:
+    """Why a segment cannot hold a block-scaled format's rows."""
+    return (f"placement='shared' holds tables of one array; {fmt.name} rows carry block scales "
+            "beside them: use placement 'pinned' or 'cpu'")
 
 
 def content_key(rows: np.ndarray, fmt: Format) -> str:
@@ -49,8 +55,7 @@ class SharedStorage(Storage):
                  fill: Callable[[np.ndarray], None], *, huge_pages: bool | None = None,
                  timeout: float | None = None, strict: bool | None = None):
         if fmt.blocked:
-            raise ValueError(f"placement='shared' holds tables of one array; {fmt.name} rows "
-                             "carry block scales beside them: use placement 'pinned' or 'cpu'")
+            raise ValueError(block_scales_refusal(fmt))
         super().__init__(num_rows, head_dim, fmt)
         shape = (num_rows, head_dim)
 
@@ -72,6 +77,28 @@ class SharedStorage(Storage):
         self.host_view = view.reshape(shape)
         if self.buffer is not None:
             self.device_view = self.buffer.device_array(shape, fmt.raw)
+
+    @property
+    def page_locked(self) -> bool:
+        """Whether this process's mapping is registered for the GPU (until ``close``)."""
+        return self.device_view is not None
+
+    @property
+    def shared_segment(self) -> shared_memory.Segment | None:
+        """The segment, when it is shared memory (not the private fallback)."""
+        return self.segment if self.segment.shared else None
+
+    def training_refusal(self) -> str | None:
+        """Every process may update the rows in place (Hogwild), while the segment is attached."""
+        if self.segment.attached:
+            return None
+        return "the table is closed: its shared segment is detached"
+
+    def training_rows(self) -> np.ndarray:
+        """The raw rows in the segment's mapping, writable in every process."""
+        count = self.num_rows * self.head_dim
+        return np.frombuffer(self.segment.memory, self.format.raw, count=count).reshape(
+            self.num_rows, self.head_dim)
 
     def write_rows(self, local_start: int, rows, scales=None) -> None:
         """Refused: other processes read these rows."""

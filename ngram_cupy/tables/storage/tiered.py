@@ -65,6 +65,7 @@ class TieredStorage(Storage):
     """
 
     placement = "tiered"
+    cold = None  # the storage under the tier, set by ``__init__`` (the base's ``cold`` is self)
 
     def __init__(self, cold: Storage, hot_rows: np.ndarray):
         super().__init__(cold.num_rows, cold.head_dim, cold.format)
@@ -122,6 +123,11 @@ class TieredStorage(Storage):
         """As the cold storage."""
         return self.cold.writable
 
+    @property
+    def page_locked(self) -> bool:
+        """As the cold storage."""
+        return self.cold.page_locked
+
     def reads(self, side: Backend) -> bool:
         """As the cold storage (``device_view`` stays None: a kernel outside the storage reads
         ``cold.device_view`` through ``device_tier``, never the cold rows alone)."""
@@ -158,6 +164,26 @@ class TieredStorage(Storage):
             if device is not None:
                 with device.device:
                     fill(device, host, cuda_stream())
+
+    def refresh_hot_rows(self) -> None:
+        """``refresh``, after the GPU lookups still reading the tier (refused while one of their
+        streams captures a CUDA graph)."""
+        self.wait_for_readers("refresh the hot rows")
+        self.refresh()
+
+    def rows_changed(self, local_rows: np.ndarray) -> None:
+        """Copy the hot ones among these updated local rows into the tier (its hot copies stay
+        coherent)."""
+        if not local_rows.size:
+            return
+        slots = np.searchsorted(self.hot_rows, local_rows)
+        slots = np.minimum(slots, self.hot_rows.shape[0] - 1)
+        hit = self.hot_rows[slots] == local_rows if self.hot_rows.size else slots < 0
+        if hit.any():
+            raw = self.host_view.view(self.cold.format.raw)
+            self.host_hot[slots[hit]] = raw[local_rows[hit]]
+            if self.device_hot is not None:
+                self.refresh()
 
     def gather(self, job: Gather) -> None:
         """The tiered gather of the ids' side (``job.dedup`` is not used: one launch)."""
