@@ -1,19 +1,21 @@
 """``NGramEmbeddingModule``: one PLE layer as a ``torch.nn.Module`` shaped like the reference layer.
 
 A model written for the reference layer can use it in its place: the same ``forward`` and
-``start_prefetch`` arguments (four with ``hidden_states`` first, or vLLM 0.33's three),
-the same ``[T, num_heads * head_dim]`` output, the same checkpoint names in ``load_weights`` and
-the same ``state_dict`` keys; with ``return_stored_rows=True`` it returns the stored rows that
-vLLM 0.33's PLE layer decodes with ``ngram_embedding.dequantize(rows, dtype)``. Underneath it is an
-``NGramEmbedding`` (exact ids, then an ``EmbeddingTable`` gather), so CPU tensors run on the CPU
-and CUDA tensors on the GPU, on torch's current stream.
+``start_prefetch`` arguments (vLLM 0.33's three, or the seed's four with ``hidden_states``
+first), the same ``[T, num_heads * head_dim]`` output, the same checkpoint names in
+``load_weights`` and the same ``state_dict`` keys; with ``return_stored_rows=True`` it returns
+the stored rows that vLLM 0.33's PLE layer decodes with ``ngram_embedding.dequantize(rows,
+dtype)``. Underneath it is an ``NGramEmbedding`` (exact ids, then an ``EmbeddingTable`` gather),
+so CPU tensors run on the CPU and CUDA tensors on the GPU, on torch's current stream.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import numpy as np
 import torch
@@ -77,6 +79,20 @@ def batch_arguments(method: str, args: tuple, kwargs: dict) -> tuple[torch.Tenso
             raise TypeError(f"{method}(): {name} must be an integer tensor, got "
                             f"{_kind(value)}{hint}")
     return tuple(values[name] for name in BATCH)
+
+
+def seed_call_shape(method: Callable[..., Any]) -> Callable[..., Any]:
+    """The layer method ``method(self, input_ids, query_start_loc, ngram_context)`` (vLLM 0.33's
+    shape, the signature ``help`` shows), callable in the seed's four-argument shape too:
+    ``(hidden_states, input_ids, query_start_loc, ngram_context)``, positionally or by name,
+    ``hidden_states`` a floating tensor or None and not read. ``batch_arguments`` maps either
+    shape onto the three tensors, or raises the TypeError naming the argument."""
+
+    @functools.wraps(method)
+    def either_shape(self, *args: torch.Tensor | None, **kwargs: torch.Tensor | None):
+        return method(self, *batch_arguments(method.__name__, args, kwargs))
+
+    return either_shape
 
 
 def _kind(value) -> str:
@@ -224,9 +240,8 @@ class TableWeights(torch.nn.Module):
 
 class NGramEmbeddingModule(torch.nn.Module):
     """Dense PLE layer ``layer`` of ``config``: ids of a packed batch, then their table rows,
-    with the reference model's layer shape (``forward(hidden_states, input_ids,
-    query_start_loc, ngram_context)`` or vLLM 0.33's three-argument form without
-    ``hidden_states``).
+    with vLLM 0.33's layer shape (``forward(input_ids, query_start_loc, ngram_context)``), or
+    the seed reference layer's with ``hidden_states`` first (``seed_call_shape``).
 
     Args:
         config: the model's :class:`~ngram_cupy.NGramConfig`; it must set ``embedding_dim``.
@@ -418,18 +433,22 @@ class NGramEmbeddingModule(torch.nn.Module):
                                    stream=stream)
         return output
 
-    def forward(self, *args: torch.Tensor | None, **kwargs: torch.Tensor | None) -> torch.Tensor:
-        """``[T, num_heads * head_dim]`` embeddings of ``(input_ids, query_start_loc,
-        ngram_context)`` in ``self.out_dtype`` (the stored rows with ``return_stored_rows``).
+    @seed_call_shape
+    def forward(self, input_ids: torch.Tensor, query_start_loc: torch.Tensor,
+                ngram_context: torch.Tensor) -> torch.Tensor:
+        """``[T, num_heads * head_dim]`` embeddings of a packed batch in ``self.out_dtype`` (the
+        stored rows with ``return_stored_rows``).
 
-        ``(hidden_states, input_ids, query_start_loc, ngram_context)`` is taken too;
-        ``hidden_states`` is not read. After ``start_prefetch`` this joins the prefetch and
-        gathers again only heads whose ids changed, so a stale prefetch costs time, never
-        correctness. ``input_ids`` may be padded past ``query_start_loc[-1]`` (docs/ids.md).
+        ``input_ids`` are the batch's tokens (``[T]``, may be padded past
+        ``query_start_loc[-1]``, docs/ids.md), ``query_start_loc`` its sequences' starts
+        (``[S + 1]``) and ``ngram_context`` each sequence's preceding tokens (``[S, n - 1]``).
+        The seed's ``(hidden_states, input_ids, query_start_loc, ngram_context)`` is taken too
+        (``seed_call_shape``). After ``start_prefetch`` this joins the prefetch and gathers
+        again only heads whose ids changed, so a stale prefetch costs time, never correctness.
         """
         self._check_loaded()
         input_ids, query_start_loc, ngram_context, stream = self._batch(
-            *batch_arguments("forward", args, kwargs))
+            input_ids, query_start_loc, ngram_context)
         width = self.layout.num_heads * self.layout.head_dim
         out = torch.empty((input_ids.shape[0], width), dtype=self._lookup_dtype,
                           device=input_ids.device)
@@ -444,16 +463,18 @@ class NGramEmbeddingModule(torch.nn.Module):
             return rows.to(self.table.format.torch_dtype)  # exact: see stored_rows_format
         return rows
 
-    def start_prefetch(self, *args: torch.Tensor | None, **kwargs: torch.Tensor | None) -> None:
-        """Start gathering the rows of ``(input_ids, query_start_loc, ngram_context)`` (vLLM
-        0.33's call; four with ``hidden_states`` first, too) while the preceding decoder
-        layer runs (a side CUDA stream, or a worker thread on the CPU); ``forward`` joins it.
+    @seed_call_shape
+    def start_prefetch(self, input_ids: torch.Tensor, query_start_loc: torch.Tensor,
+                       ngram_context: torch.Tensor) -> None:
+        """Start gathering the rows of the batch ``forward`` will be given (vLLM 0.33's call;
+        the seed's four arguments too, ``seed_call_shape``) while the preceding decoder layer
+        runs (a side CUDA stream, or a worker thread on the CPU); ``forward`` joins it.
         Nothing for a table in GPU memory, as in the reference layer."""
-        batch = batch_arguments("start_prefetch", args, kwargs)
         if self.table.storage.device_resident:
             return
         self._check_loaded()
-        input_ids, query_start_loc, ngram_context, stream = self._batch(*batch)
+        input_ids, query_start_loc, ngram_context, stream = self._batch(
+            input_ids, query_start_loc, ngram_context)
         if self.trainable_rows is not None:
             self.trainable_rows.prefetched = True
         self.embedding.start_prefetch(input_ids, query_start_loc, ngram_context, stream=stream,

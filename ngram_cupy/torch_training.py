@@ -14,16 +14,17 @@ from collections.abc import Callable
 
 import torch
 
-import ngram_cupy as nc
-
 from .tables.storage import find_placement
+from .tables.table import EmbeddingTable
+from .training import optimizers
+from .training.backward import embedding_backward
 
-# Names ``fused_optimizer`` takes -> the row optimizer class of the package.
+# Names ``fused_optimizer`` takes -> the row optimizer class in ``training.optimizers``.
 OPTIMIZERS = {"sgd": "SGD", "rowwise_adagrad": "RowwiseAdagrad", "adam": "Adam"}
 TRAINABLE_FORMATS = ("float32", "bfloat16")
 
 
-def check_trainable(table: nc.EmbeddingTable, what: str) -> None:
+def check_trainable(table: EmbeddingTable, what: str) -> None:
     """A table rows can be trained in: float32 or bfloat16, writable, not a node-wide segment
     (whose rows a module never owns alone)."""
     if table.format.name not in TRAINABLE_FORMATS:
@@ -50,7 +51,7 @@ class TrainableRows:
         weights.weight = torch.nn.Parameter(weight, requires_grad=True)
 
     @property
-    def table(self) -> nc.EmbeddingTable:
+    def table(self) -> EmbeddingTable:
         """The table the rows live in."""
         return self.weights.table
 
@@ -82,7 +83,7 @@ class TrainableRows:
             self.optimizer.step_from_output_grad(ids, grad_out)
             return None
         weight = self.weights.weight
-        grads = nc.embedding_backward(ids, grad_out, num_rows=self.table.num_rows)
+        grads = embedding_backward(ids, grad_out, num_rows=self.table.num_rows)
         indices = torch.as_tensor(grads.indices, device=weight.device).reshape(1, -1)
         values = torch.as_tensor(grads.values, device=weight.device).to(weight.dtype)
         return torch.sparse_coo_tensor(indices, values, tuple(weight.shape),
@@ -115,5 +116,5 @@ def fused_optimizer(module: torch.nn.Module, name: str, lr: float, **options):
                          "trainable=True")
     if name not in OPTIMIZERS:
         raise ValueError(f"name must be one of {', '.join(OPTIMIZERS)}, got {name!r}")
-    rows.optimizer = getattr(nc, OPTIMIZERS[name])(rows.table, lr=lr, **options)
+    rows.optimizer = getattr(optimizers, OPTIMIZERS[name])(rows.table, lr=lr, **options)
     return rows.optimizer

@@ -23,7 +23,7 @@ from functools import cache, lru_cache
 import numpy as np
 from llvmlite import ir
 from numba import float32, int64, njit, prange, types, uint16, uint32, uint64
-from numba.core.extending import intrinsic
+from numba.core.extending import intrinsic, overload
 
 from .. import formats
 from ..runtime.cpu_threads import use_threads
@@ -105,18 +105,48 @@ def fp8_row_to_bf16(source, dest, scale):
         dest[c] = fp8_to_bf16(uint32(source[c]), scale)
 
 
+# ---- row decoders: one row's stored elements -> its output units, one signature for all ----
+# ``decode(codes, block_scales, dest, outputs, scale, code, out_code, per_block)``: ``codes`` are
+# the row's stored elements, ``block_scales`` its block scale bytes (empty without), ``outputs``
+# the table of ``output_table`` and ``per_block`` the stored elements per block scale.
+
+
 @njit(inline="always", boundscheck=False)
-def blocked_row(source, block_scales, dest, outputs, per_block):
-    """One block-scaled row: ``dest[k]`` = the outputs of stored byte ``source[k]`` under its
+def computed_row(codes, block_scales, dest, outputs, scale, code, out_code, per_block):
+    """Each value converted with ``convert`` (float32 rows: too wide for a table)."""
+    for c in range(codes.shape[0]):
+        dest[c] = convert(codes[c], code, scale, out_code)
+
+
+@njit(inline="always", boundscheck=False)
+def table_row(codes, block_scales, dest, outputs, scale, code, out_code, per_block):
+    """Each value's output looked up among every bit pattern's (``output_table``)."""
+    for c in range(codes.shape[0]):
+        dest[c] = outputs[codes[c]]
+
+
+@njit(inline="always", boundscheck=False)
+def fp8_formula_row(codes, block_scales, dest, outputs, scale, code, out_code, per_block):
+    """Float8 to bfloat16 with ``fp8_row_to_bf16`` for a finite ``scale``; a NaN or infinite
+    one has no formula: the table."""
+    if abs(scale) <= FLOAT32_MAX:
+        fp8_row_to_bf16(codes, dest, scale)
+    else:
+        table_row(codes, block_scales, dest, outputs, scale, code, out_code, per_block)
+
+
+@njit(inline="always", boundscheck=False)
+def blocked_row(codes, block_scales, dest, outputs, scale, code, out_code, per_block):
+    """One block-scaled row: ``dest[k]`` = the outputs of stored byte ``codes[k]`` under its
     block's scale byte, from the byte table ``outputs`` (``convert_units``)."""
     for j in range(block_scales.shape[0]):
         base = int64(block_scales[j]) << 8
         for k in range(j * per_block, j * per_block + per_block):
-            dest[k] = outputs[base | int64(source[k])]
+            dest[k] = outputs[base | int64(codes[k])]
 
 
 @njit(inline="always", boundscheck=False)
-def mxfp8_row_to_bf16(source, block_scales, dest, outputs, per_block):
+def mxfp8_row_to_bf16(codes, block_scales, dest, outputs, scale, code, out_code, per_block):
     """``blocked_row`` of an MXFP8 row to bfloat16: each block is ``fp8_to_bf16`` with its
     power-of-two scale (exactly ``convert_blocked``: the global scale is 1), but a block with the
     infinite scale byte 255, which goes through the byte table. Each block's loop runs a constant
@@ -128,26 +158,113 @@ def mxfp8_row_to_bf16(source, block_scales, dest, outputs, per_block):
         if byte == uint32(0xFF):
             base = int64(byte) << 8
             for k in range(per_block):
-                dest[first + k] = outputs[base | int64(source[first + k])]
+                dest[first + k] = outputs[base | int64(codes[first + k])]
             continue
         if SHIFT_SAFE[0] <= byte <= SHIFT_SAFE[1]:
             shift = (byte - uint32(127)) << uint32(7)
             for k in range(per_block):
-                dest[first + k] = fp8_shifted_to_bf16(uint32(source[first + k]), shift)
+                dest[first + k] = fp8_shifted_to_bf16(uint32(codes[first + k]), shift)
             continue
-        scale = bits_to_float32(byte << uint32(23))
+        block_scale = bits_to_float32(byte << uint32(23))
         for k in range(per_block):
-            dest[first + k] = fp8_to_bf16(uint32(source[first + k]), scale)
+            dest[first + k] = fp8_to_bf16(uint32(codes[first + k]), block_scale)
+
+
+ROW_DECODERS = {"computed": computed_row, "table": table_row, "fp8_formula": fp8_formula_row,
+                "blocks": blocked_row, "mxfp8_shift": mxfp8_row_to_bf16}
+# (stored, output) format pairs with a decoder of their own, faster than their kind's.
+FAST_DECODERS = {(FLOAT8_E4M3, BFLOAT16): "fp8_formula", (MXFP8, BFLOAT16): "mxfp8_shift"}
+
+
+def row_decoder(code: int, out_code: int) -> str:
+    """The ``ROW_DECODERS`` entry for rows of format ``code`` read as ``out_code``: the pair's
+    own (``FAST_DECODERS``), else by byte and block scale for block-scaled rows, the table for
+    1- and 2-byte values, and computed for float32."""
+    fmt = FORMATS[code]
+    if (code, out_code) in FAST_DECODERS:
+        return FAST_DECODERS[code, out_code]
+    if fmt.blocked:
+        return "blocks"
+    return "table" if fmt.itemsize <= 2 else "computed"
+
+
+# ---- row layouts: where a row's stored elements and its block scales lie ----
+# ``parts(table, scales, row, width, scale_width)`` is row ``row``'s ``(codes, block_scales)``.
+
+
+@njit(inline="always", boundscheck=False)
+def plain_parts(table, scales, row, width, scale_width):
+    """``table[row]`` and no block scales."""
+    return table[row], table[row, :0]
+
+
+@njit(inline="always", boundscheck=False)
+def split_parts(table, scales, row, width, scale_width):
+    """``table[row]`` and its block scales beside it, ``scales[row]``."""
+    return table[row], scales[row]
+
+
+@njit(inline="always", boundscheck=False)
+def record_parts(table, scales, row, width, scale_width):
+    """The codes and block scales in record ``table[row]`` (``packed``; ``scales`` unused)."""
+    record = table[row]
+    return record[:width], record[width:width + scale_width]
+
+
+ROW_LAYOUTS = {"plain": plain_parts, "split": split_parts, "record": record_parts}
+
+
+def row_layout(code: int, packed: bool) -> str:
+    """The ``ROW_LAYOUTS`` entry for rows of format ``code``: records, rows with their block
+    scales beside them, or plain rows."""
+    return "record" if packed else "split" if FORMATS[code].blocked else "plain"
+
+
+def decode_row(decoder, codes, block_scales, dest, outputs, scale, code, out_code, per_block):
+    """``ROW_DECODERS[decoder](codes, ...)`` in compiled code, chosen while compiling."""
+    raise TypeError("decode_row runs in compiled code only")
+
+
+def row_parts(layout, table, scales, row, width, scale_width):
+    """``ROW_LAYOUTS[layout](table, ...)`` in compiled code, chosen while compiling."""
+    raise TypeError("row_parts runs in compiled code only")
+
+
+# The gather names its row functions (``decoder`` and ``layout`` are closure constants, so
+# literals), and these overloads inline the named one: a dispatcher in the closure would change
+# Numba's disk cache key in every process. (Numba inlines no ``function(*args)``: the
+# parameters are spelled out.)
+@overload(decode_row, prefer_literal=True, inline="always")
+def decode_named_row(decoder, codes, block_scales, dest, outputs, scale, code, out_code,
+                     per_block):
+    """The implementation of ``decode_row`` for a literal ``decoder``."""
+    if not isinstance(decoder, types.StringLiteral):
+        return None
+    function = ROW_DECODERS[decoder.literal_value]
+
+    def decode(decoder, codes, block_scales, dest, outputs, scale, code, out_code, per_block):
+        function(codes, block_scales, dest, outputs, scale, code, out_code, per_block)
+
+    return decode
+
+
+@overload(row_parts, prefer_literal=True, inline="always")
+def named_row_parts(layout, table, scales, row, width, scale_width):
+    """The implementation of ``row_parts`` for a literal ``layout``."""
+    if not isinstance(layout, types.StringLiteral):
+        return None
+    function = ROW_LAYOUTS[layout.literal_value]
+    return lambda layout, table, scales, row, width, scale_width: function(
+        table, scales, row, width, scale_width)
 
 
 @intrinsic
-def prefetch_line(typingctx, array, row, column):
-    """Hint the CPU to load ``array[row, column]``'s cache line (LLVM ``prefetch``; no fault)."""
+def prefetch_line(typingctx, array, index):
+    """Hint the CPU to load 1-D ``array[index]``'s cache line (LLVM ``prefetch``; no fault)."""
 
     def codegen(context, builder, signature, args):
         view = context.make_array(signature.args[0])(context, builder, args[0])
-        strides = [builder.extract_value(view.strides, axis) for axis in range(2)]
-        offset = builder.add(builder.mul(args[1], strides[0]), builder.mul(args[2], strides[1]))
+        offset = builder.mul(args[1], builder.extract_value(view.strides, 0))
         address = builder.add(builder.ptrtoint(view.data, ir.IntType(64)), offset)
         byte_pointer = ir.IntType(8).as_pointer()
         signature_ir = ir.FunctionType(ir.VoidType(), [byte_pointer] + [ir.IntType(32)] * 3)
@@ -156,13 +273,27 @@ def prefetch_line(typingctx, array, row, column):
         builder.call(hint, [builder.inttoptr(address, byte_pointer), *flags])
         return context.get_dummy_value()
 
-    return types.void(array, types.int64, types.int64), codegen
+    return types.void(array, types.int64), codegen
+
+
+@njit(inline="always", boundscheck=False)
+def prefetch_row(codes, block_scales, line):
+    """Hint the lines of a row's codes (``line`` elements each) and of its block scales: neither
+    need be a line multiple, so their last lines too."""
+    for c in range(0, codes.shape[0], line):
+        prefetch_line(codes, int64(c))
+    prefetch_line(codes, int64(codes.shape[0] - 1))
+    if block_scales.shape[0] != 0:
+        prefetch_line(block_scales, int64(0))
+        prefetch_line(block_scales, int64(block_scales.shape[0] - 1))
 
 
 @cache
 def _gather_kernel(code: int, out_code: int, parallel: bool, tiered: bool = False,
                    packed: bool = False, digest: int = DEQUANT_DIGEST):
-    """The gather for one (storage, output) format pair, threaded or not, tiered or not, ``nogil``.
+    """The gather for one (storage, output) format pair, threaded or not, tiered or not, ``nogil``:
+    one loop over the ids, with the row functions of the pair's decoder (``row_decoder``) and of
+    its rows' layout (``row_layout``).
 
     Numba's disk cache keys an entry by the code and the closure's values, not by ``parallel=``,
     so the serial gather is its own closure (one block); ``digest`` ties it to dequant.py.
@@ -175,102 +306,55 @@ def _gather_kernel(code: int, out_code: int, parallel: bool, tiered: bool = Fals
     """
     block_size = BLOCK if parallel else 1 << 62
     fmt = FORMATS[code]
-    by_table = code != FLOAT32
-    by_formula = code == FLOAT8_E4M3 and out_code == BFLOAT16
+    decoder = row_decoder(code, out_code)
+    layout = row_layout(code, packed)
     line = CACHE_LINE // fmt.itemsize  # stored elements per cache line
-    blocked = fmt.blocked
     per_block = max(fmt.block // fmt.pack, 1)  # stored elements per block scale
-    # MXFP8 -> bfloat16: each block is a float8 run scaled by a power of two, the float8 formula
-    by_blocks = code == MXFP8 and out_code == BFLOAT16
 
     def gather(table, row_start, scale, outputs, ids, expected, out, hot_words, hot_ranks, hot,
                counts, scales, hot_scales, total_rows, bad, width):
         rows = table.shape[0]
-        head_dim = width  # block-scaled: stored bytes, ``out`` in their units
-        record = table.shape[1]
-        scale_width = head_dim // per_block
+        scale_width = width // per_block  # ``width``: stored elements a row, ``out``'s units
         num_tokens, num_heads = ids.shape
         check = expected.shape[0] != 0 or (digest & 0) != 0  # digest: cache key only
-        formula = by_formula and abs(scale) <= FLOAT32_MAX  # a NaN or infinite scale: the table
         for block in prange((num_tokens + block_size - 1) // block_size):
             last = min(block * block_size + block_size, num_tokens)
             hot_read = 0
             cold_read = 0
             first_bad = int64(-1)
             for t in range(block * block_size, last):
-                for h in range(num_heads):
+                for h in range(num_heads):  # the next token's rows load while these convert
                     ahead = int64(ids[t + 1, h]) - row_start if t + 1 < last else int64(-1)
                     if 0 <= ahead < rows:
                         slot = hot_slot(hot_words, hot_ranks, ahead) if tiered else int64(-1)
-                        if packed:  # one record: its lines, the last one included
-                            for c in range(0, record, line):
-                                prefetch_line(hot if slot >= 0 else table, slot if slot >= 0
-                                              else ahead, c)
-                            prefetch_line(hot if slot >= 0 else table, slot if slot >= 0
-                                          else ahead, record - 1)
-                            continue
-                        for c in range(0, head_dim, line):
-                            if slot >= 0:
-                                prefetch_line(hot, slot, c)
-                            else:
-                                prefetch_line(table, ahead, c)
-                        if blocked:  # rows and scales not a line multiple: their last lines
-                            if slot >= 0:
-                                prefetch_line(hot, slot, head_dim - 1)
-                                prefetch_line(hot_scales, slot, 0)
-                                prefetch_line(hot_scales, slot, hot_scales.shape[1] - 1)
-                            else:
-                                prefetch_line(table, ahead, head_dim - 1)
-                                prefetch_line(scales, ahead, 0)
-                                prefetch_line(scales, ahead, scales.shape[1] - 1)
+                        source = hot if slot >= 0 else table
+                        source_scales = hot_scales if slot >= 0 else scales
+                        codes, block_scales = row_parts(layout, source, source_scales,
+                                                        slot if slot >= 0 else ahead, width,
+                                                        scale_width)
+                        prefetch_row(codes, block_scales, line)
                 for h in range(num_heads):
                     row_id = int64(ids[t, h])
                     if check and expected[t, h] == row_id:
                         continue  # already in ``out`` from the prefetch
                     local = row_id - row_start
-                    first = h * head_dim
+                    first = h * width
                     if 0 <= local < rows:
                         slot = hot_slot(hot_words, hot_ranks, local) if tiered else int64(-1)
-                        source = hot if slot >= 0 else table
-                        row = slot if slot >= 0 else local
                         hot_read += slot >= 0
                         cold_read += slot < 0
-                        if packed:
-                            codes = source[row]
-                            dest = out[t, first:first + head_dim]
-                            if by_blocks:
-                                mxfp8_row_to_bf16(codes[:head_dim],
-                                                  codes[head_dim:head_dim + scale_width], dest,
-                                                  outputs, per_block)
-                            else:
-                                blocked_row(codes[:head_dim],
-                                            codes[head_dim:head_dim + scale_width], dest,
-                                            outputs, per_block)
-                            continue
-                        if formula:
-                            fp8_row_to_bf16(source[row], out[t, first:first + head_dim], scale)
-                            continue
-                        if by_blocks:
-                            block_scales = hot_scales if slot >= 0 else scales
-                            mxfp8_row_to_bf16(source[row], block_scales[row],
-                                              out[t, first:first + head_dim], outputs, per_block)
-                            continue
-                        if blocked:
-                            block_scales = hot_scales if slot >= 0 else scales
-                            blocked_row(source[row], block_scales[row],
-                                        out[t, first:first + head_dim], outputs, per_block)
-                            continue
-                        for c in range(head_dim):
-                            if by_table:
-                                out[t, first + c] = outputs[source[row, c]]
-                            else:
-                                out[t, first + c] = convert(source[row, c], code, scale,
-                                                            out_code)
+                        source = hot if slot >= 0 else table
+                        source_scales = hot_scales if slot >= 0 else scales
+                        codes, block_scales = row_parts(layout, source, source_scales,
+                                                        slot if slot >= 0 else local, width,
+                                                        scale_width)
+                        decode_row(decoder, codes, block_scales, out[t, first:first + width],
+                                   outputs, scale, code, out_code, per_block)
                     else:  # another shard's id, or one outside the whole table: its first noted
                         outside = total_rows >= 0 and (row_id < 0 or row_id >= total_rows)
                         if outside and first_bad < 0:
                             first_bad = int64(t * num_heads + h)
-                        for c in range(head_dim):
+                        for c in range(width):
                             out[t, first + c] = 0
             bad[block] = first_bad
             if tiered:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import inspect
 import io
 import json
 import os
+import pydoc
 import re
 import tracemalloc
 
@@ -284,6 +286,15 @@ def test_both_call_shapes_give_the_same_rows():
     module.start_prefetch(hidden_states, **names)
     np.testing.assert_array_equal(bits(module(batch[0], **dict(list(names.items())[1:]))),
                                   bits(want))
+
+
+def test_help_shows_the_three_argument_shape():
+    """``forward`` and ``start_prefetch`` have vLLM 0.33's signature (the seed's four-argument
+    form is an adapter around it): ``help`` and ``inspect`` show ``input_ids`` and the rest."""
+    for method in (NGramEmbeddingModule.forward, NGramEmbeddingModule.start_prefetch):
+        names = list(inspect.signature(method).parameters)
+        assert names == ["self", "input_ids", "query_start_loc", "ngram_context"], method
+        assert "input_ids" in pydoc.render_doc(method, renderer=pydoc.plaintext)
 
 
 def test_call_shapes_that_fit_neither_form_are_type_errors():

@@ -1,0 +1,181 @@
+"""The package's floors (docs/design.md): every import of a ``ngram_cupy`` module, at module
+level or inside a function, runs down the floors or within its own folder, and the imports that
+run when a module loads form no cycle. Read from the source with ``ast``, nothing imported."""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+PACKAGE = "ngram_cupy"
+ROOT = Path(__file__).resolve().parents[2] / PACKAGE
+# Root modules that import nothing of the package: what the folders below share.
+LEAVES = ("_version", "formats")
+# What each area may import besides its own folder (leaves: not even each other). ``faces`` are
+# the other root modules; ``package`` is ``ngram_cupy/__init__.py``, which no module imports (a
+# module takes a name from the module that defines it).
+FLOORS = {
+    "leaves": set(),
+    "runtime": {"leaves"},
+    "hashing": {"leaves", "runtime"},
+    "tables": {"leaves", "runtime"},
+    "ids": {"leaves", "runtime", "hashing", "tables"},
+    "training": {"leaves", "runtime", "tables"},
+    "files": {"leaves", "runtime", "hashing", "tables", "ids", "training", "faces"},
+    "faces": {"leaves", "runtime", "hashing", "tables", "ids", "training", "files", "faces"},
+    "package": {"leaves", "runtime", "hashing", "tables", "ids", "training", "files", "faces"},
+}
+# The upward imports issue 27 found, now gone: the floors must refuse each.
+FIXED_UPWARD = (("ngram_cupy.runtime.backends", "ngram_cupy.tables.formats"),
+                ("ngram_cupy.runtime.kernel_cache", "ngram_cupy.files.atomic"),
+                ("ngram_cupy.hashing.token_map", "ngram_cupy.files.atomic"),
+                ("ngram_cupy.arrow", "ngram_cupy"))
+
+
+@dataclass(frozen=True)
+class Import:
+    """One import of a package module: who, what, where, and whether it runs at load time."""
+
+    importer: str
+    imported: str
+    line: int
+    at_load: bool  # outside any function: runs when the importer loads
+
+    def __str__(self) -> str:
+        when = "" if self.at_load else " (in a function)"
+        return (f"{self.importer} (line {self.line}) imports {self.imported}{when}: "
+                f"{area(self.importer)} may not import {area(self.imported)}")
+
+
+def module_name(path: Path) -> str:
+    """The dotted name of a source file of the package."""
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(path): path for path in sorted(ROOT.rglob("*.py"))}
+FOLDERS = {name for name, path in MODULES.items() if path.name == "__init__.py"}
+
+
+def area(module: str) -> str:
+    """The floor a module is on: its folder, a leaf, a face (root module) or the package."""
+    parts = module.split(".")
+    if parts == [PACKAGE]:
+        return "package"
+    if len(parts) == 2 and f"{PACKAGE}.{parts[1]}" not in FOLDERS:
+        return "leaves" if parts[1] in LEAVES else "faces"
+    return parts[1]
+
+
+
+def allowed(importer: str, imported: str) -> bool:
+    """Whether the floors let ``importer`` import ``imported``."""
+    mine, theirs = area(importer), area(imported)
+    if theirs == "package":
+        return False
+    return theirs in FLOORS[mine] or (mine == theirs and mine not in ("leaves", "faces"))
+
+
+def imports_of(module: str, source: str, modules=MODULES) -> list[Import]:
+    """Every import of a package module in ``source`` (the text of ``module``). ``from X import
+    y`` imports module ``X.y`` when there is one, else a name of ``X``; relative imports resolve
+    against the module's package."""
+    is_package = modules.get(module, Path()).name == "__init__.py"
+    package = module if is_package else module.rpartition(".")[0]
+    found = []
+
+    def visit(node: ast.AST, at_load: bool) -> None:
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                origin = ".".join(base + ([node.module] if node.module else []))
+            else:
+                origin = node.module or ""
+            targets = [f"{origin}.{alias.name}" if f"{origin}.{alias.name}" in modules
+                       else origin for alias in node.names]
+        else:
+            inner = at_load and not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef,
+                                                      ast.Lambda))
+            for child in ast.iter_child_nodes(node):
+                visit(child, inner)
+            return
+        for target in targets:
+            if target == PACKAGE or target.startswith(PACKAGE + "."):
+                found.append(Import(module, target, node.lineno, at_load))
+
+    visit(ast.parse(source), True)
+    return found
+
+
+IMPORTS = [found for module, path in MODULES.items()
+           for found in imports_of(module, path.read_text(encoding="utf-8"))]
+
+
+def test_the_parser_sees_the_package():
+    """Every folder, module-level and function-level imports, and ``from . import`` of a
+    module told from a name of the package."""
+    assert {area(module) for module in MODULES} == set(FLOORS)
+    assert any(found.at_load for found in IMPORTS)
+    assert any(not found.at_load for found in IMPORTS)
+    source = ("from . import arrow, __version__\nimport ngram_cupy.tables.table\n"
+              "def late():\n    from .tables import dequant\n")
+    assert [(found.imported, found.at_load) for found in imports_of("ngram_cupy.cli", source)] \
+        == [("ngram_cupy.arrow", True), ("ngram_cupy", True),
+            ("ngram_cupy.tables.table", True), ("ngram_cupy.tables.dequant", False)]
+
+
+@pytest.mark.parametrize("importer, imported", FIXED_UPWARD)
+def test_the_floors_refuse_the_upward_imports_that_were_fixed(importer, imported):
+    assert not allowed(importer, imported)
+
+
+def test_every_import_runs_down_the_floors():
+    wrong = [str(found) for found in IMPORTS if not allowed(found.importer, found.imported)]
+    assert not wrong, "imports up the floors:\n" + "\n".join(wrong)
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle through each strongly connected group of modules (Tarjan's algorithm)."""
+    index, low, stack, on_stack, groups = {}, {}, [], set(), []
+
+    def connect(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        on_stack.add(module)
+        for other in sorted(edges.get(module, ())):
+            if other not in index:
+                connect(other)
+                low[module] = min(low[module], low[other])
+            elif other in on_stack:
+                low[module] = min(low[module], index[other])
+        if low[module] == index[module]:
+            group = []
+            while not group or group[-1] != module:
+                group.append(stack.pop())
+                on_stack.discard(group[-1])
+            if len(group) > 1 or module in edges.get(module, ()):
+                groups.append(sorted(group))
+
+    for module in sorted(edges):
+        if module not in index:
+            connect(module)
+    return groups
+
+
+def test_cycles_are_found():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycles_at_load_time():
+    edges: dict[str, set[str]] = {}
+    for found in IMPORTS:
+        if found.at_load and found.imported != found.importer:
+            edges.setdefault(found.importer, set()).add(found.imported)
+    assert not cycles(edges), "modules importing each other when they load:\n" + "\n".join(
+        " -> ".join(group) for group in cycles(edges))
