@@ -1,10 +1,18 @@
-"""The registry of table storage formats: one entry per format says everything about its type.
+"""The registry of table storage formats: one entry per format is its codec, everything the
+package knows about what a table of that format stores.
 
 For each format: the code every kernel is compiled for (the same numbers in
 ``kernels/dequant.cuh``), its NumPy / ``ml_dtypes`` type, the unsigned type of its bits (what
 CuPy, DLPack and the kernels move), its torch dtype name, its safetensors dtype code, whether
-checkpoints store a scale with it, and whether it can be an output type. Adding a format is
-adding an entry here (and its decoding in ``dequant.py``).
+it can be an output type, its packing and block scales, and the tensors a table of it stores
+under the names each model family gives them (``TensorNames``): the torch layer's buffers (vLLM's
+Qwen4Exp parameter names), and the checkpoints of each family that hold it. The torch module, the
+transformers adapter and the checkpoint loaders ask these entries; none of them names a format.
+
+Adding a format is one entry here plus its decoding: ``dequant.py`` (the plain NumPy definition
+every path is tested against), the Numba row decoder in ``gather_numba.py`` and
+``kernels/dequant.cuh``; ``tests/tables/test_decoders.py`` checks every entry's decoders against
+each other, and docs/tables.md says the same.
 
 A block-scaled format (NVFP4 and MXFP8, docs/tables.md) packs ``pack`` values per stored byte
 and keeps one scale byte per ``block`` values in a second array beside the rows (``[rows,
@@ -26,6 +34,29 @@ import numpy as np
 FLOAT32, FLOAT16, BFLOAT16, FLOAT8_E4M3, NVFP4, MXFP8 = 0, 1, 2, 3, 4, 5
 
 
+# Model families whose checkpoints hold tables, by the names of docs/checkpoints.md and
+# docs/engram.md: Qwen4Exp PLE layers (vLLM, transformers) and DeepSeek's Engram.
+QWEN4EXP, ENGRAM = "Qwen4Exp", "Engram"
+
+
+@dataclass(frozen=True)
+class TensorNames:
+    """What a model family calls a table's tensors: the rows, their block scales (a row of
+    scales per row) and the table's one float scale; None where the format stores no such
+    tensor. ``{index}`` in a name is a checkpoint shard's number."""
+
+    rows: str = "weight"
+    block_scales: str | None = None
+    scale: str | None = None
+
+    def sharded(self) -> TensorNames:
+        """The names of a checkpoint that splits the rows (and their block scales) into
+        ``shard_{index}`` tensors, as Qwen4Exp checkpoints do; the scale stays whole."""
+        def shard(name: str | None) -> str | None:
+            return None if name is None else "shard_{index}." + name
+        return TensorNames(shard(self.rows), shard(self.block_scales), self.scale)
+
+
 @dataclass(frozen=True)
 class Format:
     """One storage or output format of table values."""
@@ -35,18 +66,34 @@ class Format:
     raw: np.dtype  # unsigned type of the same width: the bits
     torch_name: str  # attribute of the ``torch`` module
     safetensors: str  # dtype code in safetensors headers
-    scaled: bool  # checkpoints store a float scale beside tables of this format
     output: bool  # lookups can produce it
     label: str = ""  # the format's name where the dtype's is not (packed formats)
     pack: int = 1  # values per stored element
     block: int = 0  # values per block scale; 0: no block scales
     block_scale: Any = None  # ml_dtypes type of the block scale bytes
     block_scale_safetensors: str = ""  # their dtype code in checkpoints
+    # The torch layer's buffers under ``ngram_embedding.`` (vLLM's Qwen4Exp parameter names).
+    layer_names: TensorNames = TensorNames()
+    # (family, names) of the checkpoints that hold tables of this format.
+    checkpoints: tuple[tuple[str, TensorNames], ...] = ()
+    # The output format that holds every stored value exactly (a lookup of the stored rows
+    # gathers in it and casts back); None where stored values are not values by themselves.
+    exact_output: int | None = None
+
+    def checkpoint_names(self, family: str) -> TensorNames | None:
+        """The names ``family``'s checkpoints give this format's tensors; None when its
+        checkpoints hold no such table."""
+        return dict(self.checkpoints).get(family)
 
     @property
     def name(self) -> str:
         """The NumPy / ml_dtypes name, e.g. ``float8_e4m3fn``, or the label (``nvfp4``)."""
         return self.label or self.dtype.name
+
+    @property
+    def scaled(self) -> bool:
+        """Whether tables of this format carry one float scale (float8's, NVFP4's global)."""
+        return self.layer_names.scale is not None
 
     @property
     def blocked(self) -> bool:
@@ -85,21 +132,35 @@ class Format:
         return getattr(torch, self.torch_name)
 
 
+PLAIN_NAMES = TensorNames()  # rows alone, in every family
+FP8_NAMES = TensorNames(scale="weight_scale")  # vLLM's per-tensor scale
+NVFP4_NAMES = TensorNames(block_scales="weight_scale", scale="weight_scale_2")  # and a global
+MXFP8_NAMES = TensorNames(block_scales="weight_scale")  # vLLM's names for block scales alone
+ENGRAM_BLOCK_NAMES = TensorNames(block_scales="scale")  # DeepSeek's ``embed.weight, .scale``
+FLOAT_CHECKPOINTS = ((QWEN4EXP, PLAIN_NAMES.sharded()), (ENGRAM, PLAIN_NAMES))
+
 FORMATS = (
-    Format(FLOAT32, np.dtype(np.float32), np.dtype(np.uint32), "float32", "F32", False, True),
-    Format(FLOAT16, np.dtype(np.float16), np.dtype(np.uint16), "float16", "F16", False, True),
-    Format(BFLOAT16, np.dtype(ml_dtypes.bfloat16), np.dtype(np.uint16), "bfloat16", "BF16",
-           False, True),
+    Format(FLOAT32, np.dtype(np.float32), np.dtype(np.uint32), "float32", "F32", True,
+           checkpoints=FLOAT_CHECKPOINTS, exact_output=FLOAT32),
+    Format(FLOAT16, np.dtype(np.float16), np.dtype(np.uint16), "float16", "F16", True,
+           checkpoints=FLOAT_CHECKPOINTS, exact_output=FLOAT16),
+    Format(BFLOAT16, np.dtype(ml_dtypes.bfloat16), np.dtype(np.uint16), "bfloat16", "BF16", True,
+           checkpoints=FLOAT_CHECKPOINTS, exact_output=BFLOAT16),
+    # bfloat16 holds every E4M3 value exactly (a NaN keeps no sign).
     Format(FLOAT8_E4M3, np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(np.uint8), "float8_e4m3fn",
-           "F8_E4M3", True, False),
+           "F8_E4M3", False, layer_names=FP8_NAMES,
+           checkpoints=((QWEN4EXP, FP8_NAMES.sharded()),), exact_output=BFLOAT16),
     # Two E2M1 codes a byte (low nibble first), an E4M3 scale per 16 values, a float32 global.
-    Format(NVFP4, np.dtype(np.uint8), np.dtype(np.uint8), "uint8", "U8", True, False,
+    Format(NVFP4, np.dtype(np.uint8), np.dtype(np.uint8), "uint8", "U8", False,
            label="nvfp4", pack=2, block=16, block_scale=np.dtype(ml_dtypes.float8_e4m3fn),
-           block_scale_safetensors="F8_E4M3"),
+           block_scale_safetensors="F8_E4M3", layer_names=NVFP4_NAMES,
+           checkpoints=((QWEN4EXP, NVFP4_NAMES.sharded()),)),
     # OCP MXFP8 (docs/engram.md): E4M3 values, a UE8M0 scale byte per 32 values, no global scale.
+    # Qwen4Exp layers hold it in memory; their checkpoints of it are not read yet.
     Format(MXFP8, np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(np.uint8), "float8_e4m3fn",
-           "F8_E4M3", False, False, label="mxfp8", block=32,
-           block_scale=np.dtype(ml_dtypes.float8_e8m0fnu), block_scale_safetensors="F8_E8M0"),
+           "F8_E4M3", False, label="mxfp8", block=32,
+           block_scale=np.dtype(ml_dtypes.float8_e8m0fnu), block_scale_safetensors="F8_E8M0",
+           layer_names=MXFP8_NAMES, checkpoints=((ENGRAM, ENGRAM_BLOCK_NAMES),)),
 )
 OUTPUT_CODES = tuple(fmt.code for fmt in FORMATS if fmt.output)
 # Formats a float8 table's scale may be stored in.

@@ -22,7 +22,7 @@ import torch
 
 from .embedding import NGramEmbedding
 from .files.checkpoint import BUFFERS, check_scale
-from .formats import BFLOAT16, FLOAT8_E4M3, FORMATS, Format, default_output, output_format
+from .formats import FORMATS, Format, default_output, output_format
 from .hashing.config import NGramConfig
 from .hashing.layout import layer_layout, split_rows
 from .tables.storage import place_filled, placement_named
@@ -31,15 +31,20 @@ from .torch_training import TrainableRows
 from .torch_training import fused_optimizer as fused_optimizer  # nc.torch.fused_optimizer
 
 WEIGHT = "ngram_embedding.weight"
-SCALE = "ngram_embedding.weight_scale"
-GLOBAL_SCALE = "ngram_embedding.weight_scale_2"  # NVFP4: the float32 global scale
 # Value width in bytes -> the NumPy integer type that moves those bits to torch.
 _BITS = {1: np.uint8, 2: np.int16, 4: np.int32}
 _TORCH_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_SHARD = re.compile(r"ngram_embedding\.shard_(\d+)\.weight", re.ASCII)
+_SHARD = re.compile(r"ngram_embedding\.shard_(\d+)\.(\w+)", re.ASCII)
 BATCH = ("input_ids", "query_start_loc", "ngram_context")
 SEED_BATCH = ("hidden_states", *BATCH)
-_SHARD_SCALES = re.compile(r"ngram_embedding\.shard_(\d+)\.weight_scale", re.ASCII)
+# Every format's scale, by the name the layer gives it (float8: weight_scale; NVFP4: the global
+# weight_scale_2).
+_SCALES = {f"ngram_embedding.{fmt.layer_names.scale}" for fmt in FORMATS if fmt.scaled}
+
+
+def layer_key(name: str) -> str:
+    """The name of one of the table's tensors (``TensorNames``) in the layer's state."""
+    return f"ngram_embedding.{name}"
 
 
 def _is_ignored(name: str) -> bool:
@@ -101,13 +106,11 @@ def _kind(value) -> str:
 
 
 def stored_rows_format(fmt: Format) -> Format | None:
-    """The output format a lookup of stored rows gathers in: the storage format itself when
-    lookups produce it (the values come back unchanged), bfloat16 for float8 e4m3 (it holds every
-    float8 value exactly, so casting back restores the stored value; a NaN keeps no sign). None
-    for formats whose rows vLLM decodes inside the lookup (block-scaled ones)."""
-    if fmt.output:
-        return fmt
-    return FORMATS[BFLOAT16] if fmt.code == FLOAT8_E4M3 else None
+    """The output format a lookup of stored rows gathers in: the format's ``exact_output`` (the
+    storage format itself when lookups produce it; bfloat16 for float8 e4m3, so casting back
+    restores the stored value). None for formats whose rows vLLM decodes inside the lookup
+    (block-scaled ones)."""
+    return None if fmt.exact_output is None else FORMATS[fmt.exact_output]
 
 
 def _storage_view(table: EmbeddingTable, dtype: torch.dtype) -> torch.Tensor:
@@ -122,8 +125,7 @@ def _storage_view(table: EmbeddingTable, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _scales_view(table: EmbeddingTable) -> torch.Tensor:
-    """A torch tensor sharing a block-scaled table's block scales, of their type (NVFP4:
-    float8_e4m3fn)."""
+    """A torch tensor sharing a block-scaled table's block scales, of their type."""
     scales = table.host_scales if table.host_scales is not None else table.device_scales
     tensor = torch.from_numpy(scales) if isinstance(scales, np.ndarray) else \
         torch.from_dlpack(scales)
@@ -131,64 +133,63 @@ def _scales_view(table: EmbeddingTable) -> torch.Tensor:
 
 
 class TableWeights(torch.nn.Module):
-    """The table's rows (``weight``) and float8 scale (``weight_scale``) as buffers that share the
-    table's memory, so ``state_dict`` reads and ``load_state_dict`` writes the table in place.
-    An NVFP4 table's buffers are vLLM's: packed ``weight`` (uint8), block scales
-    ``weight_scale`` (float8_e4m3fn, sharing the table's) and the global ``weight_scale_2``."""
+    """The tensors the table's format stores, as buffers named as vLLM's layer names them
+    (``Format.layer_names``) that share the table's memory, so ``state_dict`` reads and
+    ``load_state_dict`` writes the table in place: the rows (``weight``), block scales where the
+    format has them (``weight_scale``, sharing the table's) and the table's one float scale
+    where it has one (float8: ``weight_scale``; NVFP4: the global ``weight_scale_2``)."""
 
     def __init__(self, table: EmbeddingTable, dtype: torch.dtype):
         super().__init__()
         self.table = table
-        self.register_buffer("weight", _storage_view(table, dtype))
-        if table.format.name == "float8_e4m3fn":
-            self.register_buffer("weight_scale", torch.tensor(1.0, dtype=torch.float32))
-            table.scale = np.float32(1.0)
-        if table.format.blocked:
-            self.register_buffer("weight_scale", _scales_view(table))
-        if table.format.blocked and table.format.scaled:
-            self.register_buffer("weight_scale_2", torch.tensor(1.0, dtype=torch.float32))
+        names = table.format.layer_names
+        self.register_buffer(names.rows, _storage_view(table, dtype))
+        if names.block_scales:
+            self.register_buffer(names.block_scales, _scales_view(table))
+        if names.scale:
+            self.register_buffer(names.scale, torch.tensor(1.0, dtype=torch.float32))
             table.scale = np.float32(1.0)
         self.register_load_state_dict_post_hook(TableWeights._after_load)
 
-    def set_global_scale(self, value: torch.Tensor) -> None:
-        """Take an NVFP4 table's one-element global scale (finite and positive)."""
+    def set_scale(self, value: torch.Tensor) -> None:
+        """Take a one-element floating tensor as the table's one scale (float8's
+        ``weight_scale``, NVFP4's global ``weight_scale_2``): finite and positive, as the
+        checkpoint loader requires (zero, NaN or a negative scale would corrupt every row)."""
+        name = self.table.format.layer_names.scale
+        if name is None:
+            raise ValueError(f"the table stores {self.table.format.name}, which takes no scale")
         scale = value.detach().to("cpu", torch.float32).reshape(())
-        check_scale(GLOBAL_SCALE, float(scale.item()))
-        self.weight_scale_2 = scale
+        check_scale(layer_key(name), float(scale.item()))
+        setattr(self, name, scale)
         self.table.scale = np.float32(scale.item())
 
-    def set_scale(self, value: torch.Tensor) -> None:
-        """Take a one-element floating tensor as the table's scale (finite and positive, as
-        the checkpoint loader requires: zero, NaN or a negative scale would corrupt every row)."""
-        scale = value.detach().to("cpu", torch.float32).reshape(())
-        check_scale(SCALE, float(scale.item()))
-        self.weight_scale = scale
-        self.table.scale = np.float32(scale.item())
+    def set_global_scale(self, value: torch.Tensor) -> None:
+        """``set_scale`` by NVFP4's name for its one scale (the global ``weight_scale_2``)."""
+        self.set_scale(value)
 
     @staticmethod
     def _after_load(module: TableWeights, incompatible_keys) -> None:
         """After ``load_state_dict`` the table holds the rows and scale just loaded, also when
         ``assign=True`` replaced the buffers instead of copying into them."""
+        names = module.table.format.layer_names
         view = _storage_view(module.table, module.weight.dtype)
-        blocked = module.table.format.blocked
-        scales = _scales_view(module.table) if blocked else None
+        loaded = getattr(module, names.block_scales) if names.block_scales else None
+        scales = _scales_view(module.table) if names.block_scales else None
         if module.weight.data_ptr() != view.data_ptr() or (
-                blocked and module.weight_scale.data_ptr() != scales.data_ptr()):
+                loaded is not None and loaded.data_ptr() != scales.data_ptr()):
             module.table.write_rows(0, module.weight.detach(),  # keeps a hot tier current
-                                    module.weight_scale.detach() if blocked else None)
+                                    None if loaded is None else loaded.detach())
             trainable = isinstance(module.weight, torch.nn.Parameter)
             module.weight = torch.nn.Parameter(view) if trainable else view
-            if blocked:
-                module.weight_scale = scales
+            if names.block_scales:
+                setattr(module, names.block_scales, scales)
         else:  # copied in place into the table's rows, behind a hot tier's back
             module.table.refresh_hot_rows()
-        if hasattr(module, "weight_scale_2"):
-            module.set_global_scale(module.weight_scale_2)
-        elif hasattr(module, "weight_scale") and not blocked:
+        if names.scale:
             try:
-                module.set_scale(module.weight_scale)
+                module.set_scale(getattr(module, names.scale))
             except ValueError:  # keep the buffer equal to the scale the table still uses
-                module.weight_scale = torch.tensor(float(module.table.scale))
+                setattr(module, names.scale, torch.tensor(float(module.table.scale)))
                 raise
 
     def dequantize(self, rows: torch.Tensor, dtype: torch.dtype | str,
@@ -315,7 +316,7 @@ class NGramEmbeddingModule(torch.nn.Module):
         self._loaded_shards: set[int] = set()
         self._scale_loaded = False
         self.allow_missing_weights = False  # True: look rows up before every shard has arrived
-        self._pending: dict[int, dict[str, torch.Tensor]] = {}  # NVFP4 shard halves waiting
+        self._pending: dict[int, dict[str, torch.Tensor]] = {}  # block-scaled shard halves
         self.trainable_rows = None  # trainable=True: see TrainableRows (torch_training)
         if trainable:
             if self.return_stored_rows or self._share_when_loaded:
@@ -330,17 +331,15 @@ class NGramEmbeddingModule(torch.nn.Module):
 
     @property
     def scale_name(self) -> str | None:
-        """The checkpoint name of the table's one scale: ``weight_scale`` (float8),
-        ``weight_scale_2`` (NVFP4's global scale), or None (no scale)."""
-        fmt = self.table.format
-        if fmt.blocked:
-            return GLOBAL_SCALE if fmt.scaled else None
-        return SCALE if hasattr(self.ngram_embedding, "weight_scale") else None
+        """The checkpoint name of the table's one scale (``ngram_embedding.weight_scale`` for
+        float8, ``ngram_embedding.weight_scale_2`` for NVFP4's global scale), or None."""
+        scale = self.table.format.layer_names.scale
+        return None if scale is None else layer_key(scale)
 
     @property
     def missing_shards(self) -> list[int | str]:
         """Indexes of checkpoint shards holding rows that ``load_weights`` has not received yet
-        (an NVFP4 shard counts once its rows and block scales are in), then the scale's name
+        (a block-scaled shard counts once its rows and block scales are in), then the scale's name
         (``scale_name``) when it has not arrived."""
         parts, rows = self.layout.config.split_ngram_parts, self.layout.padded_rows
         holding_rows = (i for i in range(parts) if len(range(*split_rows(rows, parts, i))))
@@ -500,8 +499,8 @@ class NGramEmbeddingModule(torch.nn.Module):
                              f"at index {i}: got {int(got[i])}, the layout derives {int(want[i])}")
 
     def _check_rows(self, name: str, value: torch.Tensor, rows: int) -> None:
-        """A block of table rows must be ``[rows, head_dim]`` of the storage dtype (NVFP4:
-        ``[rows, head_dim / 2]`` packed bytes)."""
+        """A block of table rows must be ``[rows, row_width]`` of the storage dtype (``head_dim``
+        values; packed formats' ``head_dim / pack`` bytes)."""
         shape = (rows, self.table.format.row_width(self.layout.head_dim))
         if tuple(value.shape) != shape:
             raise ValueError(f"{name} has shape {tuple(value.shape)} but must be {shape}")
@@ -509,29 +508,30 @@ class NGramEmbeddingModule(torch.nn.Module):
             raise TypeError(f"{name} has dtype {value.dtype} but the table stores "
                             f"{self.ngram_embedding.weight.dtype} (weight_dtype)")
 
-    def _load_shard(self, name: str, index: int, value: torch.Tensor) -> None:
-        """Copy checkpoint shard ``index`` into its rows of the table."""
+    def _load_shard(self, name: str, index: int, tensor: str, value: torch.Tensor) -> None:
+        """Copy checkpoint shard ``index`` of ``tensor`` (the rows, or their block scales) into
+        its rows of the table."""
         parts = self.layout.config.split_ngram_parts
         if index >= parts:
             raise ValueError(f"{name}: shard index {index} is at or past "
                              f"split_ngram_parts={parts}")
         start, stop = split_rows(self.layout.padded_rows, parts, index)
-        if self.table.format.blocked:  # rows and their block scales are written together
-            self._load_block_scaled_shard(name, index, start, stop, value)
+        if self.table.format.layer_names.block_scales:  # rows and block scales written together
+            self._load_block_scaled_shard(name, index, tensor, start, stop, value)
             return
         self._check_rows(name, value, stop - start)
         self.table.write_rows(start, value.detach())
         self._loaded_shards.add(index)
 
-    def _load_block_scaled_shard(self, name: str, index: int, start: int, stop: int,
-                                 value: torch.Tensor) -> None:
-        """Keep one half of an NVFP4 shard (rows or block scales) until the other arrives, then
-        write both (one shard held at most while a checkpoint streams by)."""
+    def _load_block_scaled_shard(self, name: str, index: int, tensor: str, start: int,
+                                 stop: int, value: torch.Tensor) -> None:
+        """Keep one half of a block-scaled shard (rows or block scales) until the other
+        arrives, then write both (one shard held at most while a checkpoint streams by)."""
         pending = self._pending.setdefault(index, {})
-        if name.endswith("weight_scale"):
-            fmt = self.table.format
+        fmt = self.table.format
+        if tensor == fmt.layer_names.block_scales:
             shape = (stop - start, fmt.scale_width(self.layout.head_dim))
-            kind = getattr(torch, fmt.block_scale.name)  # NVFP4: E4M3, MXFP8: UE8M0
+            kind = getattr(torch, fmt.block_scale.name)
             if tuple(value.shape) != shape or value.dtype not in (kind, torch.uint8):
                 raise ValueError(f"{name} must be {fmt.block_scale.name} of shape {shape} (one "
                                  f"scale per {fmt.block} values), got {value.dtype} of shape "
@@ -545,13 +545,10 @@ class NGramEmbeddingModule(torch.nn.Module):
             del self._pending[index]
             self._loaded_shards.add(index)
 
-    def _load_scale(self, value: torch.Tensor) -> None:
-        """The float8 table's scale: one floating value."""
-        if not hasattr(self.ngram_embedding, "weight_scale"):
-            raise ValueError(f"{SCALE} is given but the table stores "
-                             f"{self.ngram_embedding.weight.dtype}, which takes no scale")
+    def _load_scale(self, name: str, value: torch.Tensor) -> None:
+        """The table's one scale (``scale_name``): one floating value."""
         if value.numel() != 1 or not value.dtype.is_floating_point:
-            raise ValueError(f"{SCALE} must hold one floating value, got {value.dtype} of shape "
+            raise ValueError(f"{name} must hold one floating value, got {value.dtype} of shape "
                              f"{tuple(value.shape)}")
         self.ngram_embedding.set_scale(value)
         self._scale_loaded = True
@@ -565,6 +562,9 @@ class NGramEmbeddingModule(torch.nn.Module):
         shards reported as ``ngram_embedding.weight`` (see ``missing_shards``).
         """
         loaded: set[str] = set()
+        fmt = self.table.format
+        names = fmt.layer_names
+        whole = {layer_key(name) for name in (names.rows, names.block_scales) if name}
         for name, value in weights:
             if _is_ignored(name):
                 continue
@@ -574,21 +574,22 @@ class NGramEmbeddingModule(torch.nn.Module):
                 raise ValueError(f"{name} is on the meta device: it holds no values to load")
             if name in BUFFERS:
                 self._check_buffer(name, value)
-            elif match := _SHARD.fullmatch(name) or (
-                    self.table.format.blocked and _SHARD_SCALES.fullmatch(name)):
-                self._load_shard(name, int(match.group(1)), value)
-                name = WEIGHT if name.endswith("weight") else SCALE
-            elif name == GLOBAL_SCALE and self.table.format.blocked and self.table.format.scaled:
-                if value.numel() != 1 or not value.dtype.is_floating_point:
-                    raise ValueError(f"{name} must hold one floating value, got {value.dtype} "
-                                     f"of shape {tuple(value.shape)}")
-                self.ngram_embedding.set_global_scale(value)
-                self._scale_loaded = True
-            elif name in (WEIGHT, SCALE) and self.table.format.blocked:
-                raise ValueError(f"{name}: an unsharded {self.table.format.name} tensor is "
-                                 "refused; load shard_{i}.weight and shard_{i}.weight_scale")
-            elif name == SCALE:
-                self._load_scale(value)
+            elif (match := _SHARD.fullmatch(name)) and match.group(2) in (names.rows,
+                                                                           names.block_scales):
+                self._load_shard(name, int(match.group(1)), match.group(2), value)
+                name = layer_key(match.group(2))
+            elif name == self.scale_name:
+                self._load_scale(name, value)
+            elif name in whole and names.block_scales:
+                sharded = names.sharded()
+                raise ValueError(f"{name}: an unsharded {fmt.name} tensor is refused; load "
+                                 f"{sharded.rows.format(index='{i}')} and "
+                                 f"{sharded.block_scales.format(index='{i}')}")
+            elif name in _SCALES:
+                raise ValueError(f"unexpected weight {name!r}: the table stores {fmt.name}, "
+                                 f"which takes no scale"
+                                 + ("" if self.scale_name is None else
+                                    f" of that name (its scale is {self.scale_name})"))
             elif name == WEIGHT:
                 self._check_rows(name, value, self.layout.padded_rows)
                 self.table.write_rows(0, value.detach())
@@ -615,9 +616,11 @@ class NGramEmbeddingModule(torch.nn.Module):
 
     def _check_state_dict(self, state_dict, prefix, *args) -> None:
         """Before ``load_state_dict`` copies (or ``assign=True`` puts) anything in place: hash
-        buffers equal to the layout, the rows of the table's shape and storage dtype, a float8
-        scale finite and positive."""
-        for name in (*BUFFERS, WEIGHT, SCALE):
+        buffers equal to the layout, the rows of the table's shape and storage dtype, block
+        scales of theirs, the table's scale one finite positive value."""
+        names = self.table.format.layer_names
+        tensors = [layer_key(name) for name in (names.block_scales, names.scale) if name]
+        for name in (*BUFFERS, WEIGHT, *tensors):
             value = state_dict.get(prefix + name)
             if isinstance(value, torch.Tensor) and value.device.type == "meta":
                 raise ValueError(f"{name} is on the meta device: it holds no values to load")
@@ -630,23 +633,16 @@ class NGramEmbeddingModule(torch.nn.Module):
                                  "(placement='shared'), read by every process: they are "
                                  "read-only; load into a new module")
             self._check_rows(WEIGHT, state_dict[prefix + WEIGHT], self.layout.padded_rows)
-        scale = state_dict.get(prefix + SCALE)
-        fmt = self.table.format
-        if isinstance(scale, torch.Tensor) and fmt.blocked:
-            self._check_block_scales(scale)
-        elif isinstance(scale, torch.Tensor) and hasattr(self.ngram_embedding, "weight_scale"):
+        if names.block_scales and prefix + layer_key(names.block_scales) in state_dict:
+            self._check_block_scales(state_dict[prefix + layer_key(names.block_scales)])
+        scale = self.scale_name and state_dict.get(prefix + self.scale_name)
+        if isinstance(scale, torch.Tensor):
             if scale.numel() != 1 or not scale.dtype.is_floating_point:  # as load_weights
-                raise ValueError(f"{SCALE} must hold one floating value, got {scale.dtype} of "
-                                 f"shape {tuple(scale.shape)}")
-            check_scale(SCALE, float(scale.detach().to("cpu", torch.float32).reshape(())))
-            state_dict[prefix + SCALE] = scale.reshape(())  # the buffer's shape (torch's copy)
-        scale = state_dict.get(prefix + GLOBAL_SCALE)
-        if isinstance(scale, torch.Tensor) and fmt.blocked and fmt.scaled:
-            if scale.numel() != 1 or not scale.dtype.is_floating_point:
-                raise ValueError(f"{GLOBAL_SCALE} must hold one floating value, got "
+                raise ValueError(f"{self.scale_name} must hold one floating value, got "
                                  f"{scale.dtype} of shape {tuple(scale.shape)}")
-            check_scale(GLOBAL_SCALE, float(scale.detach().to("cpu", torch.float32).reshape(())))
-            state_dict[prefix + GLOBAL_SCALE] = scale.reshape(())
+            check_scale(self.scale_name,
+                        float(scale.detach().to("cpu", torch.float32).reshape(())))
+            state_dict[prefix + self.scale_name] = scale.reshape(())  # the buffer's shape
         if prefix + WEIGHT in state_dict:
             self._loaded_shards.update(range(self.layout.config.split_ngram_parts))
         if self.scale_name is not None and prefix + self.scale_name in state_dict:
@@ -659,7 +655,8 @@ class NGramEmbeddingModule(torch.nn.Module):
         shape = (self.layout.padded_rows, fmt.scale_width(self.layout.head_dim))
         dtype = getattr(torch, fmt.block_scale.name)
         if tuple(scales.shape) != shape or scales.dtype != dtype:
-            raise ValueError(f"{SCALE} must be {dtype} of shape {shape} (one scale per "
+            raise ValueError(f"{layer_key(fmt.layer_names.block_scales)} must be {dtype} of "
+                             f"shape {shape} (one scale per "
                              f"{fmt.block} values), got {scales.dtype} of shape "
                              f"{tuple(scales.shape)}")
 

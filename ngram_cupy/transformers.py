@@ -25,7 +25,7 @@ from .files.checkpoint import (
     verify_buffers,
 )
 from .files.safetensors_files import DTYPES, Checkpoint
-from .formats import find_format, output_format, storage_format
+from .formats import QWEN4EXP, find_format, output_format, storage_format
 from .hashing.config import NGramConfig
 from .hashing.layout import LayerLayout, layer_layout, split_rows
 from .ids.ngram_ids import compute_ngram_ids
@@ -91,9 +91,7 @@ class CachedNGramEmbedding(torch.nn.Module):
         if table.storage.writable:  # a mapped checkpoint is not a module's weight
             scale = table.scale  # TableWeights starts a scaled table at scale 1
             self.ngram_embedding = TableWeights(table, table.format.torch_dtype)
-            if hasattr(self.ngram_embedding, "weight_scale_2"):  # NVFP4's global scale
-                self.ngram_embedding.set_global_scale(torch.tensor(float(scale)))
-            elif table.format.scaled:  # a float8 table's one scale
+            if table.format.scaled:  # float8's scale, NVFP4's global one
                 self.ngram_embedding.set_scale(torch.tensor(float(scale)))
         self._prefetched: torch.Tensor | None = None
         self.trainable_rows = None
@@ -241,8 +239,8 @@ def _from_model(module: Qwen4ExpTextNGramEmbedding, layout: LayerLayout, weight_
     if weight.is_meta:
         raise ValueError("the model's n-gram tables are on the meta device: pass checkpoint=")
     fmt = storage_format(weight_dtype or weight.dtype, "weight_dtype")
-    if fmt.scaled or fmt.blocked:  # quantised chunk by chunk (fp8, NVFP4), scales from the rows
-        quantized = quantize_table(weight.detach(), quantize_target(fmt, "Qwen4Exp"))
+    if not fmt.output:  # quantised chunk by chunk (fp8, NVFP4), scales from the rows
+        quantized = quantize_table(weight.detach(), quantize_target(fmt, QWEN4EXP))
         return NGramEmbedding(layout, EmbeddingTable(quantized, placement=placement,
                                                      hot_rows=hot_rows))
     parts = layout.config.split_ngram_parts

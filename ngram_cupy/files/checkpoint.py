@@ -4,9 +4,10 @@ verification, prefix detection, and loading into / saving from an embedding tabl
 One layer under prefix ``P`` holds the int64 buffers ``P.layer_multipliers``,
 ``P.ngram_heads_vocab_sizes`` and ``P.ngram_heads_offsets``, the table rows split into
 ``P.ngram_embedding.shard_{i}.weight`` for ``i < split_ngram_parts``, and for float8 tables the
-scalar ``P.ngram_embedding.weight_scale``. NVFP4 tables store vLLM's names: per shard
-the packed ``shard_{i}.weight`` (U8) and its block scales ``shard_{i}.weight_scale`` (F8_E4M3),
-and the float32 global scale ``P.ngram_embedding.weight_scale_2``.
+scalar ``P.ngram_embedding.weight_scale``. Every tensor a table stores is named by its format's
+codec (``Format.checkpoint_names(QWEN4EXP)``): NVFP4 tables store vLLM's names, per shard the
+packed ``shard_{i}.weight`` (U8) and its block scales ``shard_{i}.weight_scale`` (F8_E4M3), and
+the float32 global scale ``P.ngram_embedding.weight_scale_2``.
 """
 
 from __future__ import annotations
@@ -24,11 +25,10 @@ from ..embedding import NGramEmbedding
 from ..formats import (
     BY_SAFETENSORS,
     FORMATS,
-    MXFP8,
-    NVFP4,
-    PLAIN_FORMATS,
+    QWEN4EXP,
     SCALE_FORMATS,
     Format,
+    TensorNames,
     find_format,
     storage_format,
 )
@@ -42,9 +42,14 @@ from ..tables.storage import RowsSource, place, placement_named
 from ..tables.table import EmbeddingTable, block_scale_bits
 from .safetensors_files import DTYPES, Checkpoint, write_checkpoint
 
-# Safetensors dtype codes of table rows, and which of them carry a scale.
+# Safetensors dtype codes of table rows named by their dtype alone.
 TABLE_DTYPES = tuple(BY_SAFETENSORS)
-SCALED_DTYPES = tuple(fmt.safetensors for fmt in PLAIN_FORMATS if fmt.scaled)
+# The names every format's rows take in Qwen4Exp checkpoints, and every name a scale takes.
+SHARDS = TensorNames().sharded()
+SCALE_NAMES = tuple(sorted({fmt.layer_names.scale for fmt in FORMATS if fmt.scaled}))
+PLAIN_SCALE = next(fmt.layer_names.scale for fmt in FORMATS if fmt.scaled and not fmt.blocked)
+# The block-scaled format a checkpoint's ``block_scales`` are written in (``ngram_tensors``).
+BLOCK_SCALED = next(fmt for fmt in FORMATS if fmt.blocked and fmt.checkpoint_names(QWEN4EXP))
 SCALE_DTYPES = tuple(fmt.safetensors for fmt in SCALE_FORMATS)
 BUFFERS = ("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets")
 _SHARD = re.compile(r"^ngram_embedding\.shard_(\d+)\.weight$")
@@ -55,24 +60,21 @@ _PLE_KEY = re.compile(
 _LAYER_NUMBER = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
 
 
+def table_key(prefix: str, name: str, index: int = 0) -> str:
+    """The checkpoint name of one of a table's tensors (a ``TensorNames`` entry; ``index`` the
+    shard of a sharded one) under ``prefix``."""
+    return f"{prefix}.ngram_embedding.{name.format(index=index)}"
+
+
 def shard_key(prefix: str, index: int) -> str:
     """The name of table shard ``index`` under ``prefix``."""
-    return f"{prefix}.ngram_embedding.shard_{index}.weight"
+    return table_key(prefix, SHARDS.rows, index)
 
 
-def scale_key(prefix: str) -> str:
-    """The name of the float8 table's scale under ``prefix``."""
-    return f"{prefix}.ngram_embedding.weight_scale"
-
-
-def block_scales_key(prefix: str, index: int) -> str:
-    """The name of shard ``index``'s block scales (NVFP4) under ``prefix``."""
-    return f"{prefix}.ngram_embedding.shard_{index}.weight_scale"
-
-
-def global_scale_key(prefix: str) -> str:
-    """The name of an NVFP4 table's float32 global scale under ``prefix``."""
-    return f"{prefix}.ngram_embedding.weight_scale_2"
+def scale_key(prefix: str, fmt: Format | None = None) -> str:
+    """The name of the table's scale under ``prefix``: ``fmt``'s (default: the float8
+    ``weight_scale``)."""
+    return table_key(prefix, PLAIN_SCALE if fmt is None else fmt.layer_names.scale)
 
 
 def default_prefix(layout: LayerLayout) -> str:
@@ -179,8 +181,7 @@ def table_shards(checkpoint: Checkpoint, prefix: str, layout: LayerLayout,
     """Check every shard's presence, index, shape and dtype from the headers alone; return the
     table's safetensors dtype and the shard names by index (None for an empty shard the
     checkpoint leaves out, as vLLM's writer does for the zero-row tail shards). With a
-    block-scaled ``fmt`` (NVFP4) the shards must be its packed bytes (a cast would reinterpret
-    them)."""
+    block-scaled ``fmt`` the shards must be its stored type (a cast would reinterpret them)."""
     parts = layout.config.split_ngram_parts
     found: dict[int, str] = {}
     for name in checkpoint.tensors:
@@ -206,8 +207,8 @@ def table_shards(checkpoint: Checkpoint, prefix: str, layout: LayerLayout,
     if fmt is not None:
         width = fmt.row_width(layout.head_dim)
         if dtype != fmt.safetensors:
-            raise ValueError(f"{first} has dtype {dtype}, but {fmt.name} rows are packed "
-                             f"{fmt.safetensors} bytes: a cast would reinterpret them")
+            raise ValueError(f"{first} has dtype {dtype}, but {fmt.name} rows are stored as "
+                             f"{fmt.safetensors}: a cast would reinterpret them")
     elif dtype not in TABLE_DTYPES:
         raise ValueError(f"{first} has dtype {dtype}; tables are {', '.join(TABLE_DTYPES)}")
     for index, name in enumerate(names):
@@ -225,13 +226,20 @@ def table_shards(checkpoint: Checkpoint, prefix: str, layout: LayerLayout,
     return dtype, names
 
 
-def read_scale(checkpoint: Checkpoint, prefix: str, dtype: str) -> float | None:
-    """The float8 table's scale as a float (None for unscaled dtypes), checked."""
-    name = scale_key(prefix)
-    if dtype not in SCALED_DTYPES:
-        if name in checkpoint:
-            raise ValueError(f"{name} is present but the table is {dtype}, which takes no scale")
+def read_scale(checkpoint: Checkpoint, prefix: str, fmt: Format) -> float | None:
+    """The table's one scale as a float (None for formats without one), checked; a scale of
+    another format's name beside a table without one is refused."""
+    name = fmt.layer_names.scale
+    if name is None:
+        for other in (table_key(prefix, scale) for scale in SCALE_NAMES):
+            if other in checkpoint:
+                raise ValueError(f"{other} is present but the table is {fmt.safetensors}, "
+                                 "which takes no scale")
         return None
+    name = table_key(prefix, name)
+    if name not in checkpoint:
+        raise ValueError(f"the checkpoint has no tensor {name} (the {fmt.name} table's scale "
+                         "is missing)")
     info = checkpoint.info(name)
     if info.dtype not in SCALE_DTYPES or len(info.shape) > 1 or np.prod(info.shape) != 1:
         raise ValueError(
@@ -241,69 +249,75 @@ def read_scale(checkpoint: Checkpoint, prefix: str, dtype: str) -> float | None:
     return check_scale(name, float(checkpoint.read(name).reshape(())))
 
 
-def is_block_scaled(checkpoint: Checkpoint, prefix: str, config: NGramConfig) -> bool:
-    """Whether the layer's table is NVFP4: the config says so, or the checkpoint holds its
-    global scale or block scales (a config naming another dtype then is a ValueError)."""
+def _holds_block_tensors(checkpoint: Checkpoint, prefix: str, fmt: Format) -> bool:
+    """Whether the checkpoint holds, under ``prefix``, tensors only block-scaled ``fmt``
+    stores: block scales of its type, or a scale of a name only it has (NVFP4's global)."""
+    names = fmt.layer_names.sharded()
+    scales = table_key(prefix, names.block_scales, 0)
+    if scales in checkpoint and checkpoint.info(scales).dtype == fmt.block_scale_safetensors:
+        return True
+    distinct = names.scale is not None and names.scale != PLAIN_SCALE
+    return distinct and table_key(prefix, names.scale) in checkpoint
+
+
+def block_scaled_format(checkpoint: Checkpoint, prefix: str, config: NGramConfig) -> Format | None:
+    """The layer's block-scaled format, or None: the one whose tensors the checkpoint holds, or
+    the config's ``ple_embedding_dtype``. A format whose Qwen4Exp checkpoints are not read yet
+    (``Format.checkpoints``), or a config naming another format, is a ValueError."""
     named = find_format(config.ple_embedding_dtype) if config.ple_embedding_dtype else None
-    stored = global_scale_key(prefix) in checkpoint or block_scales_key(prefix, 0) in checkpoint
-    refuse_mxfp8(checkpoint, prefix, named)
-    if stored and named is not None and named.code != NVFP4:
-        raise ValueError(f"{prefix} holds an NVFP4 table ({global_scale_key(prefix)}, "
-                         f"{block_scales_key(prefix, 0)}) but the config's ple_embedding_dtype "
-                         f"is {config.ple_embedding_dtype!r}")
-    return stored or (named is not None and named.code == NVFP4)
-
-
-def refuse_mxfp8(checkpoint: Checkpoint, prefix: str, named: Format | None) -> None:
-    """MXFP8 tables (E4M3 shards with UE8M0 ``shard_i.weight_scale``) load only in memory: a
-    ValueError saying so, not one about NVFP4's packed bytes."""
-    scales = block_scales_key(prefix, 0)
-    mxfp8 = FORMATS[MXFP8]
-    stored = scales in checkpoint and checkpoint.info(scales).dtype == \
-        mxfp8.block_scale_safetensors
-    if stored or (named is not None and named.code == MXFP8):
-        raise ValueError(f"{prefix} holds an MXFP8 table ({mxfp8.safetensors} shards with "
-                         f"{mxfp8.block_scale_safetensors} block scales {scales}): checkpoints "
-                         f"of MXFP8 tables are not loaded yet; build it with "
-                         f"EmbeddingTable(rows, dtype='mxfp8', block_scales=...)")
+    stored = next((fmt for fmt in FORMATS
+                   if fmt.blocked and _holds_block_tensors(checkpoint, prefix, fmt)), None)
+    found = stored or (named if named is not None and named.blocked else None)
+    if found is None:
+        return None
+    names = found.layer_names.sharded()
+    evidence = [table_key(prefix, name, 0) for name in (names.scale, names.block_scales) if name]
+    if found.checkpoint_names(QWEN4EXP) is None:
+        label = found.name.upper()
+        raise ValueError(f"{prefix} holds an {label} table ({found.safetensors} shards with "
+                         f"{found.block_scale_safetensors} block scales {evidence[-1]}): "
+                         f"checkpoints of {label} tables are not loaded yet; build it with "
+                         f"EmbeddingTable(rows, dtype='{found.name}', block_scales=...)")
+    if stored is not None and named is not None and named != stored:
+        raise ValueError(f"{prefix} holds an {stored.name.upper()} table "
+                         f"({', '.join(evidence)}) but the config's ple_embedding_dtype is "
+                         f"{config.ple_embedding_dtype!r}")
+    return found
 
 
 def block_scale_shards(checkpoint: Checkpoint, prefix: str, layout: LayerLayout,
-                       fmt: Format) -> tuple[list[str | None], float]:
-    """The checked names of every shard's block scales and the checked global scale of a
-    block-scaled (NVFP4) table; an unsharded weight is refused."""
-    unsharded = f"{prefix}.ngram_embedding.weight"
+                       fmt: Format) -> list[str | None]:
+    """The checked names of every shard's block scales of a block-scaled table; an unsharded
+    weight is refused."""
+    names = fmt.checkpoint_names(QWEN4EXP)
+    unsharded = table_key(prefix, fmt.layer_names.rows)
     if unsharded in checkpoint:
         raise ValueError(f"{unsharded}: an unsharded {fmt.name} weight is refused; its rows are "
-                         f"stored per shard (shard_{{i}}.weight with shard_{{i}}.weight_scale)")
+                         f"stored per shard ({names.rows.format(index='{i}')} with "
+                         f"{names.block_scales.format(index='{i}')})")
     parts = layout.config.split_ngram_parts
     bounds = [split_rows(layout.padded_rows, parts, index) for index in range(parts)]
-    names = [block_scales_key(prefix, index) if block_scales_key(prefix, index) in checkpoint
-             or stop > start else None for index, (start, stop) in enumerate(bounds)]
-    missing = [index for index, name in enumerate(names)
-               if name is not None and name not in checkpoint]
+    keys = [table_key(prefix, names.block_scales, index) for index in range(parts)]
+    found = [key if key in checkpoint or stop > start else None
+             for key, (start, stop) in zip(keys, bounds, strict=True)]
+    missing = [index for index, key in enumerate(found)
+               if key is not None and key not in checkpoint]
     if missing:
         shown = ", ".join(map(str, missing[:20])) + (", ..." if len(missing) > 20 else "")
-        raise ValueError(f"{len(missing)} of {parts} block scale shards (shard_{{i}}.weight_scale) "
-                         f"missing under {prefix}: indexes {shown}")
-    for index, name in enumerate(names):
-        if name is None:  # an empty shard's scales, left out like its rows
+        raise ValueError(f"{len(missing)} of {parts} block scale shards "
+                         f"({names.block_scales.format(index='{i}')}) missing under {prefix}: "
+                         f"indexes {shown}")
+    for index, key in enumerate(found):
+        if key is None:  # an empty shard's scales, left out like its rows
             continue
-        info = checkpoint.info(name)
+        info = checkpoint.info(key)
         start, stop = bounds[index]
         shape = (stop - start, fmt.scale_width(layout.head_dim))
         if info.dtype != fmt.block_scale_safetensors or info.shape != shape:
-            raise ValueError(f"{name} must be {fmt.block_scale_safetensors} of shape {shape} (one "
+            raise ValueError(f"{key} must be {fmt.block_scale_safetensors} of shape {shape} (one "
                              f"scale per {fmt.block} values), got {info.dtype} of shape "
                              f"{info.shape}")
-    name = global_scale_key(prefix)
-    if name not in checkpoint:
-        raise ValueError(f"{name} (the {fmt.name} table's float32 global scale) is missing")
-    info = checkpoint.info(name)
-    if info.dtype not in SCALE_DTYPES or len(info.shape) > 1 or np.prod(info.shape) != 1:
-        raise ValueError(f"{name} must hold one float (F32), got {info.dtype} of shape "
-                         f"{info.shape}")
-    return names, check_scale(name, float(checkpoint.read(name).reshape(())))
+    return found
 
 
 def load_ngram_embedding(
@@ -380,15 +394,13 @@ def load_ngram_embedding(
     if prefix is None:
         prefix = find_prefix(checkpoint.tensors, config, layer)
     verify_buffers(checkpoint, prefix, layout)
-    block_fmt = FORMATS[NVFP4] if is_block_scaled(checkpoint, prefix, config) else None
+    block_fmt = block_scaled_format(checkpoint, prefix, config)
     dtype, shards = table_shards(checkpoint, prefix, layout, block_fmt)
-    if block_fmt is None:
-        target = loaded_format(BY_SAFETENSORS[dtype], config, weight_dtype, placement)
-        scale = read_scale(checkpoint, prefix, dtype)
-        scale_shards = [None] * len(shards)
-    else:
-        target = loaded_format(block_fmt, config, weight_dtype, placement)
-        scale_shards, scale = block_scale_shards(checkpoint, prefix, layout, block_fmt)
+    stored = BY_SAFETENSORS[dtype] if block_fmt is None else block_fmt
+    scale_shards = [None] * len(shards) if block_fmt is None else \
+        block_scale_shards(checkpoint, prefix, layout, block_fmt)
+    scale = read_scale(checkpoint, prefix, stored)
+    target = loaded_format(stored, config, weight_dtype, placement)
     pieces = [  # (shard name, its block scales' name, rows [a, b) of the shard, first global row)
         (shards[index], scale_shards[index], lo - first, hi - first, lo)
         for index, first, lo, hi in owned_pieces(
@@ -483,9 +495,9 @@ def ngram_tensors(
     block_scales=None,
 ) -> dict[str, np.ndarray]:
     """One layer's tensors in the checkpoint layout: buffers, shards (views of ``weight``, no
-    copies) and the float8 scale; for an NVFP4 table (``block_scales`` given) the packed shards,
-    their block scales and the global ``scale`` in vLLM's names. ``parts`` defaults to
-    ``split_ngram_parts``; ``prefix`` to :func:`default_prefix`."""
+    copies) and the float8 scale; with ``block_scales``, a ``BLOCK_SCALED`` (NVFP4) table: the
+    packed shards, their block scales and the global ``scale`` in vLLM's names. ``parts``
+    defaults to ``split_ngram_parts``; ``prefix`` to :func:`default_prefix`."""
     check_layout(layout)
     weight = _host_values(weight, "weight")
     parts = layout.config.split_ngram_parts if parts is None else parts
@@ -527,7 +539,7 @@ def ngram_tensors(
         if scale.size != 1:
             raise ValueError(f"scale must be a single value, got shape {scale.shape}")
         check_scale("scale", float(scale.reshape(())))
-        tensors[scale_key(prefix)] = scale.reshape(())
+        tensors[scale_key(prefix, fmt)] = scale.reshape(())
     return tensors
 
 
@@ -543,24 +555,26 @@ def _buffer_tensors(layout: LayerLayout, prefix: str) -> dict[str, np.ndarray]:
 
 def block_scaled_tensors(layout: LayerLayout, weight: np.ndarray, scale, block_scales,
                          parts: int, prefix: str) -> dict[str, np.ndarray]:
-    """``ngram_tensors`` of an NVFP4 table: ``weight`` the packed uint8 ``[padded_rows,
-    head_dim / 2]`` bytes, ``block_scales`` their E4M3 ``[padded_rows, head_dim / 16]`` scales
-    (or bits), ``scale`` the float32 global scale; all checked before anything is built."""
-    fmt = FORMATS[NVFP4]
+    """``ngram_tensors`` of a ``BLOCK_SCALED`` table (NVFP4): ``weight`` its stored
+    ``[padded_rows, head_dim / pack]`` (packed uint8 bytes), ``block_scales`` their
+    ``[padded_rows, head_dim / block]`` scales (or bits), ``scale`` the float32 global scale;
+    all checked before anything is built."""
+    fmt = BLOCK_SCALED
+    names = fmt.checkpoint_names(QWEN4EXP)
     fmt.check_head_dim(layout.head_dim)
     shape = (layout.padded_rows, fmt.row_width(layout.head_dim))
-    if weight.dtype != np.uint8:
-        raise ValueError(f"weight must be the packed uint8 bytes of an {fmt.name} table (a cast "
-                         f"would reinterpret them), got {weight.dtype}")
+    if weight.dtype != fmt.dtype:
+        raise ValueError(f"weight must be the packed {fmt.dtype} bytes of an {fmt.name} table "
+                         f"(a cast would reinterpret them), got {weight.dtype}")
     if weight.shape != shape:
-        raise ValueError(f"weight must have shape (padded_rows, head_dim / 2) = {shape}, got "
-                         f"{tuple(weight.shape)}")
+        raise ValueError(f"weight must have shape (padded_rows, head_dim / {fmt.pack}) = "
+                         f"{shape}, got {tuple(weight.shape)}")
     block_scales, block_format = unwrap_torch(block_scales)
     block_scales = HOST.asarray(block_scales)
     bits = block_scale_bits(fmt, block_scales, block_format, layout.padded_rows,
                             layout.head_dim).view(fmt.block_scale)
     if scale is None:
-        raise ValueError(f"scale (weight_scale_2, the global scale) is required for {fmt.name} "
+        raise ValueError(f"scale ({names.scale}, the global scale) is required for {fmt.name} "
                          "tables")
     scale = _host_values(scale, "scale")
     if scale.size != 1:
@@ -569,9 +583,9 @@ def block_scaled_tensors(layout: LayerLayout, weight: np.ndarray, scale, block_s
     tensors = _buffer_tensors(layout, prefix)
     for index in range(parts):
         start, stop = split_rows(layout.padded_rows, parts, index)
-        tensors[shard_key(prefix, index)] = weight[start:stop]
-        tensors[block_scales_key(prefix, index)] = bits[start:stop]
-    tensors[global_scale_key(prefix)] = np.array(global_scale, dtype=np.float32)
+        tensors[table_key(prefix, names.rows, index)] = weight[start:stop]
+        tensors[table_key(prefix, names.block_scales, index)] = bits[start:stop]
+    tensors[table_key(prefix, names.scale)] = np.array(global_scale, dtype=np.float32)
     return tensors
 
 
@@ -599,10 +613,10 @@ def save_ngram_embedding(
     (then with ``scale``); ``parts`` defaults to ``config.split_ngram_parts``. To write several
     layers in one checkpoint, merge their :func:`ngram_tensors` and call
     :func:`write_checkpoint` once. The older form ``(path, layout, weight, scale)`` is accepted.
-    An NVFP4 table is its packed uint8 ``weight`` ``[padded_rows, head_dim / 2]`` with
-    ``block_scales`` (E4M3 ``[padded_rows, head_dim / 16]``) and the float32 global ``scale``,
-    written in vLLM's names (``shard_{i}.weight``, ``shard_{i}.weight_scale``,
-    ``weight_scale_2``).
+    With ``block_scales`` the table is NVFP4 (``BLOCK_SCALED``): its packed uint8 ``weight``
+    ``[padded_rows, head_dim / 2]`` with ``block_scales`` (E4M3 ``[padded_rows, head_dim / 16]``)
+    and the float32 global ``scale``, written in vLLM's names (``shard_{i}.weight``,
+    ``shard_{i}.weight_scale``, ``weight_scale_2``).
     """
     if isinstance(config, LayerLayout):  # the older form: (path, layout, weight, scale)
         layout, weight, scale = config, layer, weight

@@ -8,7 +8,7 @@ import os
 from collections.abc import Sequence
 
 from ..embedding import EngramEmbedding
-from ..formats import BY_SAFETENSORS, FORMATS, MXFP8, Format, storage_format
+from ..formats import BY_SAFETENSORS, ENGRAM, FORMATS, Format, storage_format
 from ..hashing.engram_layout import EngramLayout, check_engram_layout
 from ..runtime.backends import HOST, unwrap_torch
 from ..runtime.checks import check_integer
@@ -17,8 +17,12 @@ from ..tables.table import EmbeddingTable, block_scale_bits
 from .checkpoint import shared_key
 from .safetensors_files import Checkpoint, write_checkpoint
 
-FLOAT_TABLES = ("F32", "F16", "BF16")
-MX = FORMATS[MXFP8]
+# The formats Engram checkpoints hold (``Format.checkpoints``): float tables by their dtype, and
+# the block-scaled one (MXFP8) with its names.
+FLOAT_TABLES = tuple(fmt.safetensors for fmt in FORMATS
+                     if fmt.checkpoint_names(ENGRAM) and not fmt.blocked)
+MX = next(fmt for fmt in FORMATS if fmt.checkpoint_names(ENGRAM) and fmt.blocked)
+NAMES = MX.checkpoint_names(ENGRAM)
 
 
 def engram_head_rows(layout: EngramLayout, layer: int, rank: int,
@@ -33,7 +37,7 @@ def engram_head_rows(layout: EngramLayout, layer: int, rank: int,
     return int(sizes[:first].sum()), int(sizes[:last].sum())
 
 
-def engram_tensor_name(names, layer_id: int, suffix: str = "weight") -> str | None:
+def engram_tensor_name(names, layer_id: int, suffix: str = NAMES.rows) -> str | None:
     """The checkpoint's ``...layers.{layer_id}.engram.embed.{suffix}`` (any prefix), or None."""
     tail = f"layers.{layer_id}.engram.embed.{suffix}"
     found = [name for name in names if name == tail or name.endswith("." + tail)]
@@ -55,7 +59,8 @@ def engram_table_format(checkpoint: Checkpoint, name: str, scales: str | None,
     if scales is None:
         if info.dtype == MX.safetensors:
             raise ValueError(f"{name} is {info.dtype} but its block scales "
-                             f"{name.removesuffix('weight')}scale ({MX.block_scale_safetensors}) "
+                             f"{name.removesuffix(NAMES.rows)}{NAMES.block_scales} "
+                             f"({MX.block_scale_safetensors}) "
                              f"are missing: an MXFP8 table needs them")
         if info.dtype not in FLOAT_TABLES:
             raise ValueError(f"{name} is {info.dtype}: this loader takes "
@@ -120,7 +125,7 @@ def load_engram_embedding(path: str | os.PathLike | Sequence[str | os.PathLike],
         if name is None:
             raise ValueError(f"the checkpoint has no layers.{layer_id}.engram.embed.weight "
                              f"(Engram layer {index})")
-        scales = engram_tensor_name(checkpoint.tensors, layer_id, "scale")
+        scales = engram_tensor_name(checkpoint.tensors, layer_id, NAMES.block_scales)
         fmt = engram_table_format(checkpoint, name, scales, layout, index)
         placed.check_holds(fmt, name)
         found.append((index, name, scales, fmt))
@@ -159,13 +164,13 @@ def save_engram_embedding(path: str | os.PathLike, layout: EngramLayout, weights
         if weight.shape != wanted:
             raise ValueError(f"weights[{index}] must have shape {list(wanted)}, got "
                              f"{list(weight.shape)}")
-        name = f"{prefix}layers.{layer_id}.engram.embed."
+        name = f"{prefix}layers.{layer_id}.engram.embed."  # + the format's names
         if block_scales is None:
             fmt = storage_format(weight.dtype, f"weights[{index}]")
             if fmt.safetensors not in FLOAT_TABLES:
                 raise ValueError(f"weights[{index}] is {fmt.name}: a float8 table needs its "
                                  f"block_scales (MXFP8)")
-            tensors[name + "weight"] = weight
+            tensors[name + NAMES.rows] = weight
             continue
         if weight.dtype != MX.dtype:
             raise ValueError(f"weights[{index}] must be {MX.dtype.name} with block_scales, got "
@@ -174,6 +179,6 @@ def save_engram_embedding(path: str | os.PathLike, layout: EngramLayout, weights
         scales, scale_format = unwrap_torch(block_scales[index])
         bits = block_scale_bits(MX, HOST.asarray(scales), scale_format, wanted[0],
                                 layout.head_dim)
-        tensors[name + "weight"] = weight
-        tensors[name + "scale"] = bits.view(MX.block_scale)
+        tensors[name + NAMES.rows] = weight
+        tensors[name + NAMES.block_scales] = bits.view(MX.block_scale)
     return write_checkpoint(path, tensors, num_files)

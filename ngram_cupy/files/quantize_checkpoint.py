@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from ..formats import BY_SAFETENSORS
+from ..formats import BY_SAFETENSORS, ENGRAM, QWEN4EXP
 from ..hashing.config import NGramConfig
 from ..hashing.engram_config import EngramConfig
 from ..hashing.layout import layer_layout
@@ -34,14 +34,7 @@ from ..tables.quantize import (
     quantize_target,
     table_amax,
 )
-from .checkpoint import (
-    block_scales_key,
-    global_scale_key,
-    ple_prefixes,
-    scale_key,
-    table_shards,
-    verify_buffers,
-)
+from .checkpoint import ple_prefixes, table_key, table_shards, verify_buffers
 from .engram_checkpoint import FLOAT_TABLES, engram_tensor_name
 from .safetensors_files import Checkpoint, write_checkpoint
 
@@ -82,7 +75,8 @@ def qwen4exp_tensors(checkpoint: Checkpoint, source: str, to: str, layers, step)
     ``config.json`` changes."""
     config = NGramConfig.from_hf(source)
     fmt = FORMAT_OF[to]
-    quantize_target(fmt, "Qwen4Exp")
+    quantize_target(fmt, QWEN4EXP)
+    names_of = fmt.checkpoint_names(QWEN4EXP)
     prefixes = ple_prefixes(checkpoint.tensors)
     if not prefixes:
         raise ValueError(f"{source} has no PLE layers (no *.ngram_embedding.shard_N.weight)")
@@ -100,11 +94,11 @@ def qwen4exp_tensors(checkpoint: Checkpoint, source: str, to: str, layers, step)
         for name, q in zip(names, quantized, strict=True):
             index = int(name.rsplit("shard_", 1)[1].split(".")[0])
             tensors[name] = q.weight
-            if q.block_scales is not None:
-                tensors[block_scales_key(prefix, index)] = q.block_scales
+            if names_of.block_scales:
+                tensors[table_key(prefix, names_of.block_scales, index)] = q.block_scales
             replaced.add(name)
-        key = scale_key(prefix) if not fmt.blocked else global_scale_key(prefix)
-        tensors[key] = np.array(quantized[0].scale if quantized else 1.0, np.float32)
+        tensors[table_key(prefix, names_of.scale)] = np.array(
+            quantized[0].scale if quantized else 1.0, np.float32)
     return tensors, replaced, {"ple_embedding_dtype": fmt.name}
 
 
@@ -112,7 +106,7 @@ def engram_tensors(checkpoint: Checkpoint, source: str, to: str, layers, step) -
         dict, set, dict]:
     """The MXFP8 tensors of the chosen Engram layers and the names they replace."""
     config = EngramConfig.from_hf(source)
-    quantize_target(FORMAT_OF[to], "Engram")
+    quantize_target(FORMAT_OF[to], ENGRAM)
     layer_ids = config.engram_layer_ids
     chosen = range(len(layer_ids)) if layers is None else layers
     tensors, replaced = {}, set()
@@ -124,7 +118,9 @@ def engram_tensors(checkpoint: Checkpoint, source: str, to: str, layers, step) -
         if name is None:
             raise ValueError(f"{source} has no layers.{layer_ids[index]}.engram.embed.weight")
         (q,) = quantize_shards([float_shard(checkpoint, name)], to, step, [name])
-        tensors[name], tensors[name.removesuffix("weight") + "scale"] = q.weight, q.block_scales
+        names = FORMAT_OF[to].checkpoint_names(ENGRAM)
+        tensors[name] = q.weight
+        tensors[name.removesuffix(names.rows) + names.block_scales] = q.block_scales
         replaced.add(name)
     return tensors, replaced, {}
 

@@ -186,18 +186,19 @@ class QuantizedTable:
                 "block_scales": self.block_scales}
 
 
-# The formats each model family's engine reads quantised tables in.
-FAMILY_FORMATS = {"Qwen4Exp": ("fp8", "nvfp4"), "Engram": ("mxfp8",)}
+def family_targets(family: str) -> tuple[str, ...]:
+    """The quantised formats ``family``'s checkpoints hold (``Format.checkpoints``): what its
+    engine reads (vLLM's Qwen4Exp: fp8 and NVFP4; DeepSeek's Engram: MXFP8)."""
+    return tuple(to for to, fmt in FORMAT_OF.items() if fmt.checkpoint_names(family))
 
 
 def quantize_target(fmt: Format, family: str) -> str:
     """``quantize_table``'s name for ``fmt`` (``"fp8"``, ...); a ValueError when ``family``'s
-    engine does not read that format (vLLM's Qwen4Exp: fp8 and NVFP4; DeepSeek's Engram:
-    MXFP8)."""
-    name = next((to for to, known in FORMAT_OF.items() if known.code == fmt.code), None)
-    if name not in FAMILY_FORMATS[family]:
+    engine does not read that format."""
+    name = next((to for to, known in FORMAT_OF.items() if known == fmt), None)
+    if name not in family_targets(family):
         raise ValueError(f"{family} tables are not quantised to {fmt.name}: its engine reads "
-                         f"{' and '.join(FAMILY_FORMATS[family])}")
+                         f"{' and '.join(family_targets(family))}")
     return name
 
 
