@@ -217,7 +217,7 @@ def _load_single_weight(checkpoint: Checkpoint, prefix: str, layout: LayerLayout
     shape = (layout.padded_rows, layout.head_dim)
     if info.shape != shape:
         raise ValueError(f"{name} has shape {info.shape} but the config's layout needs {shape}")
-    scale = read_scale(checkpoint, prefix, info.dtype)
+    scale = read_scale(checkpoint, prefix, fmt)
     parts = layout.config.split_ngram_parts
 
     def blocks():

@@ -116,6 +116,15 @@ def reference_block_lookup(fmt: Format, weight: np.ndarray, block_scales: np.nda
         return rows.astype(out_dtype).reshape(local.shape[0], -1)
 
 
+def float32_values(values, fmt: Format):
+    """Values of an output format ``fmt`` (NumPy or CuPy; bfloat16 as its own type or its bits)
+    as float32, exactly: bfloat16's bits are a float32's upper half, float32 holds every
+    float16."""
+    if fmt.code == BFLOAT16:
+        return (values.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return values.astype(np.float32, copy=False)
+
+
 # ---- bit casts: NumPy views in Python (the CUDA simulator), one LLVM bitcast when compiled ----
 
 def bits_to_float32(bits):

@@ -16,7 +16,14 @@ from typing import Any
 
 import numpy as np
 
-from ..formats import BFLOAT16, Format, default_output, holds, output_format, storage_format
+from ..formats import (
+    Format,
+    bits_name,
+    default_output,
+    holds,
+    output_format,
+    storage_format,
+)
 from ..runtime.backends import DEVICE, HOST, Backend, Call, bind, cuda_stream
 from ..runtime.checks import (
     check_destination,
@@ -91,7 +98,7 @@ def block_scale_bits(fmt: Format, scales, torch_format: Format | None, num_rows:
 def public_dtype(side: Backend, fmt: Format):
     """Output dtype: the real one on the host; raw uint16 for bfloat16 on the GPU (no CuPy
     bfloat16: ``torch.from_dlpack(out).view(torch.bfloat16)`` reads it)."""
-    return fmt.raw if side is DEVICE and fmt.code == BFLOAT16 else fmt.dtype
+    return fmt.raw if side is DEVICE and bits_name(fmt) else fmt.dtype
 
 
 @dataclass

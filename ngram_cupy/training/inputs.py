@@ -7,6 +7,7 @@ from numba import njit, prange
 
 from ..formats import find_format
 from ..runtime.checks import INDEX_DTYPES
+from ..tables.dequant import float32_values
 
 GRAD_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -63,11 +64,7 @@ def flat_inputs(ids, grad_out, grad_format=None):
         raise ValueError(f"grad_out must have shape {wanted} for ids of shape "
                          f"{tuple(ids.shape)}, got {shape}")
     grad = grad_out.reshape(count, head_dim)
-    if fmt.name == "bfloat16":  # its bits are a float32's upper half (NumPy or CuPy alike)
-        grad = (grad.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-    elif fmt.name == "float16":
-        grad = grad.astype(np.float32)  # exact: float32 holds every float16
-    return ids.reshape(count), grad
+    return ids.reshape(count), float32_values(grad, fmt)
 
 
 @njit(cache=True, nogil=True, parallel=True)

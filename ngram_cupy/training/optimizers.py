@@ -42,7 +42,7 @@ class RowOptimizer:
         self.table = table
         self.lr = finite_number("lr", lr)
         self.rows = writable_rows(table)
-        self.bf16 = table.format.name == "bfloat16"
+        self.code = table.format.code  # the row format the kernel loads and stores
         self.stochastic_rounding = bool(stochastic_rounding)
         self.seed = int(seed) & ((1 << 64) - 1)
         self.steps = 0
@@ -113,7 +113,7 @@ class RowOptimizer:
         first = self.state.get(self.state_widths[0][0], empty) if self.state_widths else empty
         second = self.state.get(self.state_widths[1][0], empty) if len(self.state_widths) > 1 \
             else empty
-        updates_numba.update_rows(self.kind, self.rows, self.bf16, local, order, starts, grad,
+        updates_numba.update_rows(self.kind, self.rows, self.code, local, order, starts, grad,
                                   first, second, self.hyper(step), self.stochastic_rounding,
                                   np.uint64(self.seed), np.uint64(step))
         self.steps = step

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from ..formats import BFLOAT16
 from ..tables.dequant import bits_to_float32, float32_to_bits
 
 SGD, ROWWISE_ADAGRAD, ADAM, ROWWISE_ADAM = 0, 1, 2, 3
@@ -48,17 +49,17 @@ def bfloat16_bits(value, noise, stochastic):
 
 
 @njit(inline="always")
-def load(rows, r, d, bf16):
-    """Row ``r``'s value ``d`` as float32."""
-    if bf16:
+def load(rows, r, d, code):
+    """Row ``r``'s value ``d`` (float32 or bfloat16 bits, format ``code``) as float32."""
+    if code == BFLOAT16:
         return bits_to_float32(np.uint32(rows[r, d]) << SHIFT16)
     return bits_to_float32(np.uint32(rows[r, d]))
 
 
 @njit(inline="always")
-def store(rows, r, d, value, bf16, stochastic, seed, step):
-    """Write float32 ``value`` to row ``r``'s value ``d`` in the table's format."""
-    if bf16:
+def store(rows, r, d, value, code, stochastic, seed, step):
+    """Write float32 ``value`` to row ``r``'s value ``d`` in the table's format ``code``."""
+    if code == BFLOAT16:
         noise = noise16(seed, step, r * rows.shape[1] + d) if stochastic else np.uint32(0)
         rows[r, d] = bfloat16_bits(value, noise, stochastic)
     else:
@@ -66,7 +67,7 @@ def store(rows, r, d, value, bf16, stochastic, seed, step):
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def update_rows(kind, rows, bf16, local, order, starts, grad, first, second, hyper,
+def update_rows(kind, rows, code, local, order, starts, grad, first, second, hyper,
                 stochastic, seed, step):
     """Apply optimizer ``kind`` to local rows ``local[u]``, whose gradient is the float64 sum of
     ``grad[order[starts[u]:starts[u + 1]]]`` rounded to float32; state in ``first`` /
@@ -88,12 +89,12 @@ def update_rows(kind, rows, bf16, local, order, starts, grad, first, second, hyp
                 g[d] = np.float32(acc[d])
             if kind == SGD:
                 for d in range(width):
-                    store(rows, r, d, load(rows, r, d, bf16) - lr * g[d], bf16, stochastic,
+                    store(rows, r, d, load(rows, r, d, code) - lr * g[d], code, stochastic,
                           seed, step)
             elif kind == ROWWISE_ADAGRAD:
                 if decay != 0:
                     for d in range(width):
-                        g[d] = g[d] + decay * load(rows, r, d, bf16)
+                        g[d] = g[d] + decay * load(rows, r, d, code)
                 squares = 0.0
                 for d in range(width):
                     squares += np.float64(g[d]) * np.float64(g[d])
@@ -101,7 +102,7 @@ def update_rows(kind, rows, bf16, local, order, starts, grad, first, second, hyp
                 first[r, 0] = total
                 scale = lr / (np.sqrt(total) + eps)
                 for d in range(width):
-                    store(rows, r, d, load(rows, r, d, bf16) - scale * g[d], bf16, stochastic,
+                    store(rows, r, d, load(rows, r, d, code) - scale * g[d], code, stochastic,
                           seed, step)
             elif kind == ADAM:
                 for d in range(width):
@@ -111,7 +112,7 @@ def update_rows(kind, rows, bf16, local, order, starts, grad, first, second, hyp
                     first[r, d] = m_old + m_change
                     second[r, d] = v_old + v_change
                     ratio = (m_change + m_old) / (np.sqrt(v_change + v_old) + eps)
-                    store(rows, r, d, load(rows, r, d, bf16) + (-step_size) * ratio, bf16,
+                    store(rows, r, d, load(rows, r, d, code) + (-step_size) * ratio, code,
                           stochastic, seed, step)
             else:  # ROWWISE_ADAM
                 sums, squares = 0.0, 0.0
@@ -126,5 +127,5 @@ def update_rows(kind, rows, bf16, local, order, starts, grad, first, second, hyp
                 denom = np.sqrt(v) + eps
                 for d in range(width):
                     change = step_size * (((g[d] - mean) + m) / denom)
-                    store(rows, r, d, load(rows, r, d, bf16) - change, bf16, stochastic, seed,
+                    store(rows, r, d, load(rows, r, d, code) - change, code, stochastic, seed,
                           step)

@@ -44,3 +44,35 @@ def test_placements_are_asked_of_the_registry():
     assert not found, ("placements chosen by name or storage class outside the registry "
                        "(ask tables.storage or the storage's abilities):\n"
                        + "\n".join(f"{path}:{line}: {code}" for path, line, code in sorted(found)))
+
+
+# Where a format may be named: the registry and the decoders and encoders each format has.
+CODEC_MODULES = {"formats.py", "tables/dequant.py", "tables/gather_numba.py",
+                 "tables/gather_cupy.py", "tables/quantize.py", "tables/quantize_array.py",
+                 "ids/fused_cuda.py", "ids/kernel_set.py", "training/updates_numba.py"}
+
+
+def test_formats_are_asked_of_their_codec():
+    """Outside the format registry and each format's decoders, code asks a format's entry
+    (``Format``: what it stores, ``layer_names``, ``checkpoint_names(family)``, ``scaled``, ...)
+    instead of naming a format: no format code constant (``NVFP4``, ``FLOAT8_E4M3``, ...) and no
+    comparison with a format's name (``fmt.name == "bfloat16"``, ``to == "nvfp4"``)."""
+    package = Path(ngram_cupy.__file__).parent
+    constants = {"FLOAT32", "FLOAT16", "BFLOAT16", "FLOAT8_E4M3", "NVFP4", "MXFP8"}
+    names = {fmt.name for fmt in ngram_cupy.formats.FORMATS} | {"fp8", "e4m3", "nvfp4", "mxfp8"}
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        where = path.relative_to(package).as_posix()
+        if where in CODEC_MODULES:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            named = (isinstance(node, ast.Name) and node.id in constants) or (
+                isinstance(node, ast.alias) and node.name in constants)
+            compared = isinstance(node, ast.Compare) and any(
+                isinstance(operand, ast.Constant) and operand.value in names
+                for operand in (node.left, *node.comparators))
+            if named or compared:
+                shown = ast.unparse(node) if compared else getattr(node, "id", None) or node.name
+                found.append(f"{where}:{getattr(node, 'lineno', '?')}: {shown}")
+    assert not found, ("formats named outside the registry and their decoders (ask the "
+                       "format's entry in formats.py):\n" + "\n".join(found))
