@@ -18,18 +18,18 @@ from .tables.storage import find_placement
 from .tables.table import EmbeddingTable
 from .training import optimizers
 from .training.backward import embedding_backward
+from .training.table_rows import TRAINABLE, TRAINABLE_NAMES
 
 # Names ``fused_optimizer`` takes -> the row optimizer class in ``training.optimizers``.
 OPTIMIZERS = {"sgd": "SGD", "rowwise_adagrad": "RowwiseAdagrad", "adam": "Adam"}
-TRAINABLE_FORMATS = ("float32", "bfloat16")
 
 
 def check_trainable(table: EmbeddingTable, what: str) -> None:
     """A table rows can be trained in: float32 or bfloat16, writable, not a node-wide segment
     (whose rows a module never owns alone)."""
-    if table.format.name not in TRAINABLE_FORMATS:
+    if table.format not in TRAINABLE:
         raise ValueError(f"{what}: a {table.format.name} table cannot be trained (rows are "
-                         f"updated in float32 and stored as {' or '.join(TRAINABLE_FORMATS)})")
+                         f"updated in float32 and stored as {TRAINABLE_NAMES})")
     placement = find_placement(table.placement)
     if not table.storage.writable or placement is not None and not placement.private:
         raise ValueError(f"{what}: placement {table.placement!r} is read-only here; train a "

@@ -47,12 +47,14 @@ TABLE_DTYPES = tuple(BY_SAFETENSORS)
 # The names every format's rows take in Qwen4Exp checkpoints, and every name a scale takes.
 SHARDS = TensorNames().sharded()
 SCALE_NAMES = tuple(sorted({fmt.layer_names.scale for fmt in FORMATS if fmt.scaled}))
-PLAIN_SCALE = next(fmt.layer_names.scale for fmt in FORMATS if fmt.scaled and not fmt.blocked)
-# The block-scaled format a checkpoint's ``block_scales`` are written in (``ngram_tensors``).
-BLOCK_SCALED = next(fmt for fmt in FORMATS if fmt.blocked and fmt.checkpoint_names(QWEN4EXP))
+# The one scale name of plain tables (float8's), and the one block-scaled format Qwen4Exp
+# checkpoints hold, which ``ngram_tensors`` writes (a second would need a dtype argument there).
+(PLAIN_SCALE,) = {fmt.layer_names.scale for fmt in FORMATS if fmt.scaled and not fmt.blocked}
+(BLOCK_SCALED,) = (fmt for fmt in FORMATS if fmt.blocked and fmt.checkpoint_names(QWEN4EXP))
 SCALE_DTYPES = tuple(fmt.safetensors for fmt in SCALE_FORMATS)
 BUFFERS = ("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets")
-_SHARD = re.compile(r"^ngram_embedding\.shard_(\d+)\.weight$")
+# A per-shard tensor under ``P.ngram_embedding.`` (``SHARDS``' names): its shard and its name.
+_SHARD = re.compile(r"shard_(\d+)\.(\w+)")
 _PLE_KEY = re.compile(
     r"^(?P<prefix>.+)\.(?:layer_multipliers|ngram_heads_vocab_sizes|ngram_heads_offsets"
     r"|ngram_embedding\.(?:shard_\d+\.weight|weight_scale))$"
@@ -71,10 +73,9 @@ def shard_key(prefix: str, index: int) -> str:
     return table_key(prefix, SHARDS.rows, index)
 
 
-def scale_key(prefix: str, fmt: Format | None = None) -> str:
-    """The name of the table's scale under ``prefix``: ``fmt``'s (default: the float8
-    ``weight_scale``)."""
-    return table_key(prefix, PLAIN_SCALE if fmt is None else fmt.layer_names.scale)
+def scale_key(prefix: str) -> str:
+    """The name of a plain table's scale (float8's ``weight_scale``) under ``prefix``."""
+    return table_key(prefix, PLAIN_SCALE)
 
 
 def default_prefix(layout: LayerLayout) -> str:
@@ -184,9 +185,16 @@ def table_shards(checkpoint: Checkpoint, prefix: str, layout: LayerLayout,
     block-scaled ``fmt`` the shards must be its stored type (a cast would reinterpret them)."""
     parts = layout.config.split_ngram_parts
     found: dict[int, str] = {}
+    stored = TensorNames() if fmt is None else fmt.layer_names  # what a shard holds
+    others = []  # per-shard tensors the format does not store (per-channel scales, ...)
     for name in checkpoint.tensors:
-        if name.startswith(prefix + ".") and (m := _SHARD.match(name[len(prefix) + 1 :])):
+        start = f"{prefix}.ngram_embedding."
+        if not (name.startswith(start) and (m := _SHARD.fullmatch(name[len(start):]))):
+            continue
+        if m.group(2) == stored.rows:
             found[int(m.group(1))] = name
+        elif m.group(2) != stored.block_scales:
+            others.append(name)
     past = sorted(i for i in found if i >= parts)
     if past:
         raise ValueError(
@@ -211,6 +219,11 @@ def table_shards(checkpoint: Checkpoint, prefix: str, layout: LayerLayout,
                              f"{fmt.safetensors}: a cast would reinterpret them")
     elif dtype not in TABLE_DTYPES:
         raise ValueError(f"{first} has dtype {dtype}; tables are {', '.join(TABLE_DTYPES)}")
+    if others:
+        kind = BY_SAFETENSORS[dtype].name if fmt is None else fmt.name
+        raise ValueError(f"{others[0]}: {kind} tables store no per-shard "
+                         f"{others[0].rsplit('.', 1)[-1]} (a format this loader does not read, "
+                         f"e.g. per-channel scales)")
     for index, name in enumerate(names):
         if name is None:
             continue
@@ -251,10 +264,14 @@ def read_scale(checkpoint: Checkpoint, prefix: str, fmt: Format) -> float | None
 
 def _holds_block_tensors(checkpoint: Checkpoint, prefix: str, fmt: Format) -> bool:
     """Whether the checkpoint holds, under ``prefix``, tensors only block-scaled ``fmt``
-    stores: block scales of its type, or a scale of a name only it has (NVFP4's global)."""
+    stores: block scales of its type (or of any type beside rows of a type only it has, NVFP4's
+    U8), or a scale of a name only it has (NVFP4's global)."""
     names = fmt.layer_names.sharded()
-    scales = table_key(prefix, names.block_scales, 0)
+    scales, rows = (table_key(prefix, name, 0) for name in (names.block_scales, names.rows))
     if scales in checkpoint and checkpoint.info(scales).dtype == fmt.block_scale_safetensors:
+        return True
+    if scales in checkpoint and rows in checkpoint and fmt.safetensors not in TABLE_DTYPES \
+            and checkpoint.info(rows).dtype == fmt.safetensors:
         return True
     distinct = names.scale is not None and names.scale != PLAIN_SCALE
     return distinct and table_key(prefix, names.scale) in checkpoint
@@ -539,7 +556,7 @@ def ngram_tensors(
         if scale.size != 1:
             raise ValueError(f"scale must be a single value, got shape {scale.shape}")
         check_scale("scale", float(scale.reshape(())))
-        tensors[scale_key(prefix, fmt)] = scale.reshape(())
+        tensors[scale_key(prefix)] = scale.reshape(())
     return tensors
 
 

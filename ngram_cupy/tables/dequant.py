@@ -1,13 +1,15 @@
-"""Storage formats of table rows and their exact decoding, shared by the Numba CPU and CUDA code.
+"""The decoding of every format of ``formats.py``, exactly: the plain NumPy / ``ml_dtypes``
+definition of a lookup (``reference_lookup``, ``reference_block_lookup``) and the bit-level
+functions the Numba CPU and CUDA code share.
 
-Rows are stored as float32, float16, bfloat16 or float8 e4m3 (the formats of ``formats.py``:
-``ml_dtypes`` types on the NumPy side, raw unsigned bits everywhere else), or block-scaled as
-NVFP4 (E2M1 codes with an E4M3 scale per 16 values). A value is decoded to float32, multiplied
-by its block scale (block-scaled formats; exact) and the table's float32 scale, and rounded
-once, to nearest even, to the output type. Every function here works on
-integer bit patterns, so the CPU, the CUDA simulator and compiled CUDA give the same bits; NaNs
-come out as one canonical quiet NaN (CUDA and x86 disagree on NaN payloads). ``kernels/dequant.cuh``
-is the CUDA C twin of this file and is tested against it.
+Rows are stored as float32, float16, bfloat16 or float8 e4m3 (``ml_dtypes`` types on the NumPy
+side, raw unsigned bits everywhere else), or block-scaled as NVFP4 (E2M1 codes with an E4M3 scale
+per 16 values) or MXFP8 (E4M3 values with a UE8M0 scale per 32). A value is decoded to float32,
+multiplied by its block scale (block-scaled formats; exact) and the table's float32 scale, and
+rounded once, to nearest even, to the output type. Every bit-level function works on integer
+bit patterns, so the CPU, the CUDA simulator and compiled CUDA give the same bits; NaNs come out
+as one canonical quiet NaN (CUDA and x86 disagree on NaN payloads). ``kernels/dequant.cuh`` is
+the CUDA C twin of this file; ``tests/tables/test_decoders.py`` compares them on every code.
 """
 
 from __future__ import annotations

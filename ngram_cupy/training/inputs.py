@@ -9,8 +9,6 @@ from ..formats import find_format
 from ..runtime.checks import INDEX_DTYPES
 from ..tables.dequant import float32_values
 
-GRAD_DTYPES = ("float32", "bfloat16", "float16")
-
 
 @njit(cache=True, nogil=True)
 def first_outside(ids: np.ndarray, low: int, high: int) -> int:
@@ -47,7 +45,7 @@ def flat_inputs(ids, grad_out, grad_format=None):
     if np.dtype(ids.dtype) not in INDEX_DTYPES:
         raise TypeError(f"ids must be int32 or int64, got {ids.dtype}")
     fmt = grad_format if grad_format is not None else find_format(grad_out.dtype)
-    if fmt is None or fmt.name not in GRAD_DTYPES or (grad_format is None
+    if fmt is None or not fmt.output or (grad_format is None
                                                       and grad_out.dtype.kind in "iu"):
         raise TypeError(f"grad_out must be float32, bfloat16 or float16, got {grad_out.dtype}")
     count = int(np.prod(ids.shape))

@@ -6,17 +6,22 @@ import json
 
 import numpy as np
 
+from ..formats import FORMATS
 from ..tables import shared_memory
+from .updates_numba import ROW_FORMATS
 
-TRAINABLE = ("float32", "bfloat16")
+# The formats a row optimizer updates in place: those its kernel loads and stores.
+TRAINABLE = tuple(FORMATS[code] for code in ROW_FORMATS)
+TRAINABLE_NAMES = " or ".join(fmt.name for fmt in TRAINABLE)
 
 
 def check_trainable(table) -> None:
     """A ValueError saying why a table cannot be trained (format, placement, closed)."""
-    if table.format.name not in TRAINABLE:
-        raise ValueError(f"{table.format.name} tables cannot be trained: their values are "
-                         f"quantised (a small update rounds back to the same code, and block "
-                         f"scales would need refitting); train a float32 or bfloat16 table and "
+    if table.format not in TRAINABLE:
+        raise ValueError(f"{table.format.name} tables cannot be trained: rows are updated "
+                         f"in float32 and stored as {TRAINABLE_NAMES} (a quantised value rounds "
+                         f"a small update back to the same code, and block scales would need "
+                         f"refitting); train a {TRAINABLE_NAMES} table and "
                          f"quantise it afterwards")
     if getattr(table, "closed", False):
         raise ValueError("the table is closed: its rows can no longer be updated")

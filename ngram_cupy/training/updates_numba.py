@@ -7,10 +7,12 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ..formats import BFLOAT16
+from ..formats import BFLOAT16, FLOAT32
 from ..tables.dequant import bits_to_float32, float32_to_bits
 
 SGD, ROWWISE_ADAGRAD, ADAM, ROWWISE_ADAM = 0, 1, 2, 3
+# The row formats ``update_rows`` loads and stores (``load``, ``store``).
+ROW_FORMATS = (FLOAT32, BFLOAT16)
 # Hyper-parameters, float32, in this order: lr, eps, weight decay, 1 - beta1, 1 - beta2, step.
 LR, EPS, DECAY, ONE_MINUS_BETA1, ONE_MINUS_BETA2, STEP_SIZE = range(6)
 BLOCK = 64

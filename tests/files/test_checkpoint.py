@@ -512,6 +512,20 @@ def test_fp8_without_scale(tmp_path):
         _load(tmp_path, tensors)
 
 
+@pytest.mark.parametrize("dtype", [ml_dtypes.float8_e4m3fn, ml_dtypes.bfloat16])
+@pytest.mark.parametrize("scale_dtype", [np.float32, np.uint8])
+def test_per_shard_scales_of_no_format_are_refused(tmp_path, dtype, scale_dtype):
+    """Per-channel scales (a ``shard_i.weight_scale`` no format of these checkpoints stores
+    beside such rows) are refused, not dropped: a table without them reads other values."""
+    tensors = tiny_tensors(dtype)
+    for name in [name for name in tensors if name.endswith(".weight") and "shard_" in name]:
+        rows = tensors[name].shape[0]
+        tensors[name.removesuffix("weight") + "weight_scale"] = np.full((rows, 1), 7, scale_dtype)
+    with pytest.raises(ValueError, match=r"shard_0\.weight_scale: .* tables store no per-shard "
+                                         r"weight_scale"):
+        _load(tmp_path, tensors)
+
+
 def test_scale_on_an_unscaled_table(tmp_path):
     tensors = tiny_tensors(ml_dtypes.bfloat16)
     tensors[ck.scale_key(PREFIX)] = SCALE

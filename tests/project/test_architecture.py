@@ -55,24 +55,37 @@ CODEC_MODULES = {"formats.py", "tables/dequant.py", "tables/gather_numba.py",
 def test_formats_are_asked_of_their_codec():
     """Outside the format registry and each format's decoders, code asks a format's entry
     (``Format``: what it stores, ``layer_names``, ``checkpoint_names(family)``, ``scaled``, ...)
-    instead of naming a format: no format code constant (``NVFP4``, ``FLOAT8_E4M3``, ...) and no
-    comparison with a format's name (``fmt.name == "bfloat16"``, ``to == "nvfp4"``)."""
+    instead of naming a format: no format code constant (``NVFP4``, ``formats.FLOAT8_E4M3``), no
+    entry taken by its number (``FORMATS[4]``) and no comparison with a format's name, or a
+    collection of them (``fmt.name == "bfloat16"``, ``to in ("nvfp4", "mxfp8")``), not even held
+    in a constant first (``TRAINABLE = ("float32", "bfloat16")``)."""
     package = Path(ngram_cupy.__file__).parent
     constants = {"FLOAT32", "FLOAT16", "BFLOAT16", "FLOAT8_E4M3", "NVFP4", "MXFP8"}
     names = {fmt.name for fmt in ngram_cupy.formats.FORMATS} | {"fp8", "e4m3", "nvfp4", "mxfp8"}
+
+    def format_names(node: ast.AST) -> bool:  # "nvfp4", ("float32", "bfloat16"), ...
+        items = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
+        return any(isinstance(item, ast.Constant) and item.value in names for item in items)
+
     found = []
     for path in sorted(package.rglob("*.py")):
         where = path.relative_to(package).as_posix()
         if where in CODEC_MODULES:
             continue
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        tree = ast.parse(path.read_text(), str(path))
+        held = {target.id for node in ast.walk(tree) if isinstance(node, ast.Assign)
+                and format_names(node.value) for target in node.targets
+                if isinstance(target, ast.Name)}  # constants holding format names
+        for node in ast.walk(tree):
             named = (isinstance(node, ast.Name) and node.id in constants) or (
-                isinstance(node, ast.alias) and node.name in constants)
+                isinstance(node, ast.alias) and node.name in constants) or (
+                isinstance(node, ast.Attribute) and node.attr in constants)
+            numbered = (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name)
+                        and node.value.id == "FORMATS" and isinstance(node.slice, ast.Constant))
             compared = isinstance(node, ast.Compare) and any(
-                isinstance(operand, ast.Constant) and operand.value in names
+                format_names(operand) or (isinstance(operand, ast.Name) and operand.id in held)
                 for operand in (node.left, *node.comparators))
-            if named or compared:
-                shown = ast.unparse(node) if compared else getattr(node, "id", None) or node.name
-                found.append(f"{where}:{getattr(node, 'lineno', '?')}: {shown}")
+            if named or numbered or compared:
+                found.append(f"{where}:{node.lineno}: {ast.unparse(node)}")
     assert not found, ("formats named outside the registry and their decoders (ask the "
                        "format's entry in formats.py):\n" + "\n".join(found))

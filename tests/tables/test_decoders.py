@@ -38,10 +38,11 @@ def harness() -> str:
 
 @pytest.fixture(scope="module")
 def header_decoder(tmp_path_factory):
-    """``decode_all`` of the generated harness, built by the host's C++ compiler."""
+    """``decode_all`` of the generated harness, built by the host's C++ compiler (None without
+    one)."""
     compiler = shutil.which("g++") or shutil.which("clang++")
-    if compiler is None:
-        pytest.skip("no C++ compiler")
+    if compiler is None:  # the other decoders are still compared
+        return None
     folder = tmp_path_factory.mktemp("decoders")
     (folder / "harness.cpp").write_text(harness())
     library = folder / "harness.so"
@@ -99,10 +100,12 @@ def test_every_decoder_of_a_format_agrees(header_decoder, fmt):
                 want = dequant.reference_lookup(rows.view(fmt.dtype), ids, factor, out.dtype,
                                                 "float32")
             numba = table.lookup(ids, out_dtype=out.name)
+            message = f"{fmt.name} -> {out.name}, scale {scale}"
+            assert_same(numba, want, "Numba gather " + message)
+            if header_decoder is None:
+                continue
             header = np.empty(codes.size, np.uint32)
             assert header_decoder(fmt.code, out_code, codes.ctypes.data, blocks.ctypes.data,
                                   codes.size, factor, header.ctypes.data) == 0
             header = header.astype(out.raw).view(out.dtype).reshape(want.shape)
-            message = f"{fmt.name} -> {out.name}, scale {scale}"
-            assert_same(numba, want, "Numba gather " + message)
             assert_same(header, want, "dequant.cuh " + message)
