@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import simulator
-from conftest import assert_same
+from conftest import assert_same, laid_out
 
 import ngram_cupy as nc
 from ngram_cupy.formats import FORMATS, NVFP4, OUTPUT_CODES, find_format
@@ -241,11 +241,14 @@ def test_sizes_count_the_block_scales():
 
 # ---------------------------------------------------------------- the fused kernel (simulated)
 
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("tiered", [False, True])
-def test_simulated_fused_kernel_equals_the_cpu_path(simulate, case, tiered):
-    """The golden rows as a layout's table (its first rows, a shard of them, hot rows):
-    the fused kernel's rows equal the CPU lookup of its ids, itself equal to vLLM's bits."""
+def test_simulated_fused_kernel_equals_the_cpu_path(simulate, case, tiered, packed):
+    """The golden rows as a layout's table (its first rows, a shard of them, hot rows), in two
+    arrays or packed records: the fused kernel's rows equal the CPU lookup of its ids, itself
+    equal to vLLM's bits."""
     from ngram_cupy.tables.hot_rows import build_map
+    from ngram_cupy.tables.storage.tiered import DeviceTier
 
     rng = np.random.default_rng(case["dim"])
     config = nc.NGramConfig(50, 2, 1, 3, 0, embedding_dim=case["dim"])
@@ -258,21 +261,23 @@ def test_simulated_fused_kernel_equals_the_cpu_path(simulate, case, tiered):
                               total_rows=layout.padded_rows)
     batch = simulator.random_batch(rng, layout, 9, 3)
     ids = nc.compute_ngram_ids(layout, *batch)
-    words = fused_cuda.table_words(table.host_view, 1)
-    hot_rows = np.arange(0, rows - start, 2)
-    hot = counts = hot_scales = None
+    kernel_rows, kernel_scales = laid_out(weight[start:], scales[start:], FMT, packed)
+    tier = None
     if tiered:
-        hot = (build_map(hot_rows, 0, rows - start), words[hot_rows])
-        counts = np.zeros((gather_cupy.COUNTER_LANES, 2), np.uint64)
-        hot_scales = table.host_scales[hot_rows]
+        hot_rows = np.arange(0, rows - start, 2)
+        hot, hot_scales = laid_out(weight[start:][hot_rows], scales[start:][hot_rows], FMT,
+                                   packed)
+        tier = DeviceTier(build_map(hot_rows, 0, rows - start), hot, np.zeros(
+            (gather_cupy.COUNTER_LANES, 2), np.uint64), hot_scales)
+    tables = fused_cuda.kernel_tables(kernel_rows, 1, kernel_scales, tier)
+    assert (tables["scale_column"] > 0) == packed
     for out_code in OUTPUT_CODES:
         fmt = FORMATS[out_code]
         out = np.full((len(batch[0]), layout.num_heads * case["dim"]), 0xAB, fmt.raw)
         ids_out = np.full(ids.shape, -1, np.int64)
-        fused_cuda.launch_fused(layout, *batch, ids_cuda.layout_params(layout), words, NVFP4,
-                                start, table.lookup_scale(fmt), True, ids_out, out, out_code,
-                                block=4, hot=hot, counts=counts, scales=table.host_scales,
-                                hot_scales=hot_scales)
+        fused_cuda.launch_fused(layout, *batch, ids_cuda.layout_params(layout), code=NVFP4,
+                                row_start=start, scale=table.lookup_scale(fmt), write_ids=True,
+                                ids_out=ids_out, out=out, out_code=out_code, block=4, **tables)
         np.testing.assert_array_equal(ids_out, ids)
         assert_same(out, table.lookup(ids, out_dtype=fmt.dtype), f"{fmt.name}, tiered={tiered}")
         assert_same(out, reference_block_lookup(FMT, weight[start:], scales[start:],

@@ -64,7 +64,7 @@ import numpy as np
 from ...formats import Format
 from ...runtime.backends import DEVICE, HOST, Backend, bind, gpu_available
 from ..host_memory import anonymous_memory
-from ..packed import packed_rows
+from ..packed import device_packed_rows, packed_rows
 from .base import Gather, Storage
 from .cpu import CpuStorage
 from .gpu import GpuStorage
@@ -140,8 +140,8 @@ def canonical_placement(placement: str) -> str:
 
 
 def allocate(placement: str, num_rows: int, head_dim: int, fmt: Format) -> Storage:
-    """Unfilled storage of a placement (with its block scales for a block-scaled format: in
-    host memory, packed with the rows, one record per row).
+    """Unfilled storage of a placement (with its block scales for a block-scaled format, packed
+    with the rows: one record per row, ``packed``).
     ``"pinned"`` without a GPU is ordinary host memory (nothing could read it over PCIe
     anyway)."""
     placement = canonical_placement(placement)
@@ -150,6 +150,9 @@ def allocate(placement: str, num_rows: int, head_dim: int, fmt: Format) -> Stora
     if placement == "gpu":
         if not gpu_available():
             raise RuntimeError("placement='gpu' needs CuPy and a CUDA device")
+        if fmt.blocked and num_rows * head_dim > 0:
+            records, rows, scales = device_packed_rows(num_rows, head_dim, fmt)
+            return GpuStorage(rows, fmt, scales, records)
         scales = DEVICE.empty(scale_shape, np.uint8) if fmt.blocked else None
         return GpuStorage(DEVICE.empty(shape, fmt.raw), fmt, scales)
     if placement == "shared" and num_rows * head_dim:

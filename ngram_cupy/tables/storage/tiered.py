@@ -76,7 +76,8 @@ class TieredStorage(Storage):
         self.hot_rows = hot_rows
         self.host_view = cold.host_view
         self.map = build_map(hot_rows, 0, cold.num_rows)
-        self.records = getattr(cold, "records", None)  # packed cold rows: packed hot ones
+        self.records = cold.records  # packed cold rows: packed hot ones
+        self.packed = cold.packed
         self.host_scales = cold.host_scales
         if self.records is not None:
             self.host_hot_records = self.records[hot_rows]
@@ -94,12 +95,17 @@ class TieredStorage(Storage):
         if cold.device_view is not None:
             from .. import gather_cupy
 
+            packed = self.host_hot_records is not None
             with cold.device_view.device:
-                words, ranks, self.device_hot, self.device_counts = upload(
-                    cuda_stream(), *self.map, self.host_hot,
+                words, ranks, hot, self.device_counts = upload(
+                    cuda_stream(), *self.map, self.host_hot_records if packed else self.host_hot,
                     np.zeros((gather_cupy.COUNTER_LANES, 2), np.uint64))
                 self.device_map = (words, ranks)
-                if self.host_hot_scales is not None:
+                self.device_hot = hot
+                if packed:  # the tier's records on the GPU, read as the cold ones are
+                    self.device_hot, self.device_hot_scales = record_views(
+                        hot, cold.format, cold.head_dim, raw=True)
+                elif self.host_hot_scales is not None:
                     (self.device_hot_scales,) = upload(cuda_stream(), self.host_hot_scales)
 
     @property
