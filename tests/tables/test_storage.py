@@ -27,8 +27,8 @@ from ngram_cupy.tables.storage import (
     place_filled,
     placement_named,
 )
-from ngram_cupy.tables.storage.cpu import CpuStorage
 from ngram_cupy.tables.storage import gpu as gpu_storage
+from ngram_cupy.tables.storage.cpu import CpuStorage
 from ngram_cupy.tables.storage.gpu import fill
 from ngram_cupy.tables.storage.mapped import MappedStorage
 
