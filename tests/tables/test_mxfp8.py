@@ -73,6 +73,11 @@ def test_every_pair_on_numba_and_host_built_cuda(host_gather):
             host_gather.run(plan)
             assert_same(cuda, want, f"{plan.name}")
         assert widths == {1, 2, 4, 8, 16}
+        rows, row_scales = laid_out(weight, scales, FMT, packed=True)  # 272-byte records
+        cuda = np.empty(want.shape, fmt.raw)
+        host_gather.run(gather_cupy.launch_plan(rows, MXFP8, 0, 1.0, IDS, cuda, out_code,
+                                                scales=row_scales))
+        assert_same(cuda, want, f"packed records, {fmt.name}")
 
 
 def test_numba_blocks_at_the_edges_of_the_exponent_shift():

@@ -122,6 +122,25 @@ def test_host_built_cuda_gather_equals_the_kernel_vectors(host_gather, case):
     assert min(widths) == 1 and max(widths) == min(16, case["weight"].shape[1])
 
 
+@pytest.mark.parametrize("tiered", [False, True])
+def test_host_built_cuda_gather_of_packed_records_equals_the_kernel_vectors(host_gather, case,
+                                                                            tiered):
+    """The golden rows as one record per row (a hot tier of records too), every output."""
+    from ngram_cupy.tables.hot_rows import build_map
+
+    rows, scales = laid_out(case["weight"], case["weight_scale"], FMT, packed=True)
+    hot = np.arange(0, rows.shape[0], 2)
+    hot_rows, hot_scales = laid_out(case["weight"][hot], case["weight_scale"][hot], FMT, True)
+    tier = dict(hot=(build_map(hot, 0, rows.shape[0]), hot_rows), hot_scales=hot_scales,
+                counts=np.zeros((gather_cupy.COUNTER_LANES, 2), np.uint64)) if tiered else {}
+    for out_code in OUTPUT_CODES:
+        out = np.full(case[f"kernel_{KEYS[out_code]}"].shape, 0xAB, FORMATS[out_code].raw)
+        host_gather.run(gather_cupy.launch_plan(rows, NVFP4, case["vocab_start"],
+                                                case["weight_scale_2"], case["ids"], out,
+                                                out_code, scales=scales, **tier))
+        assert_golden(out, case, out_code, f"packed, tiered={tiered}")
+
+
 def test_every_block_scale_and_code_pair_on_cpu_and_host_built_cuda(host_gather):
     weight, scales = every_pair_table()
     ids = np.arange(256, dtype=np.int64).reshape(64, 4)
