@@ -715,27 +715,51 @@ def test_the_module_refuses_bad_nvfp4_weights(entry, error, match):
 
 # ---------------------------------------------------------------- sizes: planning and the CLI
 
-def test_plan_placement_counts_90_bytes_a_row(released_config):
+def test_plan_placement_counts_96_bytes_a_row(released_config):
+    """Tables in memory hold one 96-byte record a row (90 bytes in a checkpoint)."""
     from ngram_cupy.placement import table_nbytes
 
     layout = nc.layer_layout(released_config, 0)
-    assert table_nbytes(layout, "nvfp4") == layout.padded_rows * 90 == 28_800_138_240
+    assert table_nbytes(layout, "nvfp4") == layout.padded_rows * 96 == 30_720_147_456
     plan = nc.plan_placement([(layout, "nvfp4")] * 3, gpu_budget_bytes=60 << 30,
                              host_budget_bytes=30 << 30)
-    assert len(plan.names("gpu")) == 2 and len(plan.names("host")) == 1  # 26.8 GiB each
+    assert len(plan.names("gpu")) == 2 and len(plan.names("host")) == 1  # 28.6 GiB each
     odd = nc.layer_layout(nc.NGramConfig(1000, 2, 1, 100, 5, embedding_dim=24), 0)
     with pytest.raises(ValueError, match="multiple of 16"):
         table_nbytes(odd, "nvfp4")
+    table = nc.EmbeddingTable(np.zeros((7, 80), np.uint8), dtype="nvfp4", scale=1.0,
+                              block_scales=np.zeros((7, 10), np.uint8))
+    assert table_nbytes(table) == 7 * 96 and table.nbytes == 7 * 90  # memory, checkpoint
 
 
-def test_the_layout_command_prints_bytes_per_row(capsys):
+def layout_lines(capsys, config: Path) -> dict[str, str]:
+    """``ngram-cupy layout --config config``: its table lines by format name."""
     from ngram_cupy.cli import main
 
-    config = Path(__file__).resolve().parents[2] / "data" / "config.json"
     assert main(["layout", "--config", str(config)]) == 0
-    out = capsys.readouterr().out
-    assert "nvfp4" in out and "26.8 GiB  (90 B per row)" in out
-    assert "47.7 GiB  (160 B per row)" in out
+    lines = capsys.readouterr().out.splitlines()
+    return {line.split()[0]: line for line in lines if line.startswith("  ")}
+
+
+def test_the_layout_command_prints_bytes_per_row_in_memory_and_checkpoints(capsys):
+    lines = layout_lines(capsys, Path(__file__).resolve().parents[2] / "data" / "config.json")
+    assert lines["nvfp4"].endswith("28.6 GiB  (96 B per row in memory, 90 B in a checkpoint)")
+    assert lines["float8_e4m3fn"].endswith(
+        "47.7 GiB  (160 B per row in memory, 160 B in a checkpoint)")
+    assert lines["bfloat16"].endswith("(320 B per row in memory, 320 B in a checkpoint)")
+    assert "(640 B per row in memory, 640 B in a checkpoint)" in lines["float32"]
+    assert lines["mxfp8"].endswith("(176 B per row in memory, 165 B in a checkpoint)")
+
+
+def test_the_layout_command_prints_mxfp8_records(tmp_path, capsys):
+    """MXFP8 at head_dim 256 (DeepSeek Engram's): 256 + 8 -> 272 bytes in memory."""
+    from ngram_cupy.files.checkpoint import write_config_json
+
+    write_config_json(tmp_path, nc.NGramConfig(1000, 3, 2, 100, 5, embedding_dim=4 * 256))
+    lines = layout_lines(capsys, tmp_path)
+    assert lines["mxfp8"].endswith("(272 B per row in memory, 264 B in a checkpoint)")
+    assert lines["nvfp4"].endswith("(144 B per row in memory, 144 B in a checkpoint)")
+    assert lines["float8_e4m3fn"].endswith("(256 B per row in memory, 256 B in a checkpoint)")
 
 
 def test_the_vectors_as_read_from_their_files():
