@@ -242,3 +242,46 @@ def test_simulated_fused_kernel_reads_a_tier_of_hot_records(simulate):
     assert_same(out, reference_block_lookup(fmt, codes, scales, 0.5, ids,
                                             FORMATS[BFLOAT16].dtype))
     assert counts.sum(axis=0).tolist() == [np.isin(ids, hot).sum(), (~np.isin(ids, hot)).sum()]
+
+
+# ---------------------------------------------------------------- on a GPU
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("code", [NVFP4, MXFP8])
+@pytest.mark.parametrize("placement, hot", [("gpu", False), ("pinned", False), ("pinned", True)])
+def test_gpu_storages_hold_and_read_records(code, placement, hot):
+    """GPU memory, pinned memory read over UVA and a GPU hot tier hold one record per row (their
+    views step a record a row); lookups (plain, deduplicated, fused) equal the CPU gather of the
+    two arrays bit for bit: other shards' ids zero rows, ids outside the table an IndexError."""
+    import cupy
+
+    rng = np.random.default_rng(60 + code)
+    fmt, head_dim, start = FORMATS[code], 64, 2
+    layout = nc.layer_layout(nc.NGramConfig(50, 3, 1, 7, 0, embedding_dim=2 * head_dim), 0)
+    total = layout.padded_rows
+    codes, scales = random_rows(rng, code, total - start, head_dim)
+    weight = codes if code == NVFP4 else codes.view(ml_dtypes.float8_e4m3fn)
+    kwargs = dict(dtype=fmt.name, row_start=start, total_rows=total,
+                  scale=SCALES[code] if code == NVFP4 else None)
+    table = nc.EmbeddingTable(weight, block_scales=scales, placement=placement,
+                              hot_rows=np.arange(start, total, 3) if hot else None, **kwargs)
+    storage, record = table.storage.cold, record_bytes(fmt, head_dim)
+    assert storage.packed and storage.nbytes == (total - start) * record
+    assert storage.device_view.strides[0] == storage.device_scales.strides[0] == record
+    ids = rng.integers(0, total, (40, 2))
+    want = np.zeros((40, 2 * head_dim), np.uint16)
+    gather_rows(codes, code, start, np.float32(SCALES[code]), ids, want, BFLOAT16, scales=scales)
+    for dedup in (False, True):
+        table.dedup = dedup
+        got = cupy.asnumpy(table.lookup(cupy.asarray(ids)))
+        np.testing.assert_array_equal(got.view(np.uint16), want, err_msg=f"dedup={dedup}")
+    bad = ids.copy()
+    bad[7, 1] = total
+    with pytest.raises(IndexError, match=r"ids\[7, 1\]"):
+        table.lookup(cupy.asarray(bad))
+    batch = simulator.random_batch(rng, layout, 16, 2)
+    fused = nc.NGramEmbedding(layout, table, fused=True)(*(cupy.asarray(a) for a in batch))
+    hashed = nc.compute_ngram_ids(layout, *batch)
+    want = np.zeros((16, 2 * head_dim), np.uint16)
+    gather_rows(codes, code, start, np.float32(SCALES[code]), hashed, want, BFLOAT16, scales=scales)
+    np.testing.assert_array_equal(cupy.asnumpy(fused).view(np.uint16), want)
