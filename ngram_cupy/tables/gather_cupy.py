@@ -153,9 +153,11 @@ def launch_plan(table, code: int, row_start: int, scale, ids, out, out_code: int
                 expected=None, hot=None, counts=None, scales=None,
                 hot_scales=None, total_rows=None, bad=None) -> Launch | None:
     """The launch that gathers ``table[ids - row_start]`` into ``out``; None when there is nothing
-    to do. Works on CuPy or NumPy arrays alike (only shapes, dtypes and addresses are read).
-    With ``hot = ((words, ranks), hot rows)``, the tiered gather counting into ``counts``.
+    to do. Works on CuPy or NumPy arrays alike (only shapes, dtypes, strides and addresses are
+    read). With ``hot = ((words, ranks), hot rows)``, the tiered gather counting into ``counts``.
     A block-scaled table's rows come with their ``scales`` (and a hot tier's ``hot_scales``).
+    The kernel steps from row to row by the arrays' own row strides (``row_stride``): packed
+    records' views and two arrays take the same kernel.
     With ``total_rows`` and ``bad`` (a uint64 word, ``row_ids.NO_BAD_WORD`` before the launch),
     the kernel notes there the first position of an id outside ``[0, total_rows)``."""
     if FORMATS[code].blocked and (scales is None or (hot is not None and hot_scales is None)):
@@ -194,7 +196,8 @@ def gather_rows(table, code: int, row_start: int, scale, ids, out, out_code: int
     """Launch the gather: raw rows ``table[ids - row_start]`` dequantised into raw ``out``.
 
     ``table`` is a CuPy ``[rows, head_dim]`` array of raw bits (device memory or mapped host
-    memory), ``ids`` a C-contiguous ``[T, H]`` int32/int64 CuPy array, ``out`` a C-contiguous raw
+    memory; its rows contiguous, any row stride: views into packed records, ``packed``, are read
+    in place), ``ids`` a C-contiguous ``[T, H]`` int32/int64 CuPy array, ``out`` a C-contiguous raw
     ``[T, H * head_dim]`` CuPy array; ``expected`` an optional int64 ``[T, H]`` array of ids whose
     rows ``out`` already holds. With ``hot = ((words, ranks), hot rows)`` (CuPy; see
     ``hot_rows``) hot rows are read from the hot rows and each row read is counted in ``counts``

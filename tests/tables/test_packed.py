@@ -171,6 +171,17 @@ def test_host_built_tiered_gather_reads_hot_records(host_gather, code):
                                 scales=row_scales, hot_scales=hot_scales)
 
 
+def test_gather_plans_refuse_rows_that_are_not_contiguous():
+    ids, out = np.zeros((2, 1), np.int64), np.zeros((2, 16), np.uint16)
+    with pytest.raises(ValueError, match=r"table must have contiguous rows, got strides \(1, 8\)"):
+        gather_cupy.launch_plan(np.zeros((4, 8), np.uint8).T, FLOAT8_E4M3, 0, 1.0, ids, out,
+                                BFLOAT16)
+    records, rows, scales = packed_rows(4, 32, FORMATS[NVFP4])
+    with pytest.raises(ValueError, match="scales must have contiguous rows"):
+        gather_cupy.launch_plan(rows, NVFP4, 0, 1.0, ids, out[:, :32], BFLOAT16,
+                                scales=records[:, ::2][:, :2])
+
+
 def test_whole_records_of_views_and_of_two_arrays():
     fmt = FORMATS[NVFP4]
     records, rows, scales = packed_rows(6, 160, fmt)

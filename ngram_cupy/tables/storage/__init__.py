@@ -20,7 +20,11 @@ The interface (``Storage`` in ``base``; each placement is one module: ``cpu``, `
   ``[local_start, local_start + n)``. When it returns, the rows are visible to every later
   gather, on any stream and in any CUDA graph replay.
 - ``host_scales`` / ``device_scales``: the block scales beside ``host_view`` / ``device_view``
-  (block-scaled formats; else None): every placement carries them with the rows.
+  (block-scaled formats; else None): every placement carries them with the rows. Every
+  placement but mapped checkpoints packs them with the rows, one record per row (``packed``:
+  ``packed`` is True, ``records`` the host records): the views are then strided views into the
+  records, and kernels read them by their row strides (``gather_cupy``) or as whole records
+  (``packed.whole_records``).
 - ``gather(job: Gather)``: write the dequantised rows of ``job.ids`` into ``job.out`` on
   ``job.side`` (on ``job.stream`` on the GPU, without a host synchronisation); ids outside
   ``[job.row_start, job.row_start + num_rows)`` give zero rows and are never read; with

@@ -49,7 +49,8 @@ def upload(stream, *arrays) -> list:
 class DeviceTier(NamedTuple):
     """The GPU side of a hot tier, for kernels that read it: the slot map ``(words, ranks)``, the
     raw hot rows ``[hot, head_dim]``, the counters (uint64 ``[COUNTER_LANES, 2]``: hot, cold)
-    and the hot rows' block scales (block-scaled formats; else None)."""
+    and the hot rows' block scales (block-scaled formats; else None). Over packed cold rows the
+    hot rows and scales are views into hot records laid out as the cold ones."""
 
     map: tuple[Any, Any]
     rows: Any
