@@ -43,10 +43,10 @@ def packed_rows(num_rows: int, head_dim: int, fmt: Format):
 
 
 def device_packed_rows(num_rows: int, head_dim: int, fmt: Format):
-    """``(records, rows, scales)`` as ``packed_rows``, in GPU memory (CuPy, zeroed), the rows
-    as raw bits."""
+    """``(rows, scales)``: raw rows and block scales as views into new zeroed records in GPU
+    memory (CuPy), as ``packed_rows`` makes them in host memory."""
     records = cupy_module().zeros((num_rows, record_bytes(fmt, head_dim)), np.uint8)
-    return records, *record_views(records, fmt, head_dim, raw=True)
+    return record_views(records, fmt, head_dim, raw=True)
 
 
 def record_views(records, fmt: Format, head_dim: int, width: int | None = None,

@@ -155,8 +155,8 @@ def allocate(placement: str, num_rows: int, head_dim: int, fmt: Format) -> Stora
         if not gpu_available():
             raise RuntimeError("placement='gpu' needs CuPy and a CUDA device")
         if fmt.blocked and num_rows * head_dim > 0:
-            records, rows, scales = device_packed_rows(num_rows, head_dim, fmt)
-            return GpuStorage(rows, fmt, scales, records)
+            rows, scales = device_packed_rows(num_rows, head_dim, fmt)
+            return GpuStorage(rows, fmt, scales, packed=True)
         scales = DEVICE.empty(scale_shape, np.uint8) if fmt.blocked else None
         return GpuStorage(DEVICE.empty(shape, fmt.raw), fmt, scales)
     if placement == "shared" and num_rows * head_dim:

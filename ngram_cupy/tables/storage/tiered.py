@@ -102,12 +102,13 @@ class TieredStorage(Storage):
                     cuda_stream(), *self.map, self.host_hot_records if packed else self.host_hot,
                     np.zeros((gather_cupy.COUNTER_LANES, 2), np.uint64))
                 self.device_map = (words, ranks)
-                self.device_hot = hot
                 if packed:  # the tier's records on the GPU, read as the cold ones are
                     self.device_hot, self.device_hot_scales = record_views(
                         hot, cold.format, cold.head_dim, raw=True)
-                elif self.host_hot_scales is not None:
-                    (self.device_hot_scales,) = upload(cuda_stream(), self.host_hot_scales)
+                else:
+                    self.device_hot = hot
+                    if self.host_hot_scales is not None:
+                        (self.device_hot_scales,) = upload(cuda_stream(), self.host_hot_scales)
 
     @property
     def device_tier(self) -> DeviceTier | None:
