@@ -87,16 +87,17 @@ def case_kernels() -> None:
         layer = nc.NGramEmbedding(layout, table)
         layer.start_prefetch(*device)
         np.testing.assert_array_equal(bits(layer(*device)), cpu_rows, err_msg="prefetch")
-    codes, scales = nvfp4_rows(rng, layout.padded_rows)  # one packed record a row
+    # NVFP4 records through gather.cu (its instances are in the kernel cache already; the
+    # fused kernel over records, a compile of its own, is left to the gpu tests)
+    codes, scales = nvfp4_rows(rng, layout.padded_rows)
     fp4 = dict(dtype="nvfp4", block_scales=scales, scale=0.5)
     fp4_rows = bits(nc.EmbeddingTable(codes, **fp4).lookup(cpu_ids))
     for placement, hot_rows in (("gpu", None), ("pinned", None),
                                 ("pinned", np.arange(0, layout.padded_rows, 7))):
         table = nc.EmbeddingTable(codes, placement=placement, hot_rows=hot_rows, **fp4)
         assert table.storage.cold.packed, placement
-        for fused in (False, True):
-            got = nc.NGramEmbedding(layout, table, fused=fused)(*device)
-            np.testing.assert_array_equal(bits(got), fp4_rows, err_msg=f"nvfp4 {placement}")
+        np.testing.assert_array_equal(bits(table.lookup(ids)), fp4_rows,
+                                      err_msg=f"nvfp4 {placement}, hot={hot_rows is not None}")
     cupy.cuda.Device().synchronize()
 
 
