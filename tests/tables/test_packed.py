@@ -229,6 +229,46 @@ def test_simulated_fused_kernel_reads_packed_records(simulate, code):
                 fused_cuda.raise_hashed(bad, heads, total)
 
 
+def test_a_gpu_tier_over_records_uploads_hot_records(monkeypatch):
+    """Over packed cold rows the GPU tier is one upload of hot records (no scale array of its
+    own), its rows and scales views with the record's stride, read whole by the fused kernel."""
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    from ngram_cupy.tables.storage import tiered
+    from ngram_cupy.tables.storage.cpu import CpuStorage
+
+    class Stream:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+        def synchronize(self):
+            pass
+
+    uploads = []
+    monkeypatch.setattr(tiered, "cupy_module", lambda: SimpleNamespace(
+        asarray=lambda array: uploads.append(array.shape) or np.array(array)))
+    monkeypatch.setattr(tiered, "cuda_stream", Stream)
+    fmt = FORMATS[NVFP4]
+    codes, scales = random_rows(np.random.default_rng(5), NVFP4, 40, 160)
+    records, rows, row_scales = packed_rows(40, 160, fmt)
+    rows[...], row_scales[...] = codes, scales
+    cold = CpuStorage(rows, fmt, row_scales, records)
+    cold.device_view = SimpleNamespace(device=nullcontext())  # as if the GPU read it
+    hot = np.arange(0, 40, 4)
+    tier = tiered.TieredStorage(cold, hot).device_tier
+    assert uploads == [(1,), (1,), (10, 96), (gather_cupy.COUNTER_LANES, 2)]
+    assert tier.rows.strides[0] == tier.scales.strides[0] == 96
+    np.testing.assert_array_equal(tier.rows, codes[hot])
+    np.testing.assert_array_equal(tier.scales, scales[hot])
+    tables = fused_cuda.kernel_tables(rows, 1, row_scales, tier)
+    assert tables["scale_column"] == 80 and tables["table_words"].shape == (40, 12)
+    assert tables["hot"][1].shape == (10, 12) and tables["hot_scales"].shape == (10, 96)
+
+
 def test_simulated_fused_kernel_reads_a_tier_of_hot_records(simulate):
     rng = np.random.default_rng(50)
     fmt = FORMATS[NVFP4]
