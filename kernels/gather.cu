@@ -9,9 +9,17 @@
 // read nothing. With `expected`, heads whose id equals expected[t, h] are skipped (their rows are
 // already in `out`, written by a prefetch of those ids).
 //
-// Block-scaled formats (NVFP4) pack several values per byte: a thread's VEC bytes give VEC * PACK
-// values, each multiplied by the block scale byte its block has in `scales` ([rows, head_dim /
-// BLOCK], beside the rows; a hot tier has its own copy in `hot_scales`).
+// Row r starts `stride` bytes after row r - 1 (the row's bytes for rows side by side; more for
+// packed records, where a row's block scales follow its values in the same record).
+//
+// Block-scaled formats (NVFP4, MXFP8) pack one or more values per byte: a thread's VEC bytes give
+// VEC * PACK values, each multiplied by the block scale byte its block has in `scales` (row r's
+// scales start at scales + r * scale_stride; a hot tier has its own in `hot_scales`, with the
+// same strides). Packed records (tables/packed.py) pass `scales` pointing into the first record,
+// just past its values, and scale_stride = stride: consecutive threads read a record's values in
+// VEC-byte pieces, whole 32-byte sectors, and its scale bytes follow them in the same record (in
+// the sector of its last values, or the next one), so a row costs its record's sectors and no
+// read in a second array.
 //
 // Ids outside the whole table, [0, total_rows), are noted in `bad` (row_ids.cuh): the minimum of
 // their item positions, which the host reads after the launch and raises on; they read nothing.
@@ -42,7 +50,8 @@ template <int CODE, int OUT_CODE, int VEC, typename Id, bool TIERED>
 __device__ __forceinline__ void gather_piece(
         const unsigned char* __restrict__ table, long long local_rows, long long row_start,
         const Id* __restrict__ ids, const long long* __restrict__ expected, long long num_items,
-        int chunks, float scale, unsigned char* __restrict__ out,
+        int chunks, long long stride, long long scale_stride, float scale,
+        unsigned char* __restrict__ out,
         const unsigned long long* __restrict__ hot_words, const unsigned int* __restrict__ hot_ranks,
         const unsigned char* __restrict__ hot, unsigned long long* __restrict__ counts,
         const unsigned char* __restrict__ scales, const unsigned char* __restrict__ hot_scales,
@@ -94,15 +103,15 @@ __device__ __forceinline__ void gather_piece(
             Piece<VEC> piece;
             In values[UNITS];
         } source;
-        source.piece = reinterpret_cast<const Piece<VEC>*>(rows)[local * chunks + chunk];
+        source.piece = reinterpret_cast<const Piece<VEC>*>(rows + local * stride)[chunk];
         if constexpr (BLOCK > 0) {
             constexpr int BITS = 8 * static_cast<int>(sizeof(In)) / PACK;
-            const long long first_scale = local * (static_cast<long long>(chunks) * N / BLOCK);
+            const unsigned char* row_scales = block_scales + local * scale_stride;
             float block = 0.0f;
 #pragma unroll
             for (int k = 0; k < N; ++k) {
                 if (k % BLOCK == 0) {  // a thread's values lie in one block, or span whole ones
-                    block = block_value<CODE>(block_scales[first_scale + (chunk * N + k) / BLOCK]);
+                    block = block_value<CODE>(row_scales[(chunk * N + k) / BLOCK]);
                 }
                 const unsigned int bits = (static_cast<unsigned int>(source.values[k / PACK]) >>
                                            (BITS * (k % PACK))) & ((1u << BITS) - 1u);
@@ -133,20 +142,23 @@ template <int CODE, int OUT_CODE, int VEC, typename Id>
 __global__ void gather_rows(const unsigned char* __restrict__ table, long long local_rows,
                             long long row_start, const Id* __restrict__ ids,
                             const long long* __restrict__ expected, long long num_items,
-                            int chunks, float scale, unsigned char* __restrict__ out,
+                            int chunks, long long stride, long long scale_stride, float scale,
+                            unsigned char* __restrict__ out,
                             const unsigned char* __restrict__ scales, long long total_rows,
                             unsigned long long* __restrict__ bad) {
     ngram::gather_piece<CODE, OUT_CODE, VEC, Id, false>(table, local_rows, row_start, ids,
-                                                        expected, num_items, chunks, scale, out,
-                                                        nullptr, nullptr, nullptr, nullptr,
-                                                        scales, nullptr, total_rows, bad);
+                                                        expected, num_items, chunks, stride,
+                                                        scale_stride, scale, out, nullptr,
+                                                        nullptr, nullptr, nullptr, scales,
+                                                        nullptr, total_rows, bad);
 }
 
 template <int CODE, int OUT_CODE, int VEC, typename Id>
 __global__ void gather_tiered_rows(const unsigned char* __restrict__ table, long long local_rows,
                                    long long row_start, const Id* __restrict__ ids,
                                    const long long* __restrict__ expected, long long num_items,
-                                   int chunks, float scale, unsigned char* __restrict__ out,
+                                   int chunks, long long stride, long long scale_stride,
+                                   float scale, unsigned char* __restrict__ out,
                                    const unsigned long long* __restrict__ hot_words,
                                    const unsigned int* __restrict__ hot_ranks,
                                    const unsigned char* __restrict__ hot,
@@ -155,7 +167,8 @@ __global__ void gather_tiered_rows(const unsigned char* __restrict__ table, long
                                    const unsigned char* __restrict__ hot_scales,
                                    long long total_rows, unsigned long long* __restrict__ bad) {
     ngram::gather_piece<CODE, OUT_CODE, VEC, Id, true>(table, local_rows, row_start, ids,
-                                                       expected, num_items, chunks, scale, out,
-                                                       hot_words, hot_ranks, hot, counts,
-                                                       scales, hot_scales, total_rows, bad);
+                                                       expected, num_items, chunks, stride,
+                                                       scale_stride, scale, out, hot_words,
+                                                       hot_ranks, hot, counts, scales,
+                                                       hot_scales, total_rows, bad);
 }

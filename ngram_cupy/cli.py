@@ -329,16 +329,20 @@ def cmd_engram_ids(args: argparse.Namespace) -> int:
 
 
 def table_bytes_line(fmt, rows: int, head_dim: int) -> str:
-    """One format's table bytes (block scales included), or why it cannot hold the rows."""
+    """One format's table bytes in memory (block scales included: a block-scaled row is one
+    packed record, ``tables.packed``) and a row's bytes in memory and in a checkpoint, or why
+    the format cannot hold the rows."""
+    from .tables.packed import record_bytes
+
     try:
         fmt.check_head_dim(head_dim)
     except ValueError:
         unit = max(fmt.pack, fmt.block)
         return f"  {fmt.name:<14} {'-':>18}    (head_dim {head_dim} is not a multiple of {unit})"
-    row_bytes = fmt.row_bytes(head_dim)
-    nbytes = rows * row_bytes
+    in_memory = record_bytes(fmt, head_dim)
+    nbytes = rows * in_memory
     return (f"  {fmt.name:<14} {nbytes:>18,} B  {nbytes / (1 << 30):9.1f} GiB  "
-            f"({row_bytes} B per row)")
+            f"({in_memory} B per row in memory, {fmt.row_bytes(head_dim)} B in a checkpoint)")
 
 
 def describe_engram_layout(config, layout) -> list[str]:

@@ -18,6 +18,7 @@ import numpy as np
 from .formats import storage_format
 from .hashing.layout import LayerLayout
 from .tables.hot_rows import map_nbytes
+from .tables.packed import record_bytes
 from .tables.table import EmbeddingTable
 
 GPU, HOST, NONE = "gpu", "host", "none"
@@ -134,12 +135,13 @@ class PlacementPlan:
 
 
 def table_nbytes(table, dtype=None) -> int:
-    """Bytes of one table: an int, an ``EmbeddingTable``, a ``LayerLayout`` (stored as ``dtype``,
+    """Bytes of one table in memory (a block-scaled format's rows as packed records,
+    ``tables.packed``): an int, an ``EmbeddingTable``, a ``LayerLayout`` (stored as ``dtype``,
     default the config's ``ple_embedding_dtype``) or a ``(LayerLayout, dtype)`` pair."""
     if isinstance(table, tuple) and len(table) == 2 and isinstance(table[0], LayerLayout):
         table, dtype = table
     if isinstance(table, EmbeddingTable):
-        return table.nbytes
+        return table.storage.nbytes  # its records in memory (``nbytes``: a checkpoint's bytes)
     if isinstance(table, LayerLayout):
         dtype = dtype or table.config.ple_embedding_dtype
         if dtype is None:
@@ -147,9 +149,9 @@ def table_nbytes(table, dtype=None) -> int:
                              "ple_embedding_dtype in the config")
         fmt = storage_format(dtype)
         values = table.table_nbytes(fmt.itemsize)  # a ValueError without embedding_dim
-        if fmt.blocked:  # packed values and their block scales: NVFP4 head_dim 160, 90 B a row
+        if fmt.blocked:  # one packed record a row: NVFP4 head_dim 160, 80 + 10 -> 96 B
             fmt.check_head_dim(table.head_dim)
-            return values // fmt.pack + table.padded_rows * fmt.scale_width(table.head_dim)
+            return table.padded_rows * record_bytes(fmt, table.head_dim)
         return values
     if isinstance(table, (int, np.integer)) and not isinstance(table, bool) and table >= 0:
         return int(table)

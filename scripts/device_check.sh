@@ -4,16 +4,19 @@
 #   here, no GPU: bash scripts/device_check.sh --dry-run  (the same flow, GPU steps stubbed)
 # Nothing is installed (the machine has no package index): the image already has CuPy, Numba
 # with numba-cuda, PyTorch, PyArrow, safetensors, ml_dtypes, tqdm and pytest, and the checkout
-# runs from PYTHONPATH. At most four files come back in $OUT (or ./device-results):
+# runs from PYTHONPATH. At most five files come back in $OUT (or ./device-results):
 #   summary.txt      one line per step: exit status (124: out of time), seconds, its limit
 #   results.tgz      every step's full log (remade after each step: a cut run keeps its logs)
+#   packed-uva.md    the UVA gather of packed NVFP4 records vs fp8 rows vs two arrays
 #   bench-results.md and bench-results.png   the GPU benchmark tables and plot
 # Steps run most important first, each in its own time box (sized from measured times below),
 # none past the run's deadline, so one hang or crash cannot eat the budget of those after it:
 #   versions 5 s | compile the kernel cache: released shapes, sm_90, 16 CPUs: ~40 s (100 s on 2
 #   loaded CPUs here, its slowest kernel 34 s) | gpu tests: ~150 s, each file its own pytest
 #   (their kernels compiled once, then shared through the cache) | graph, misaligned,
-#   fresh-fill: ~10 s each | bench --quick: ~60 s | memcheck, racecheck: ~45 s each
+#   fresh-fill: ~10 s each | packed-uva: ~15 s (estimated: 700 MiB of pinned rows made and
+#   filled, 3 x 22 timed gathers and copies) | bench --quick: ~60 s | memcheck, racecheck: ~45 s
+#   each
 # The simulator, PTX, host-build and CPU tests run in CI, not here.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -121,10 +124,15 @@ step graph 30 python3 scripts/gpu_workload.py graph
 step misaligned 20 python3 scripts/gpu_workload.py misaligned
 step fresh-fill 20 python3 scripts/gpu_workload.py fresh-fill
 
-# 4. The quick GPU benchmark (tables and plot straight into $out).
+# 4. Packed NVFP4 records over UVA: bytes per token and GB/s of the gather from pinned memory,
+# records vs fp8 rows vs two arrays, beside cudaMemcpy of the same bytes (packed-uva.md).
+export PACKED_UVA_OUT="$out/packed-uva.md"
+step packed-uva 30 python3 scripts/gpu_workload.py packed-uva
+
+# 5. The quick GPU benchmark (tables and plot straight into $out).
 step bench 75 python3 bench.py --device gpu --quick --output "$out/bench-results.md"
 
-# 5. Sanitizers on a short workload (every kernel once, small batches), with what is left.
+# 6. Sanitizers on a short workload (every kernel once, small batches), with what is left.
 if command -v compute-sanitizer > /dev/null || [ "$dry_run" = 1 ]; then
     for tool in memcheck racecheck; do
         step "sanitizer-$tool" 50 compute-sanitizer --tool "$tool" --error-exitcode 3 \

@@ -3,7 +3,10 @@
     python scripts/gpu_workload.py CASE [CASE ...]
 
 Cases: ``kernels`` (ids, context rolling, plain and deduplicating gathers, the fused kernel and a
-prefetch, on gpu and pinned tables; small enough for compute-sanitizer memcheck and racecheck),
+prefetch, on gpu and pinned tables, fp8 and NVFP4 records with a hot tier; small enough for
+compute-sanitizer memcheck and racecheck), ``packed-uva`` (the UVA gather from pinned memory of
+NVFP4 records, fp8 rows and NVFP4 in two arrays: bytes per token and GB/s against a copy of the
+same bytes, results written to the file named by ``PACKED_UVA_OUT``, if set),
 ``graph`` (a ``torch.cuda.graph`` capture of ``forward`` replayed on new tokens, results taken
 with ``torch.from_dlpack``), ``misaligned`` (a table adopted from a device view 1 byte past an
 8-byte boundary, plain and fused) and ``fresh-fill`` (rows written, then read at once on another
@@ -12,6 +15,7 @@ stream). Prints one line per case, ``ok`` or the error; exits 1 if any failed.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 import traceback
@@ -39,6 +43,12 @@ def layer_inputs(rng, num_tokens: int, num_requests: int):
     weight = (rng.standard_normal((layout.padded_rows, HEAD_DIM)) * 4).astype(
         ml_dtypes.float8_e4m3fn)
     return layout, tokens, starts, context, weight
+
+
+def nvfp4_rows(rng, rows: int):
+    """Random NVFP4 codes ``[rows, HEAD_DIM / 2]`` and finite E4M3 block scales, as bytes."""
+    codes = rng.integers(0, 256, (rows, HEAD_DIM // 2), dtype=np.uint8)
+    return codes, rng.integers(0, 0x7F, (rows, HEAD_DIM // 16), dtype=np.uint8)
 
 
 def bits(array) -> np.ndarray:
@@ -77,6 +87,17 @@ def case_kernels() -> None:
         layer = nc.NGramEmbedding(layout, table)
         layer.start_prefetch(*device)
         np.testing.assert_array_equal(bits(layer(*device)), cpu_rows, err_msg="prefetch")
+    # NVFP4 records through gather.cu (its instances are in the kernel cache already; the
+    # fused kernel over records, a compile of its own, is left to the gpu tests)
+    codes, scales = nvfp4_rows(rng, layout.padded_rows)
+    fp4 = dict(dtype="nvfp4", block_scales=scales, scale=0.5)
+    fp4_rows = bits(nc.EmbeddingTable(codes, **fp4).lookup(cpu_ids))
+    for placement, hot_rows in (("gpu", None), ("pinned", None),
+                                ("pinned", np.arange(0, layout.padded_rows, 7))):
+        table = nc.EmbeddingTable(codes, placement=placement, hot_rows=hot_rows, **fp4)
+        assert table.storage.cold.packed, placement
+        np.testing.assert_array_equal(bits(table.lookup(ids)), fp4_rows,
+                                      err_msg=f"nvfp4 {placement}, hot={hot_rows is not None}")
     cupy.cuda.Device().synchronize()
 
 
@@ -152,8 +173,103 @@ def case_fresh_fill() -> None:
         np.testing.assert_array_equal(bits(got), want, err_msg=f"attempt {attempt}")
 
 
-CASES = {"kernels": case_kernels, "graph": case_graph, "misaligned": case_misaligned,
-         "fresh-fill": case_fresh_fill}
+def timed(run, repeats: int = 20) -> float:
+    """Seconds per call of ``run`` on the GPU (CUDA events, after two warm-up calls)."""
+    import cupy
+
+    for _ in range(2):
+        run()
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record()
+    for _ in range(repeats):
+        run()
+    stop.record()
+    stop.synchronize()
+    return cupy.cuda.get_elapsed_time(start, stop) / 1e3 / repeats
+
+
+def sectors(addresses: np.ndarray, size: int) -> np.ndarray:
+    """32-byte sectors that ``size`` bytes from each address touch."""
+    return (addresses + size - 1) // 32 - addresses // 32 + 1
+
+
+def case_packed_uva() -> None:
+    """The UVA gather of random rows from pinned host memory (a link-bound read): NVFP4 as one
+    96-byte record a row, fp8 rows (160 B) and NVFP4 in two arrays (80 B + 10 B of scales),
+    each beside a copy of the same number of bytes from pinned memory (cudaMemcpy) and checked
+    bit for bit against the CPU gather."""
+    import cupy
+
+    from ngram_cupy.formats import BFLOAT16, FLOAT8_E4M3, NVFP4
+    from ngram_cupy.tables.gather_cupy import data_address, gather_rows
+    from ngram_cupy.tables.pinned_memory import PinnedBuffer
+
+    rng = np.random.default_rng(4)
+    rows, tokens, heads = 1 << 21, 4096, 16  # 192 MiB of records: far past the GPU's caches
+    codes, scales = nvfp4_rows(rng, rows)
+    fp8 = rng.integers(0, 256, (rows, HEAD_DIM), dtype=np.uint8)
+    ids = rng.integers(0, rows, (tokens, heads))
+    device_ids = cupy.asarray(ids)
+    out = cupy.empty((tokens, heads * HEAD_DIM), np.uint16)
+    packed = nc.EmbeddingTable(codes, dtype="nvfp4", block_scales=scales, scale=0.5,
+                               placement="pinned").storage
+    plain = nc.EmbeddingTable(fp8.view(ml_dtypes.float8_e4m3fn), scale=0.5,
+                              placement="pinned").storage
+    apart = [PinnedBuffer(array.nbytes) for array in (codes, scales)]
+    for buffer, array in zip(apart, (codes, scales), strict=True):
+        buffer.array[:] = array.reshape(-1)
+    two = [buffer.device_array(array.shape, np.uint8)
+           for buffer, array in zip(apart, (codes, scales), strict=True)]
+    want = bits(nc.EmbeddingTable(codes, dtype="nvfp4", block_scales=scales,
+                                  scale=0.5).lookup(ids))
+    variants = {  # name: (gather, bytes a row asks for, sectors a row touches)
+        "nvfp4 records (96 B)": (
+            lambda: gather_rows(packed.device_view, NVFP4, 0, 0.5, device_ids, out, BFLOAT16,
+                                scales=packed.device_scales),
+            96, sectors(data_address(packed.device_view) + 96 * ids, 96)),
+        "fp8 rows (160 B)": (
+            lambda: gather_rows(plain.device_view, FLOAT8_E4M3, 0, 0.5, device_ids, out,
+                                BFLOAT16),
+            160, sectors(data_address(plain.device_view) + 160 * ids, 160)),
+        "nvfp4 two arrays (80 + 10 B)": (
+            lambda: gather_rows(two[0], NVFP4, 0, 0.5, device_ids, out, BFLOAT16,
+                                scales=two[1]),
+            90, sectors(data_address(two[0]) + 80 * ids, 80)
+            + sectors(data_address(two[1]) + 10 * ids, 10)),
+    }
+    staging = cupy.empty(tokens * heads * 160, np.uint8)
+    lines = [f"UVA gather of {tokens} tokens x {heads} heads, random rows of {rows:,}; GB/s of "
+             "the bytes the rows hold; copy: cudaMemcpy of as many bytes from pinned memory",
+             "| rows | bytes/token | sector bytes/token | gather us | gather GB/s | copy GB/s | "
+             "gather / copy |", "|---|---:|---:|---:|---:|---:|---:|"]
+    seconds = {}
+    for name, (gather, row_bytes, touched) in variants.items():
+        out.fill(0)
+        gather()
+        if name.startswith("nvfp4"):
+            np.testing.assert_array_equal(bits(out), want, err_msg=name)
+        nbytes = tokens * heads * row_bytes
+        pointer = (packed if name.startswith("nvfp4 records") else plain).buffer.pointer
+        copy = timed(lambda n=nbytes, p=pointer: cupy.cuda.runtime.memcpyAsync(
+            staging.data.ptr, p, n, cupy.cuda.runtime.memcpyHostToDevice,
+            cupy.cuda.get_current_stream().ptr))
+        seconds[name] = timed(gather)
+        lines.append(f"| {name} | {heads * row_bytes:,} | {32 * touched.sum() / tokens:,.0f} | "
+                     f"{seconds[name] * 1e6:,.0f} | {nbytes / seconds[name] / 1e9:.2f} | "
+                     f"{nbytes / copy / 1e9:.2f} | {copy / seconds[name]:.2f} |")
+    records, fp8_time, two_time = seconds.values()
+    lines.append(f"records / fp8 time {records / fp8_time:.2f}, records / two arrays time "
+                 f"{records / two_time:.2f} (below 1: records faster)")
+    for buffer in apart:
+        buffer.close()
+    report = "\n".join(lines)
+    print(report)
+    if os.environ.get("PACKED_UVA_OUT"):
+        Path(os.environ["PACKED_UVA_OUT"]).write_text(report + "\n")
+
+
+CASES = {"kernels": case_kernels, "packed-uva": case_packed_uva, "graph": case_graph,
+         "misaligned": case_misaligned, "fresh-fill": case_fresh_fill}
 
 
 def main(names: list[str]) -> int:

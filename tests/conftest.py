@@ -145,3 +145,16 @@ def layer_rows(config, dtype, seed: int = 0) -> np.ndarray:
     layout = nc.layer_layout(config, 0)
     values = np.random.default_rng(seed).uniform(-4, 4, (layout.padded_rows, layout.head_dim))
     return values.astype(np.float32).astype(dtype)
+
+
+def laid_out(codes: np.ndarray, scales: np.ndarray, fmt, packed: bool):
+    """``(rows, scales)`` of a block-scaled table as the kernels get them: the two arrays as
+    they are, or (``packed``) views into one record per row (``tables.packed``)."""
+    from ngram_cupy.tables.packed import packed_rows
+
+    if not packed:
+        return codes, scales
+    _, rows, row_scales = packed_rows(codes.shape[0], codes.shape[1] * fmt.pack, fmt)
+    rows = rows.view(np.uint8)
+    rows[...], row_scales[...] = codes, scales
+    return rows, row_scales

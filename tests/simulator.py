@@ -5,7 +5,8 @@ kernel in Numba's CUDA simulator (one Python thread per GPU thread) instead of o
 environment variable and no subprocess. Every index a simulated kernel applies to an argument
 array is bounds-checked, negative ones included (NumPy would wrap them silently), and every
 element access must be aligned to the element size, as a GPU load or store must be: an array
-whose data starts off its element alignment fails (a misaligned-address fault on hardware).
+whose data starts off its element alignment fails (a misaligned-address fault on hardware). A
+strided argument fails too: the compiled kernel would index it as C-contiguous.
 Inputs stay tiny: the simulator costs about a millisecond per thread.
 """
 
@@ -39,9 +40,20 @@ def checked(method):
     return access
 
 
+class NotContiguous(ValueError):
+    """A kernel was passed a strided array: compiled kernels index arrays as C-contiguous (by
+    shape, not strides), so on a GPU it would read the wrong bytes."""
+
+
 def device(value):
-    """NumPy arrays as simulator device arrays (no copy, so aliasing stays); others unchanged."""
-    return FakeCUDAArray(value) if isinstance(value, np.ndarray) and value.ndim else value
+    """NumPy arrays as simulator device arrays (no copy, so aliasing stays); others unchanged.
+    A strided array is refused, as ``numba_type`` compiles every array as C-contiguous."""
+    if not (isinstance(value, np.ndarray) and value.ndim):
+        return value
+    if not value.flags.c_contiguous:
+        raise NotContiguous(f"a kernel argument of shape {value.shape} has strides "
+                            f"{value.strides}: not C-contiguous")
+    return FakeCUDAArray(value)
 
 
 def simulated_launch(kernel: NumbaKernel, grid: int, block: int, args: tuple,

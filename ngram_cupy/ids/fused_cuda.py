@@ -15,6 +15,7 @@ The simulator runs this very kernel in CI against the CPU path.
 from __future__ import annotations
 
 from functools import cache
+from math import gcd
 
 import numpy as np
 from numba import cuda, int64, uint64
@@ -27,6 +28,7 @@ from ..runtime.jitable import inline_jitable
 from ..tables.dequant import convert, convert_blocked
 from ..tables.gather_cupy import data_address
 from ..tables.hot_rows import hot_slot
+from ..tables.packed import whole_records
 from ..tables.row_ids import NO_BAD_WORD, UNCHECKED, first_bad
 from .ids_cuda import device_params, staging_shape
 
@@ -85,13 +87,14 @@ def store_word(packed, inside, per_word, bits, mask, code, scale, out_code, out,
 
 @inline_jitable
 def store_blocked_word(packed, inside, per_word, bits, mask, code, scale, out_code, out, t,
-                       column, scales, row, first_value, block):
+                       column, scales, scale_column, row, first_value, block):
     """``store_word`` for a block-scaled format: value ``first_value + k`` of row ``row`` is
-    multiplied by its block's scale byte ``scales[row, (first_value + k) // block]``."""
+    multiplied by its block's scale byte ``scales[row, scale_column + (first_value + k) //
+    block]``."""
     for k in range(per_word):
         if inside:
             value = (packed >> uint64(k * bits)) & uint64(mask)
-            block_bits = scales[row, (first_value + k) // block]
+            block_bits = scales[row, scale_column + (first_value + k) // block]
             out[t, column + k] = convert_blocked(value, block_bits, code, scale, out_code)
         else:
             out[t, column + k] = 0
@@ -116,7 +119,10 @@ def fused_kernel(ngram_size: int, heads_per_ngram: int, head_dim: int, code: int
     and reads each hot row from it, counting each row read per tier into ``counts`` (uint64
     ``[lanes, 2]``: hot, cold; the lane picked by block), as ``gather_tiered_rows`` does. A
     block-scaled format's kernel reads the block scales from ``scales`` (``hot_scales`` for hot
-    rows); other formats take any uint8 2-D placeholders there. An id outside ``[0,
+    rows) from byte column ``scale_column``: 0 for scales in an array of their own; for packed
+    records (``packed``), the records themselves as bytes, the scales just past the row's
+    values (the table's words are then the whole records, of which the kernel reads the values'
+    words). Other formats take any uint8 2-D placeholders there. An id outside ``[0,
     total_rows)`` notes its position (token-major) in ``bad`` (``note_bad_id``).
     """
     heads = (ngram_size - 1) * heads_per_ngram
@@ -132,7 +138,7 @@ def fused_kernel(ngram_size: int, heads_per_ngram: int, head_dim: int, code: int
     mask = (1 << bits) - 1
 
     def fused_ids_gather(tokens, query_start_loc, context, params, eos, table, row_start, scale,
-                         write_ids, ids_out, out, scales, total_rows, bad):
+                         write_ids, ids_out, out, scales, scale_column, total_rows, bad):
         staged = cuda.shared.array(shape, int64)
         lane = cuda.threadIdx.x
         first = cuda.blockIdx.x * block
@@ -150,14 +156,14 @@ def fused_kernel(ngram_size: int, heads_per_ngram: int, head_dim: int, code: int
             if blocked:
                 store_blocked_word(packed, inside, per_word, bits, mask, code, scale, out_code,
                                    out, first + row, head * head_dim + word * per_word, scales,
-                                   local, word * per_word, values_per_scale)
+                                   scale_column, local, word * per_word, values_per_scale)
             else:
                 store_word(packed, inside, per_word, bits, mask, code, scale, out_code, out,
                            first + row, head * head_dim + word * per_word)
 
     def fused_tiered_ids_gather(tokens, query_start_loc, context, params, eos, table, row_start,
                                 scale, write_ids, ids_out, out, hot_words, hot_ranks, hot,
-                                counts, scales, hot_scales, total_rows, bad):
+                                counts, scales, hot_scales, scale_column, total_rows, bad):
         staged = cuda.shared.array(shape, int64)
         lane = cuda.threadIdx.x
         first = cuda.blockIdx.x * block
@@ -182,7 +188,7 @@ def fused_kernel(ngram_size: int, heads_per_ngram: int, head_dim: int, code: int
             if blocked:
                 store_blocked_word(packed, inside, per_word, bits, mask, code, scale, out_code,
                                    out, first + row, head * head_dim + word * per_word,
-                                   hot_scales if slot >= 0 else scales,
+                                   hot_scales if slot >= 0 else scales, scale_column,
                                    slot if slot >= 0 else local, word * per_word,
                                    values_per_scale)
             else:
@@ -195,7 +201,7 @@ def fused_kernel(ngram_size: int, heads_per_ngram: int, head_dim: int, code: int
 def launch_fused(layout, tokens, query_start_loc, context, params, table_words, code: int,
                  row_start: int, scale, write_ids: bool, ids_out, out, out_code: int, stream=None,
                  block: int | None = None, hot=None, counts=None, scales=None, hot_scales=None,
-                 total_rows: int | None = None, bad=None):
+                 total_rows: int | None = None, bad=None, scale_column: int = 0):
     """Launch on device arrays (simulator arrays in tests).
 
     ``table_words`` is the table as ``[rows, words]`` unsigned words (see ``word_bytes``),
@@ -205,8 +211,10 @@ def launch_fused(layout, tokens, query_start_loc, context, params, table_words, 
     table's width) hot rows are read from the hot rows and each row read is counted in
     ``counts`` (uint64 ``[COUNTER_LANES, 2]``: hot, cold), as the tiered gather does. A
     block-scaled table's rows come with their uint8 block ``scales`` (and the hot rows' with
-    ``hot_scales``). With ``total_rows`` and ``bad`` (uint64 ``[1]``, ``row_ids.NO_BAD_WORD``),
-    the position of the first id outside ``[0, total_rows)`` is noted in ``bad``.
+    ``hot_scales``), read from byte column ``scale_column`` (packed records: see
+    ``fused_kernel``). With ``total_rows`` and ``bad`` (uint64 ``[1]``,
+    ``row_ids.NO_BAD_WORD``), the position of the first id outside ``[0, total_rows)`` is noted
+    in ``bad``.
     """
     num_tokens = tokens.shape[0]
     placeholder = table_words.view(np.uint8)  # never read: only block-scaled kernels read scales
@@ -229,6 +237,7 @@ def launch_fused(layout, tokens, query_start_loc, context, params, table_words, 
         args += (placeholder if scales is None else scales,)
         if hot is not None:
             args += (placeholder if hot_scales is None else hot_scales,)
+        args += (np.int64(scale_column),)
         checked = total_rows is not None and bad is not None
         args += (np.int64(total_rows if checked else UNCHECKED),
                  bad if checked else bad_word(table_words))
@@ -243,14 +252,17 @@ def bad_word(like):
     return module.full(1, NO_BAD_WORD, np.uint64)
 
 
-def table_words(rows, itemsize: int, *also):
-    """A raw ``[rows, head_dim]`` table viewed as ``[rows, words]`` unsigned words, as wide as
-    the row size and the table's address (and those of ``also``, raw arrays of the same rows'
-    shape read with the same words: a hot tier) all allow."""
+def table_words(rows, itemsize: int, *also, values: int | None = None):
+    """A raw C-contiguous ``[rows, n]`` table viewed as ``[rows, words]`` unsigned words, as
+    wide as the row size, the bytes of each row's values the kernel reads (``values``, default
+    the whole row: less for packed records) and the table's address (and those of ``also``, raw
+    arrays of the same rows' shape read with the same words: a hot tier) all allow."""
     address = data_address(rows)
     for other in also:
         address |= data_address(other)
-    width = word_bytes(rows.shape[1] * itemsize, itemsize, address)
+    row_bytes = rows.shape[1] * itemsize
+    width = word_bytes(gcd(row_bytes, row_bytes if values is None else values), itemsize,
+                       address)
     return rows.view(np.dtype(f"u{width}"))
 
 
@@ -273,7 +285,8 @@ def fused_lookup_cuda(layout, rows, fmt: Format, row_start: int, scale, tokens, 
     of format ``fmt``, holding global rows from ``row_start``; ``scale`` its scale or None;
     ``out`` the raw output array; ``ids_out`` an int64 ``[T, H]`` CuPy array or None. ``tier``:
     a hot tier over ``rows`` (``TieredStorage.device_tier``: slot map, raw hot rows, counters,
-    hot block scales), or None. ``scales``: a block-scaled table's block scales beside ``rows``.
+    hot block scales), or None. ``scales``: a block-scaled table's block scales beside ``rows``
+    (rows and scales that are views into packed records are read as the whole records).
     With ``total_rows``, a hashed id outside ``[0, total_rows)`` (a layout that does not match
     the table) is an IndexError naming its token and head, read after the launch (waiting for
     the stream; not while it captures a CUDA graph).
@@ -282,23 +295,35 @@ def fused_lookup_cuda(layout, rows, fmt: Format, row_start: int, scale, tokens, 
     write_ids = ids_out is not None
     if not write_ids:
         ids_out = placeholder_ids(device)
-    hot = counts = hot_scales = None
-    if tier is None:
-        words = table_words(rows, fmt.itemsize)
-    else:
-        words = table_words(rows, fmt.itemsize, tier.rows)
-        hot, counts = (tier.map, tier.rows.view(words.dtype)), tier.counts
-        hot_scales = tier.scales
+    tables = kernel_tables(rows, fmt.itemsize, scales, tier)
     checked = total_rows is not None and not stream.is_capturing()
     with stream:
-        bad = bad_word(words) if checked else None
+        bad = bad_word(tables["table_words"]) if checked else None
     launch_fused(layout, tokens, query_start_loc, context, device_params(layout, device),
-                 words, fmt.code, row_start, 1.0 if scale is None else scale, write_ids,
-                 ids_out, out, out_code, stream, hot=hot, counts=counts, scales=scales,
-                 hot_scales=hot_scales, total_rows=total_rows, bad=bad)
+                 code=fmt.code, row_start=row_start, scale=1.0 if scale is None else scale,
+                 write_ids=write_ids, ids_out=ids_out, out=out, out_code=out_code,
+                 stream=stream, total_rows=total_rows, bad=bad, **tables)
     if checked:
         raise_hashed(bad.get(stream=stream), layout.num_heads, total_rows)
     return out
+
+
+def kernel_tables(rows, itemsize: int, scales=None, tier=None) -> dict:
+    """``launch_fused``'s table arguments (``table_words``, ``scales``, ``hot``, ``counts``,
+    ``hot_scales``, ``scale_column``) for raw ``rows`` (and their block ``scales``) as a
+    storage holds them, with ``tier`` (``DeviceTier``) or None: rows and scales that are views
+    into packed records are passed as the whole records (``whole_records``), read as words
+    as wide as the rows' values, the records and the addresses allow."""
+    values = rows.shape[1] * itemsize
+    rows, scales, column = whole_records(rows, scales)
+    tables = {"scales": scales, "scale_column": column}
+    if tier is None:
+        tables["table_words"] = table_words(rows, itemsize, values=values)
+        return tables
+    hot_rows, tables["hot_scales"], _ = whole_records(tier.rows, tier.scales)
+    words = tables["table_words"] = table_words(rows, itemsize, hot_rows, values=values)
+    tables["hot"], tables["counts"] = (tier.map, hot_rows.view(words.dtype)), tier.counts
+    return tables
 
 
 def raise_hashed(recorded, heads: int, total_rows: int) -> None:

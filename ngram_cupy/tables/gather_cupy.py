@@ -114,6 +114,25 @@ def vector_bytes(row_bytes: int, itemsize: int, out_itemsize: int, table_address
     raise ValueError("table rows are not aligned to their value size")
 
 
+def row_stride(*named) -> int:
+    """Bytes from one row to the next in every 2-D array of ``named`` (``(name, array)`` pairs
+    read with one stride: a table and its hot tier): the row's own bytes, or a packed record's
+    (``packed``: rows and block scales are views into records). Rows must be contiguous and
+    apart; a ValueError naming the array otherwise."""
+    strides = set()
+    for name, rows in named:
+        width = rows.shape[1] * rows.dtype.itemsize
+        if rows.shape[1] > 1 and rows.strides[1] != rows.dtype.itemsize or (
+                rows.shape[0] > 1 and rows.strides[0] < width):
+            raise ValueError(f"{name} must have contiguous rows, got strides {rows.strides}")
+        strides.add(rows.strides[0] if rows.shape[0] > 1 else None)
+    strides.discard(None)
+    if len(strides) > 1:
+        raise ValueError(f"{' and '.join(name for name, _ in named)} must have one row stride, "
+                         f"got {sorted(strides)} bytes")
+    return strides.pop() if strides else named[0][1].shape[1] * named[0][1].dtype.itemsize
+
+
 def data_address(array) -> int:
     """Address of an array's first element: a CuPy array's device pointer, a NumPy array's."""
     data = array.data
@@ -134,9 +153,11 @@ def launch_plan(table, code: int, row_start: int, scale, ids, out, out_code: int
                 expected=None, hot=None, counts=None, scales=None,
                 hot_scales=None, total_rows=None, bad=None) -> Launch | None:
     """The launch that gathers ``table[ids - row_start]`` into ``out``; None when there is nothing
-    to do. Works on CuPy or NumPy arrays alike (only shapes, dtypes and addresses are read).
-    With ``hot = ((words, ranks), hot rows)``, the tiered gather counting into ``counts``.
+    to do. Works on CuPy or NumPy arrays alike (only shapes, dtypes, strides and addresses are
+    read). With ``hot = ((words, ranks), hot rows)``, the tiered gather counting into ``counts``.
     A block-scaled table's rows come with their ``scales`` (and a hot tier's ``hot_scales``).
+    The kernel steps from row to row by the arrays' own row strides (``row_stride``): packed
+    records' views and two arrays take the same kernel.
     With ``total_rows`` and ``bad`` (a uint64 word, ``row_ids.NO_BAD_WORD`` before the launch),
     the kernel notes there the first position of an id outside ``[0, total_rows)``."""
     if FORMATS[code].blocked and (scales is None or (hot is not None and hot_scales is None)):
@@ -146,14 +167,17 @@ def launch_plan(table, code: int, row_start: int, scale, ids, out, out_code: int
     if num_items == 0 or row_width == 0:
         return None
     itemsize = table.dtype.itemsize
-    address = data_address(table) | (0 if hot is None else data_address(hot[1]))
+    stride = row_stride(("table", table), *(() if hot is None else (("hot rows", hot[1]),)))
+    scale_stride = 0 if scales is None else row_stride(
+        ("scales", scales), *(() if hot_scales is None else (("hot_scales", hot_scales),)))
+    address = data_address(table) | stride | (0 if hot is None else data_address(hot[1]))
     width = vector_bytes(row_width * itemsize, itemsize, out.dtype.itemsize, address,
                          data_address(out), FORMATS[code].pack)
     chunks = row_width * itemsize // width
     blocks = -(-num_items * chunks // THREADS_PER_BLOCK)
     args = (table, np.int64(rows), np.int64(row_start), ids,
             np.uint64(0) if expected is None else expected, np.int64(num_items),
-            np.int32(chunks), np.float32(scale), out)
+            np.int32(chunks), np.int64(stride), np.int64(scale_stride), np.float32(scale), out)
     if hot is not None:
         (words, ranks), hot_table = hot
         args += (words, ranks, hot_table, counts)
@@ -172,7 +196,8 @@ def gather_rows(table, code: int, row_start: int, scale, ids, out, out_code: int
     """Launch the gather: raw rows ``table[ids - row_start]`` dequantised into raw ``out``.
 
     ``table`` is a CuPy ``[rows, head_dim]`` array of raw bits (device memory or mapped host
-    memory), ``ids`` a C-contiguous ``[T, H]`` int32/int64 CuPy array, ``out`` a C-contiguous raw
+    memory; its rows contiguous, any row stride: views into packed records, ``packed``, are read
+    in place), ``ids`` a C-contiguous ``[T, H]`` int32/int64 CuPy array, ``out`` a C-contiguous raw
     ``[T, H * head_dim]`` CuPy array; ``expected`` an optional int64 ``[T, H]`` array of ids whose
     rows ``out`` already holds. With ``hot = ((words, ranks), hot rows)`` (CuPy; see
     ``hot_rows``) hot rows are read from the hot rows and each row read is counted in ``counts``

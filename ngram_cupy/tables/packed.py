@@ -1,4 +1,4 @@
-"""Block-scaled rows packed with their block scales: one aligned record per row in host memory.
+"""Block-scaled rows packed with their block scales: one aligned record per row in memory.
 
 A record is a row's stored bytes, then its block scale bytes, padded to a multiple of
 ``RECORD_ALIGN`` (16) bytes: NVFP4 at head_dim 160 is 80 + 10 -> 96 bytes (three 32-byte
@@ -6,8 +6,10 @@ sectors, 0.6x an fp8 row's 160); MXFP8 at head_dim 256 is 256 + 8 -> 272. For MX
 aligned) touches the same number of 64-byte cache lines (5) and 32-byte sectors (9) per row as
 272 wherever a record starts, so the extra 16 bytes a row would buy nothing: 272 it is. A gather
 then reads one record per row instead of a row and a scale row in two arrays. Checkpoints keep
-their separate tensors; host storages build the records as the rows are written, and keep
-``host_view`` / ``host_scales`` as strided views into them.
+their separate tensors; storages (host memory, GPU memory, pinned memory the GPU reads, hot
+tiers) build the records as the rows are written, and keep ``host_view`` / ``host_scales`` and
+``device_view`` / ``device_scales`` as strided views into them: ``kernels/gather.cu`` reads the
+views' row strides, the Numba kernels the whole records (``whole_records``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..formats import Format
+from ..runtime.backends import cupy_module
+from .gather_cupy import data_address
 from .host_memory import anonymous_memory
 
 RECORD_ALIGN = 16
@@ -38,8 +42,39 @@ def packed_rows(num_rows: int, head_dim: int, fmt: Format):
     return records, *record_views(records, fmt, head_dim, width)
 
 
-def record_views(records: np.ndarray, fmt: Format, head_dim: int, width: int | None = None):
-    """``(rows, scales)`` views into ``records`` (``packed_rows``)."""
+def device_packed_rows(num_rows: int, head_dim: int, fmt: Format):
+    """``(rows, scales)``: raw rows and block scales as views into new zeroed records in GPU
+    memory (CuPy), as ``packed_rows`` makes them in host memory."""
+    records = cupy_module().zeros((num_rows, record_bytes(fmt, head_dim)), np.uint8)
+    return record_views(records, fmt, head_dim, raw=True)
+
+
+def record_views(records, fmt: Format, head_dim: int, width: int | None = None,
+                 raw: bool = False):
+    """``(rows, scales)`` views into ``records`` (``packed_rows``; NumPy or CuPy), the rows of
+    ``fmt.dtype`` (``raw``: of ``fmt.raw``, which CuPy knows)."""
     width = fmt.row_width(head_dim) * fmt.itemsize if width is None else width
-    rows = records[:, :width].view(fmt.dtype)
+    rows = records[:, :width].view(fmt.raw if raw else fmt.dtype)
     return rows, records[:, width:width + fmt.scale_width(head_dim)]
+
+
+def whole_records(rows, scales):
+    """For kernels that take C-contiguous arrays only (Numba's: they index by shape, not
+    strides): ``(rows, scales, 0)`` when the rows and their block scales (or None) are arrays of
+    their own; ``(records, records, column)`` when both are views into packed records (a
+    storage's ``host_view`` / ``device_view`` and scales): the whole records as one uint8
+    ``[num_rows, record_bytes]`` array (NumPy or CuPy, as ``rows``) and the byte column where
+    the scales start in each."""
+    width = rows.shape[1] * rows.dtype.itemsize
+    stride = rows.strides[0]
+    if scales is None or stride == width or rows.shape[0] == 0:
+        return rows, scales, 0
+    column = data_address(scales) - data_address(rows)
+    if scales.strides[0] != stride or not width <= column <= stride - scales.shape[1]:
+        raise ValueError(f"rows (strides {rows.strides}) and block scales (strides "
+                         f"{scales.strides}) must be arrays of their own or views into one "
+                         f"record per row")
+    module = np if isinstance(rows, np.ndarray) else cupy_module()
+    records = module.lib.stride_tricks.as_strided(rows.view(np.uint8), (rows.shape[0], stride),
+                                                  (stride, 1))
+    return records, records, column

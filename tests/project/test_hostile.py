@@ -154,7 +154,7 @@ def test_layout_gives_no_bytes_for_formats_that_cannot_hold_the_head_dim(tmp_pat
     write_config_json(tmp_path, nc.NGramConfig(1000, 3, 2, 100, 5, embedding_dim=4 * 40))
     assert main(["layout", "--config", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "float8_e4m3fn" in out and "(40 B per row)" in out
+    assert "float8_e4m3fn" in out and "(40 B per row in memory, 40 B in a checkpoint)" in out
     for name, unit in (("nvfp4", 16), ("mxfp8", 32)):
         line = next(line for line in out.splitlines() if line.split()[:1] == [name])
         assert f"head_dim 40 is not a multiple of {unit}" in line and "B per row" not in line

@@ -83,6 +83,7 @@ def test_fused_kernel_abi(code, out_code, head_dim):
             np.float32(1), np.bool_(True), np.zeros((4, 16), np.int64),
             np.zeros((4, 16 * head_dim), dequant.FORMATS[out_code].raw),
             np.zeros((10, 1), np.uint8),  # block scales: a placeholder for these formats
+            np.int64(0),  # the scales' byte column (packed records: past the row's values)
             np.int64(10), np.zeros(1, np.uint64))  # total rows, the first bad position's word
     check_both(kernel, args)
 

@@ -217,8 +217,9 @@ def test_the_kernel_set_records_what_the_launchers_pass(monkeypatch):
     assert signature == (vector, vector, matrix(types.int64), matrix(types.int64), types.int64,
                          matrix(types.uint64), types.int64, types.float32, types.boolean,
                          matrix(types.int64), matrix(types.uint16), matrix(types.uint8),
-                         types.int64, types.Array(types.uint64, 1, "C")) \
-        and cc == (9, 0)  # block scales (a placeholder for an fp8 table), total rows, bad word
+                         types.int64, types.int64, types.Array(types.uint64, 1, "C")) \
+        and cc == (9, 0)  # block scales (a placeholder for an fp8 table), their byte column,
+    # total rows, the bad word
     assert kernel is fused_cuda.fused_kernel(3, 8, 160, 3, 2, None, 8, False)[0]
     with cuda_launch.recorded_launches() as launches:
         ids_cuda.launch_ngram_ids(kernel_set.SCHEMES["released"].layout, np.zeros(0, np.int64),

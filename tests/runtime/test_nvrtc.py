@@ -87,7 +87,8 @@ def test_fused_kernel_ptx(cc, code, out_code, head_dim):
                            matrix(getattr(types, f"uint{8 * width}")), types.int64,
                            types.float32, types.boolean, matrix(types.int64),
                            matrix(getattr(types, f"uint{8 * FORMATS[out_code].itemsize}")),
-                           matrix(types.uint8), types.int64, types.Array(types.uint64, 1, "C"))
+                           matrix(types.uint8), types.int64, types.int64,
+                           types.Array(types.uint64, 1, "C"))
     ptx = kernel_builds.build(kernel.py_func, signature.args, cc).ptx
     assert f".target sm_{cc[0]}{cc[1]}" in ptx
     assert "bar.sync" in ptx and "mul.hi.u64" in ptx  # ids staged; division-free modulo

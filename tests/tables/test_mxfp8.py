@@ -10,7 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import simulator
-from conftest import assert_same
+from conftest import assert_same, laid_out
 
 import ngram_cupy as nc
 from ngram_cupy.formats import FORMATS, MXFP8, OUTPUT_CODES, find_format
@@ -73,6 +73,11 @@ def test_every_pair_on_numba_and_host_built_cuda(host_gather):
             host_gather.run(plan)
             assert_same(cuda, want, f"{plan.name}")
         assert widths == {1, 2, 4, 8, 16}
+        rows, row_scales = laid_out(weight, scales, FMT, packed=True)  # 272-byte records
+        cuda = np.empty(want.shape, fmt.raw)
+        host_gather.run(gather_cupy.launch_plan(rows, MXFP8, 0, 1.0, IDS, cuda, out_code,
+                                                scales=row_scales))
+        assert_same(cuda, want, f"packed records, {fmt.name}")
 
 
 def test_numba_blocks_at_the_edges_of_the_exponent_shift():
@@ -137,30 +142,34 @@ def test_every_host_placement_and_shard():
         assert table.lookup(ids).dtype == ml_dtypes.bfloat16
 
 
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("tiered", [False, True])
-def test_simulated_fused_kernel(simulate, tiered):
+def test_simulated_fused_kernel(simulate, tiered, packed):
+    """Two arrays or packed records, with or without a hot tier: the reference's bits."""
+    from ngram_cupy.tables.storage.tiered import DeviceTier
+
     rng = np.random.default_rng(9)
     layout = nc.layer_layout(nc.NGramConfig(50, 2, 1, 3, 0, embedding_dim=64), 0)
     rows = layout.padded_rows
     weight = rng.integers(0, 256, (rows, 64), dtype=np.uint8)
     scales = rng.integers(0, 256, (rows, 2), dtype=np.uint8)
-    table = nc.EmbeddingTable(weight.view(E4M3), dtype="mxfp8", block_scales=scales)
     batch = simulator.random_batch(rng, layout, 9, 3)
     ids = nc.compute_ngram_ids(layout, *batch)
-    words = fused_cuda.table_words(table.host_view.view(np.uint8), 1)
-    hot = counts = hot_scales = None
+    tier = None
     if tiered:
         hot_rows = np.arange(0, rows, 2)
-        hot = (build_map(hot_rows, 0, rows), words[hot_rows])
-        counts = np.zeros((gather_cupy.COUNTER_LANES, 2), np.uint64)
-        hot_scales = scales[hot_rows]
+        hot, hot_scales = laid_out(weight[hot_rows], scales[hot_rows], FMT, packed)
+        tier = DeviceTier(build_map(hot_rows, 0, rows), hot,
+                          np.zeros((gather_cupy.COUNTER_LANES, 2), np.uint64), hot_scales)
+    table, table_scales = laid_out(weight, scales, FMT, packed)
+    tables = fused_cuda.kernel_tables(table, 1, table_scales, tier)
     for out_code in OUTPUT_CODES:
         fmt = FORMATS[out_code]
         out = np.full((9, 64), 0xAB, fmt.raw)
-        fused_cuda.launch_fused(layout, *batch, ids_cuda.layout_params(layout), words, MXFP8, 0,
-                                1.0, False, np.zeros((1, 1), np.int64), out, out_code, block=4,
-                                hot=hot, counts=counts, scales=table.host_scales,
-                                hot_scales=hot_scales)
+        fused_cuda.launch_fused(layout, *batch, ids_cuda.layout_params(layout), code=MXFP8,
+                                row_start=0, scale=1.0, write_ids=False,
+                                ids_out=np.zeros((1, 1), np.int64), out=out, out_code=out_code,
+                                block=4, **tables)
         assert_same(out, reference_block_lookup(FMT, weight, scales, 1.0, ids, fmt.dtype))
 
 

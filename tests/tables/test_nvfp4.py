@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import simulator
-from conftest import assert_same
+from conftest import assert_same, laid_out
 
 import ngram_cupy as nc
 from ngram_cupy.formats import FORMATS, NVFP4, OUTPUT_CODES, find_format
@@ -120,6 +120,25 @@ def test_host_built_cuda_gather_equals_the_kernel_vectors(host_gather, case):
                 host_gather.run(plan)
                 assert_golden(out, case, out_code, plan.name)
     assert min(widths) == 1 and max(widths) == min(16, case["weight"].shape[1])
+
+
+@pytest.mark.parametrize("tiered", [False, True])
+def test_host_built_cuda_gather_of_packed_records_equals_the_kernel_vectors(host_gather, case,
+                                                                            tiered):
+    """The golden rows as one record per row (a hot tier of records too), every output."""
+    from ngram_cupy.tables.hot_rows import build_map
+
+    rows, scales = laid_out(case["weight"], case["weight_scale"], FMT, packed=True)
+    hot = np.arange(0, rows.shape[0], 2)
+    hot_rows, hot_scales = laid_out(case["weight"][hot], case["weight_scale"][hot], FMT, True)
+    tier = dict(hot=(build_map(hot, 0, rows.shape[0]), hot_rows), hot_scales=hot_scales,
+                counts=np.zeros((gather_cupy.COUNTER_LANES, 2), np.uint64)) if tiered else {}
+    for out_code in OUTPUT_CODES:
+        out = np.full(case[f"kernel_{KEYS[out_code]}"].shape, 0xAB, FORMATS[out_code].raw)
+        host_gather.run(gather_cupy.launch_plan(rows, NVFP4, case["vocab_start"],
+                                                case["weight_scale_2"], case["ids"], out,
+                                                out_code, scales=scales, **tier))
+        assert_golden(out, case, out_code, f"packed, tiered={tiered}")
 
 
 def test_every_block_scale_and_code_pair_on_cpu_and_host_built_cuda(host_gather):
@@ -241,11 +260,14 @@ def test_sizes_count_the_block_scales():
 
 # ---------------------------------------------------------------- the fused kernel (simulated)
 
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("tiered", [False, True])
-def test_simulated_fused_kernel_equals_the_cpu_path(simulate, case, tiered):
-    """The golden rows as a layout's table (its first rows, a shard of them, hot rows):
-    the fused kernel's rows equal the CPU lookup of its ids, itself equal to vLLM's bits."""
+def test_simulated_fused_kernel_equals_the_cpu_path(simulate, case, tiered, packed):
+    """The golden rows as a layout's table (its first rows, a shard of them, hot rows), in two
+    arrays or packed records: the fused kernel's rows equal the CPU lookup of its ids, itself
+    equal to vLLM's bits."""
     from ngram_cupy.tables.hot_rows import build_map
+    from ngram_cupy.tables.storage.tiered import DeviceTier
 
     rng = np.random.default_rng(case["dim"])
     config = nc.NGramConfig(50, 2, 1, 3, 0, embedding_dim=case["dim"])
@@ -258,21 +280,23 @@ def test_simulated_fused_kernel_equals_the_cpu_path(simulate, case, tiered):
                               total_rows=layout.padded_rows)
     batch = simulator.random_batch(rng, layout, 9, 3)
     ids = nc.compute_ngram_ids(layout, *batch)
-    words = fused_cuda.table_words(table.host_view, 1)
-    hot_rows = np.arange(0, rows - start, 2)
-    hot = counts = hot_scales = None
+    kernel_rows, kernel_scales = laid_out(weight[start:], scales[start:], FMT, packed)
+    tier = None
     if tiered:
-        hot = (build_map(hot_rows, 0, rows - start), words[hot_rows])
-        counts = np.zeros((gather_cupy.COUNTER_LANES, 2), np.uint64)
-        hot_scales = table.host_scales[hot_rows]
+        hot_rows = np.arange(0, rows - start, 2)
+        hot, hot_scales = laid_out(weight[start:][hot_rows], scales[start:][hot_rows], FMT,
+                                   packed)
+        tier = DeviceTier(build_map(hot_rows, 0, rows - start), hot, np.zeros(
+            (gather_cupy.COUNTER_LANES, 2), np.uint64), hot_scales)
+    tables = fused_cuda.kernel_tables(kernel_rows, 1, kernel_scales, tier)
+    assert (tables["scale_column"] > 0) == packed
     for out_code in OUTPUT_CODES:
         fmt = FORMATS[out_code]
         out = np.full((len(batch[0]), layout.num_heads * case["dim"]), 0xAB, fmt.raw)
         ids_out = np.full(ids.shape, -1, np.int64)
-        fused_cuda.launch_fused(layout, *batch, ids_cuda.layout_params(layout), words, NVFP4,
-                                start, table.lookup_scale(fmt), True, ids_out, out, out_code,
-                                block=4, hot=hot, counts=counts, scales=table.host_scales,
-                                hot_scales=hot_scales)
+        fused_cuda.launch_fused(layout, *batch, ids_cuda.layout_params(layout), code=NVFP4,
+                                row_start=start, scale=table.lookup_scale(fmt), write_ids=True,
+                                ids_out=ids_out, out=out, out_code=out_code, block=4, **tables)
         np.testing.assert_array_equal(ids_out, ids)
         assert_same(out, table.lookup(ids, out_dtype=fmt.dtype), f"{fmt.name}, tiered={tiered}")
         assert_same(out, reference_block_lookup(FMT, weight[start:], scales[start:],
@@ -691,27 +715,51 @@ def test_the_module_refuses_bad_nvfp4_weights(entry, error, match):
 
 # ---------------------------------------------------------------- sizes: planning and the CLI
 
-def test_plan_placement_counts_90_bytes_a_row(released_config):
+def test_plan_placement_counts_96_bytes_a_row(released_config):
+    """Tables in memory hold one 96-byte record a row (90 bytes in a checkpoint)."""
     from ngram_cupy.placement import table_nbytes
 
     layout = nc.layer_layout(released_config, 0)
-    assert table_nbytes(layout, "nvfp4") == layout.padded_rows * 90 == 28_800_138_240
+    assert table_nbytes(layout, "nvfp4") == layout.padded_rows * 96 == 30_720_147_456
     plan = nc.plan_placement([(layout, "nvfp4")] * 3, gpu_budget_bytes=60 << 30,
                              host_budget_bytes=30 << 30)
-    assert len(plan.names("gpu")) == 2 and len(plan.names("host")) == 1  # 26.8 GiB each
+    assert len(plan.names("gpu")) == 2 and len(plan.names("host")) == 1  # 28.6 GiB each
     odd = nc.layer_layout(nc.NGramConfig(1000, 2, 1, 100, 5, embedding_dim=24), 0)
     with pytest.raises(ValueError, match="multiple of 16"):
         table_nbytes(odd, "nvfp4")
+    table = nc.EmbeddingTable(np.zeros((7, 80), np.uint8), dtype="nvfp4", scale=1.0,
+                              block_scales=np.zeros((7, 10), np.uint8))
+    assert table_nbytes(table) == 7 * 96 and table.nbytes == 7 * 90  # memory, checkpoint
 
 
-def test_the_layout_command_prints_bytes_per_row(capsys):
+def layout_lines(capsys, config: Path) -> dict[str, str]:
+    """``ngram-cupy layout --config config``: its table lines by format name."""
     from ngram_cupy.cli import main
 
-    config = Path(__file__).resolve().parents[2] / "data" / "config.json"
     assert main(["layout", "--config", str(config)]) == 0
-    out = capsys.readouterr().out
-    assert "nvfp4" in out and "26.8 GiB  (90 B per row)" in out
-    assert "47.7 GiB  (160 B per row)" in out
+    lines = capsys.readouterr().out.splitlines()
+    return {line.split()[0]: line for line in lines if line.startswith("  ")}
+
+
+def test_the_layout_command_prints_bytes_per_row_in_memory_and_checkpoints(capsys):
+    lines = layout_lines(capsys, Path(__file__).resolve().parents[2] / "data" / "config.json")
+    assert lines["nvfp4"].endswith("28.6 GiB  (96 B per row in memory, 90 B in a checkpoint)")
+    assert lines["float8_e4m3fn"].endswith(
+        "47.7 GiB  (160 B per row in memory, 160 B in a checkpoint)")
+    assert lines["bfloat16"].endswith("(320 B per row in memory, 320 B in a checkpoint)")
+    assert "(640 B per row in memory, 640 B in a checkpoint)" in lines["float32"]
+    assert lines["mxfp8"].endswith("(176 B per row in memory, 165 B in a checkpoint)")
+
+
+def test_the_layout_command_prints_mxfp8_records(tmp_path, capsys):
+    """MXFP8 at head_dim 256 (DeepSeek Engram's): 256 + 8 -> 272 bytes in memory."""
+    from ngram_cupy.files.checkpoint import write_config_json
+
+    write_config_json(tmp_path, nc.NGramConfig(1000, 3, 2, 100, 5, embedding_dim=4 * 256))
+    lines = layout_lines(capsys, tmp_path)
+    assert lines["mxfp8"].endswith("(272 B per row in memory, 264 B in a checkpoint)")
+    assert lines["nvfp4"].endswith("(144 B per row in memory, 144 B in a checkpoint)")
+    assert lines["float8_e4m3fn"].endswith("(256 B per row in memory, 256 B in a checkpoint)")
 
 
 def test_the_vectors_as_read_from_their_files():

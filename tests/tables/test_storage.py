@@ -5,6 +5,7 @@ synchronisation and never inside a capture (bug 5). CUDA streams are mocked here
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import ml_dtypes
 import numpy as np
@@ -26,6 +27,7 @@ from ngram_cupy.tables.storage import (
     place_filled,
     placement_named,
 )
+from ngram_cupy.tables.storage import gpu as gpu_storage
 from ngram_cupy.tables.storage.cpu import CpuStorage
 from ngram_cupy.tables.storage.gpu import fill
 from ngram_cupy.tables.storage.mapped import MappedStorage
@@ -174,10 +176,12 @@ class FakeStream:
 
 
 class FakeDeviceRows:
-    """Device rows that record the copies made into them."""
+    """Device rows that record the copies made into them (``contiguous``: else views into packed
+    records, which CuPy's ``set`` refuses)."""
 
-    def __init__(self, log):
+    def __init__(self, log, contiguous=True):
         self.log = log
+        self.flags = SimpleNamespace(c_contiguous=contiguous)
 
     def set(self, block):
         self.log.append("copy from host")
@@ -186,14 +190,19 @@ class FakeDeviceRows:
         self.log.append("copy on device")
 
 
-@pytest.mark.parametrize("block, copy", [(np.zeros((2, 3), np.uint8), "copy from host"),
-                                         ("a device block", "copy on device")])
-def test_a_gpu_fill_is_finished_before_it_returns(block, copy):
+@pytest.mark.parametrize("block, contiguous, copies", [
+    (np.zeros((2, 3), np.uint8), True, ["copy from host"]),
+    ("a device block", True, ["copy on device"]),
+    (np.zeros((2, 3), np.uint8), False, ["upload", "copy on device"]),  # packed records
+    ("a device block", False, ["copy on device"])])
+def test_a_gpu_fill_is_finished_before_it_returns(monkeypatch, block, contiguous, copies):
     """Bug 2: a fill on CuPy's current stream, never waited for, could be read stale by a lookup
     on another stream or in a graph. The fill must copy on its stream and then wait for it."""
     log = []
-    fill(FakeDeviceRows(log), block, FakeStream(log, "s"))
-    assert log == ["enter s", copy, "exit s", "synchronize s"]
+    monkeypatch.setattr(gpu_storage, "DEVICE", SimpleNamespace(
+        asarray=lambda block: log.append("upload") or block))
+    fill(FakeDeviceRows(log, contiguous), block, FakeStream(log, "s"))
+    assert log == ["enter s", *copies, "exit s", "synchronize s"]
 
 
 def test_pinned_release_waits_for_its_streams_only_and_never_inside_a_capture(monkeypatch):

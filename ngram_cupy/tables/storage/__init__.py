@@ -20,7 +20,11 @@ The interface (``Storage`` in ``base``; each placement is one module: ``cpu``, `
   ``[local_start, local_start + n)``. When it returns, the rows are visible to every later
   gather, on any stream and in any CUDA graph replay.
 - ``host_scales`` / ``device_scales``: the block scales beside ``host_view`` / ``device_view``
-  (block-scaled formats; else None): every placement carries them with the rows.
+  (block-scaled formats; else None): every placement carries them with the rows. Every
+  placement but mapped checkpoints packs them with the rows, one record per row (``packed``:
+  ``packed`` is True, ``records`` the host records): the views are then strided views into the
+  records, and kernels read them by their row strides (``gather_cupy``) or as whole records
+  (``packed.whole_records``).
 - ``gather(job: Gather)``: write the dequantised rows of ``job.ids`` into ``job.out`` on
   ``job.side`` (on ``job.stream`` on the GPU, without a host synchronisation); ids outside
   ``[job.row_start, job.row_start + num_rows)`` give zero rows and are never read; with
@@ -64,7 +68,7 @@ import numpy as np
 from ...formats import Format
 from ...runtime.backends import DEVICE, HOST, Backend, bind, gpu_available
 from ..host_memory import anonymous_memory
-from ..packed import packed_rows
+from ..packed import device_packed_rows, packed_rows
 from .base import Gather, Storage
 from .cpu import CpuStorage
 from .gpu import GpuStorage
@@ -140,8 +144,8 @@ def canonical_placement(placement: str) -> str:
 
 
 def allocate(placement: str, num_rows: int, head_dim: int, fmt: Format) -> Storage:
-    """Unfilled storage of a placement (with its block scales for a block-scaled format: in
-    host memory, packed with the rows, one record per row).
+    """Unfilled storage of a placement (with its block scales for a block-scaled format, packed
+    with the rows: one record per row, ``packed``).
     ``"pinned"`` without a GPU is ordinary host memory (nothing could read it over PCIe
     anyway)."""
     placement = canonical_placement(placement)
@@ -150,6 +154,9 @@ def allocate(placement: str, num_rows: int, head_dim: int, fmt: Format) -> Stora
     if placement == "gpu":
         if not gpu_available():
             raise RuntimeError("placement='gpu' needs CuPy and a CUDA device")
+        if fmt.blocked and num_rows * head_dim > 0:
+            rows, scales = device_packed_rows(num_rows, head_dim, fmt)
+            return GpuStorage(rows, fmt, scales, packed=True)
         scales = DEVICE.empty(scale_shape, np.uint8) if fmt.blocked else None
         return GpuStorage(DEVICE.empty(shape, fmt.raw), fmt, scales)
     if placement == "shared" and num_rows * head_dim:

@@ -10,6 +10,7 @@ import numpy as np
 from ...formats import Format
 from ...runtime.backends import HOST, Backend
 from ...runtime.used_streams import UsedStreams
+from ..packed import record_bytes
 
 
 @dataclass
@@ -45,6 +46,8 @@ class Storage:
     host_view: np.ndarray | None = None
     device_view: Any = None
     host_scales: np.ndarray | None = None  # block scales beside ``host_view`` (blocked formats)
+    records: np.ndarray | None = None  # host records ``host_view`` and ``host_scales`` view
+    packed = False  # block-scaled rows packed with their scales, one record per row (``packed``)
     device_scales: Any = None  # block scales beside ``device_view``
     device_tier: Any = None  # a hot tier's GPU side over ``cold.device_view`` (``tiered``)
     page_locked = False  # rows in page-locked host memory the GPU reads over UVA
@@ -57,7 +60,9 @@ class Storage:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the rows, block scales included."""
+        """Bytes of the rows, block scales included: whole records when packed."""
+        if self.packed:
+            return self.num_rows * record_bytes(self.format, self.head_dim)
         return self.num_rows * self.format.row_bytes(self.head_dim)
 
     def reads(self, side: Backend) -> bool:

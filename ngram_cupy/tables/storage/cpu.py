@@ -32,11 +32,7 @@ class CpuStorage(Storage):
         self.host_view = rows
         self.host_scales = scales
         self.records = records
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the rows and block scales: whole records when packed."""
-        return super().nbytes if self.records is None else self.records.nbytes
+        self.packed = records is not None
 
     @property
     def writable(self) -> bool:

@@ -36,8 +36,10 @@ def fill(destination, rows, stream: Any) -> None:
     matters.
     """
     with stream:
-        if isinstance(rows, np.ndarray):
+        if isinstance(rows, np.ndarray) and destination.flags.c_contiguous:
             destination.set(np.ascontiguousarray(rows))
+        elif isinstance(rows, np.ndarray):  # views into packed records: upload, then copy in
+            destination[...] = DEVICE.asarray(np.ascontiguousarray(rows))
         else:
             destination[...] = rows
     stream.synchronize()
@@ -45,15 +47,17 @@ def fill(destination, rows, stream: Any) -> None:
 
 class GpuStorage(Storage):
     """``[num_rows, head_dim]`` raw bits of ``fmt`` in a CuPy array (the caller's, or new); a
-    block-scaled format's packed rows with their block ``scales``."""
+    block-scaled format's rows and block ``scales``, as views into one record per row when
+    ``packed`` (see ``tables.packed``)."""
 
     placement = "gpu"
     device_resident = True
 
-    def __init__(self, rows, fmt: Format, scales=None):
+    def __init__(self, rows, fmt: Format, scales=None, packed: bool = False):
         super().__init__(rows.shape[0], rows.shape[1] * fmt.pack, fmt)
         self.device_view = rows
         self.device_scales = scales
+        self.packed = packed
 
     def write_rows(self, local_start: int, rows, scales=None) -> None:
         """Copy the block over on CuPy's current stream, finished when this returns."""

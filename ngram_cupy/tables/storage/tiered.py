@@ -49,7 +49,8 @@ def upload(stream, *arrays) -> list:
 class DeviceTier(NamedTuple):
     """The GPU side of a hot tier, for kernels that read it: the slot map ``(words, ranks)``, the
     raw hot rows ``[hot, head_dim]``, the counters (uint64 ``[COUNTER_LANES, 2]``: hot, cold)
-    and the hot rows' block scales (block-scaled formats; else None)."""
+    and the hot rows' block scales (block-scaled formats; else None). Over packed cold rows the
+    hot rows and scales are views into hot records laid out as the cold ones."""
 
     map: tuple[Any, Any]
     rows: Any
@@ -76,7 +77,8 @@ class TieredStorage(Storage):
         self.hot_rows = hot_rows
         self.host_view = cold.host_view
         self.map = build_map(hot_rows, 0, cold.num_rows)
-        self.records = getattr(cold, "records", None)  # packed cold rows: packed hot ones
+        self.records = cold.records  # packed cold rows: packed hot ones
+        self.packed = cold.packed
         self.host_scales = cold.host_scales
         if self.records is not None:
             self.host_hot_records = self.records[hot_rows]
@@ -94,13 +96,19 @@ class TieredStorage(Storage):
         if cold.device_view is not None:
             from .. import gather_cupy
 
+            packed = self.host_hot_records is not None
             with cold.device_view.device:
-                words, ranks, self.device_hot, self.device_counts = upload(
-                    cuda_stream(), *self.map, self.host_hot,
+                words, ranks, hot, self.device_counts = upload(
+                    cuda_stream(), *self.map, self.host_hot_records if packed else self.host_hot,
                     np.zeros((gather_cupy.COUNTER_LANES, 2), np.uint64))
                 self.device_map = (words, ranks)
-                if self.host_hot_scales is not None:
-                    (self.device_hot_scales,) = upload(cuda_stream(), self.host_hot_scales)
+                if packed:  # the tier's records on the GPU, read as the cold ones are
+                    self.device_hot, self.device_hot_scales = record_views(
+                        hot, cold.format, cold.head_dim, raw=True)
+                else:
+                    self.device_hot = hot
+                    if self.host_hot_scales is not None:
+                        (self.device_hot_scales,) = upload(cuda_stream(), self.host_hot_scales)
 
     @property
     def device_tier(self) -> DeviceTier | None:
