@@ -1,10 +1,13 @@
-"""Page prefetch for tables mapped from checkpoint files: ``madvise(MADV_WILLNEED)`` on the pages
-of the rows a prefetch will read, on a thread of its own.
+"""Page reads for tables mapped from checkpoint files: ``madvise(MADV_WILLNEED)`` on the pages
+of the rows a gather will read, on a thread of its own for a prefetch, or on the caller's thread
+before a lookup that finds its pages out of memory.
 
 A lookup into a cold mapped table faults its pages in one at a time (the mapping is advised
 ``MADV_RANDOM``: no read-ahead). Told which pages come next, the kernel starts reading them all
 at once, so the gather that follows (the CPU prefetch worker's, or the GPU's over UVA) finds
-them arriving. The advice is a hint: it never changes a result, and ids it reads late (device
+them arriving. A plain lookup first asks ``mincore`` about a sample of its rows' pages
+(``resident_pages``) and advises them all only when one is out, so a warm table pays a few
+system calls. The advice is a hint: it never changes a result, and ids it reads late (device
 ids copied after the caller moved on) only make it less useful.
 """
 
@@ -23,12 +26,32 @@ from ..runtime.backends import cupy_module
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _LIBC.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+_MINCORE = getattr(_LIBC, "mincore", None)  # None: residency unknown, lookups never advise
+if _MINCORE is not None:
+    _MINCORE.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    _MINCORE.restype = ctypes.c_int
 MADV_WILLNEED = getattr(mmap, "MADV_WILLNEED", 3)
+ROWS_PER_SAMPLE = 256  # a lookup asks mincore about one page per this many rows ...
+MAX_SAMPLE = 16  # ... and at most this many (a system call each)
 
 
 def madvise(address: int, length: int, advice: int = MADV_WILLNEED) -> None:
     """``madvise`` of a page-aligned range (a failure is ignored: it is advice)."""
     _LIBC.madvise(address, length, advice)
+
+
+def resident_pages(addresses: list[int]) -> list[bool] | None:
+    """Whether each page at these page-aligned addresses is in memory (``mincore``), or None
+    where that cannot be asked (no ``mincore``, or it fails)."""
+    if _MINCORE is None:
+        return None
+    state = ctypes.c_ubyte()
+    found = []
+    for address in addresses:
+        if _MINCORE(address, 1, ctypes.byref(state)) != 0:
+            return None
+        found.append(bool(state.value & 1))
+    return found
 
 
 def page_runs(ids: np.ndarray, starts: np.ndarray, addresses: np.ndarray, row_bytes: int,
@@ -50,23 +73,69 @@ def page_runs(ids: np.ndarray, starts: np.ndarray, addresses: np.ndarray, row_by
             for run in np.split(pages, breaks)]
 
 
+def block_addresses(blocks: Sequence[np.ndarray]) -> np.ndarray:
+    """The host address of each block, as int64."""
+    return np.array([block.ctypes.data for block in blocks], dtype=np.int64)
+
+
 class PagePrefetcher:
-    """Advises the pages of rows about to be read, on a daemon thread fed by ``submit``.
+    """Advises the pages of rows about to be read: on a daemon thread fed by ``submit``, or on
+    the caller's thread with ``read_cold``.
 
     ``blocks``: the table's local row blocks (host arrays over mapped files), starting at local
-    rows ``starts``. ``submit(ids, row_start)`` takes NumPy ids (copied), or CuPy ids with the
-    caller's stream (an event recorded there orders the copy the thread makes, so the caller
-    never waits).
+    rows ``starts``; ``scale_blocks``: a block-scaled table's scale rows beside them (their pages
+    are advised with the rows'). ``submit(ids, row_start)`` takes NumPy ids (copied), or CuPy ids
+    with the caller's stream (an event recorded there orders the copy the thread makes, so the
+    caller never waits).
     """
 
     def __init__(self, blocks: Sequence[np.ndarray], starts: np.ndarray, row_bytes: int,
-                 num_rows: int):
+                 num_rows: int, scale_blocks: Sequence[np.ndarray] | None = None):
         self.starts = np.asarray(starts, dtype=np.int64)
-        self.addresses = np.array([block.ctypes.data for block in blocks], dtype=np.int64)
+        self.addresses = block_addresses(blocks)
         self.row_bytes, self.num_rows = int(row_bytes), int(num_rows)
+        self.areas = [(self.addresses, self.row_bytes)]  # (block addresses, bytes per row)
+        if scale_blocks:
+            self.areas.append((block_addresses(scale_blocks), scale_blocks[0].shape[1]))
         self.requests: queue.SimpleQueue = queue.SimpleQueue()
         self.thread: threading.Thread | None = None
         self.advised = 0  # page runs advised so far
+        self.cold_reads = 0  # lookups that found pages out of memory and advised them
+
+    def advise(self, local: np.ndarray) -> None:
+        """Advise every page holding the rows ``local`` (local ids; others are skipped) and
+        their block scales."""
+        for addresses, row_bytes in self.areas:
+            for address, length in page_runs(local, self.starts, addresses, row_bytes,
+                                             self.num_rows):
+                madvise(address, length)
+                self.advised += 1
+
+    def sample_pages(self, local: np.ndarray) -> list[int]:
+        """The first page of a spread sample of the rows ``local`` (local ids inside the
+        table): one per ``ROWS_PER_SAMPLE`` rows, at most ``MAX_SAMPLE``."""
+        count = min(MAX_SAMPLE, 1 + local.size // ROWS_PER_SAMPLE)
+        sample = local[:: max(1, local.size // count)][:count].astype(np.int64)
+        if len(self.starts) == 1:  # one block: no search (the common case, and lookups small)
+            first = self.addresses[0] + sample * self.row_bytes
+        else:
+            block = np.searchsorted(self.starts, sample, side="right") - 1
+            first = self.addresses[block] + (sample - self.starts[block]) * self.row_bytes
+        return (first - first % mmap.PAGESIZE).tolist()
+
+    def read_cold(self, local: np.ndarray) -> bool:
+        """Before a gather of the rows ``local`` (local ids, all inside the table): when a sample
+        of their pages is not all in memory, advise every page now, so the kernel reads them at
+        once instead of one fault at a time; whether it did. Where residency cannot be asked,
+        nothing is advised."""
+        if local.size == 0:
+            return False
+        resident = resident_pages(self.sample_pages(local))
+        if resident is None or all(resident):
+            return False
+        self.advise(local)
+        self.cold_reads += 1
+        return True
 
     def submit(self, ids, row_start: int, stream: Any = None) -> None:
         """Queue the rows of ``ids`` (global) for advice."""
@@ -92,10 +161,7 @@ class PagePrefetcher:
                     copies = cupy_module().cuda.Stream(non_blocking=True)
                 event.synchronize()
                 ids = ids.get(stream=copies)
-            for address, length in page_runs(ids.reshape(-1) - row_start, self.starts,
-                                             self.addresses, self.row_bytes, self.num_rows):
-                madvise(address, length)
-                self.advised += 1
+            self.advise(ids.reshape(-1) - row_start)
 
     def drain(self) -> None:
         """Wait until every request so far is advised (tests, benchmarks)."""

@@ -3,7 +3,9 @@
 The rows stay in the files (mapped with ``madvise(MADV_RANDOM)``, so a lookup faults in only the
 pages it reads, without read-ahead); nothing is loaded up front. Shards can live in different
 files, so the rows are a sequence of contiguous blocks, each a read-only mapped view; the gather
-groups the ids by block and runs the CPU gather (``gather_numba``) on each.
+groups the ids by block and runs the CPU gather (``gather_numba``) on each. A CPU lookup whose
+rows are out of memory first has all their pages read at once (``PagePrefetcher.read_cold``),
+not faulted in one by one.
 
 Where the GPU can read pageable host memory (``cudaDevAttrPageableMemoryAccess``: HMM or ATS),
 GPU lookups read the mapped pages too, with the UVA gather kernel (``gather_cupy``): no load, no
@@ -79,7 +81,8 @@ class MappedStorage(Storage):
         self.pageable = gpu_reads_pageable() if pageable is None else bool(pageable)
         self.device_blocks = None
         self.pages = PagePrefetcher(self.blocks, self.starts,
-                                    fmt.row_width(head_dim) * fmt.itemsize, self.num_rows)
+                                    fmt.row_width(head_dim) * fmt.itemsize, self.num_rows,
+                                    self.scale_blocks if fmt.blocked else None)
 
     def reads(self, side: Backend) -> bool:
         """CPU lookups; GPU ones where the device reads pageable memory."""
@@ -123,6 +126,8 @@ class MappedStorage(Storage):
             if outside.any():
                 raise row_id_error(job.ids, int(other[outside.argmax()]), job.total_rows)
         where, local = where[owned], local[owned]
+        if not job.worker:  # a prefetch's worker follows the advice its will_read asked for
+            self.pages.read_cold(local)
         block = np.searchsorted(self.starts, local, side="right") - 1
         order = np.argsort(block, kind="stable")
         where, local, block = where[order], local[order], block[order]
