@@ -26,10 +26,10 @@ from ..runtime.backends import cupy_module
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _LIBC.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-_MINCORE = getattr(_LIBC, "mincore", None)  # None: residency unknown, lookups never advise
-if _MINCORE is not None:
-    _MINCORE.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
-    _MINCORE.restype = ctypes.c_int
+MINCORE = getattr(_LIBC, "mincore", None)  # None: residency unknown, lookups never advise
+if MINCORE is not None:
+    MINCORE.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    MINCORE.restype = ctypes.c_int
 MADV_WILLNEED = getattr(mmap, "MADV_WILLNEED", 3)
 ROWS_PER_SAMPLE = 256  # a lookup asks mincore about one page per this many rows ...
 MAX_SAMPLE = 16  # ... and at most this many (a system call each)
@@ -43,12 +43,12 @@ def madvise(address: int, length: int, advice: int = MADV_WILLNEED) -> None:
 def resident_pages(addresses: list[int]) -> list[bool] | None:
     """Whether each page at these page-aligned addresses is in memory (``mincore``), or None
     where that cannot be asked (no ``mincore``, or it fails)."""
-    if _MINCORE is None:
+    if MINCORE is None:
         return None
     state = ctypes.c_ubyte()
     found = []
     for address in addresses:
-        if _MINCORE(address, 1, ctypes.byref(state)) != 0:
+        if MINCORE(address, 1, ctypes.byref(state)) != 0:
             return None
         found.append(bool(state.value & 1))
     return found
@@ -59,7 +59,7 @@ def page_runs(ids: np.ndarray, starts: np.ndarray, addresses: np.ndarray, row_by
     """``(address, length)`` page-aligned runs holding the rows ``ids`` (local; those outside
     ``[0, num_rows)`` are skipped) of blocks that start at local rows ``starts`` and host
     addresses ``addresses``; adjacent pages are merged into one run."""
-    local = np.unique(ids[(ids >= 0) & (ids < num_rows)].astype(np.int64))
+    local = ids[(ids >= 0) & (ids < num_rows)].astype(np.int64)
     if local.size == 0:
         return []
     block = np.searchsorted(starts, local, side="right") - 1
@@ -67,10 +67,11 @@ def page_runs(ids: np.ndarray, starts: np.ndarray, addresses: np.ndarray, row_by
     low, high = first // page, (first + row_bytes - 1) // page
     counts = high - low + 1  # pages per row (more than two for rows over a page long)
     offsets = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
-    pages = np.unique(np.repeat(low, counts) + offsets)
-    breaks = np.flatnonzero(np.diff(pages) != 1) + 1
-    return [(int(run[0]) * page, (int(run[-1]) - int(run[0]) + 1) * page)
-            for run in np.split(pages, breaks)]
+    pages = np.sort(np.repeat(low, counts) + offsets)  # sorted, repeated pages
+    pages = pages[np.diff(pages, prepend=pages[0] - 1) != 0]  # (np.unique is slower here)
+    first = np.flatnonzero(np.diff(pages, prepend=pages[0] - 2) != 1)  # where each run starts
+    lengths = np.diff(first, append=pages.size)
+    return list(zip((pages[first] * page).tolist(), (lengths * page).tolist(), strict=True))
 
 
 def block_addresses(blocks: Sequence[np.ndarray]) -> np.ndarray:
