@@ -1,11 +1,11 @@
 """Page reads for tables mapped from checkpoint files: ``madvise(MADV_WILLNEED)`` on the pages
-of the rows a gather will read, on a thread of its own for a prefetch, or on the caller's thread
-before a lookup that finds its pages out of memory.
+of the rows a gather will read: on a thread of its own for a prefetch of GPU ids, and before a
+CPU gather (a lookup's, or a prefetch's on its worker) that finds its pages out of memory.
 
 A lookup into a cold mapped table faults its pages in one at a time (the mapping is advised
 ``MADV_RANDOM``: no read-ahead). Told which pages come next, the kernel starts reading them all
 at once, so the gather that follows (the CPU prefetch worker's, or the GPU's over UVA) finds
-them arriving. A plain lookup first asks ``mincore`` about a sample of its rows' pages
+them arriving. A CPU gather first asks ``mincore`` about a sample of its rows' pages
 (``resident_pages``) and advises them all only when one is out, so a warm table pays a few
 system calls. The advice is a hint: it never changes a result, and ids it reads late (device
 ids copied after the caller moved on) only make it less useful.
@@ -13,6 +13,7 @@ ids copied after the caller moved on) only make it less useful.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import mmap
 import queue
@@ -81,7 +82,7 @@ def block_addresses(blocks: Sequence[np.ndarray]) -> np.ndarray:
 
 class PagePrefetcher:
     """Advises the pages of rows about to be read: on a daemon thread fed by ``submit``, or on
-    the caller's thread with ``read_cold``.
+    the gathering thread with ``read_cold``.
 
     ``blocks``: the table's local row blocks (host arrays over mapped files), starting at local
     rows ``starts``; ``scale_blocks``: a block-scaled table's scale rows beside them (their pages
@@ -95,6 +96,7 @@ class PagePrefetcher:
         self.starts = np.asarray(starts, dtype=np.int64)
         self.addresses = block_addresses(blocks)
         self.row_bytes, self.num_rows = int(row_bytes), int(num_rows)
+        self.block_starts, self.block_addresses = self.starts.tolist(), self.addresses.tolist()
         self.areas = [(self.addresses, self.row_bytes)]  # (block addresses, bytes per row)
         if scale_blocks:
             self.areas.append((block_addresses(scale_blocks), scale_blocks[0].shape[1]))
@@ -114,15 +116,16 @@ class PagePrefetcher:
 
     def sample_pages(self, local: np.ndarray) -> list[int]:
         """The first page of a spread sample of the rows ``local`` (local ids inside the
-        table): one per ``ROWS_PER_SAMPLE`` rows, at most ``MAX_SAMPLE``."""
+        table): one per ``ROWS_PER_SAMPLE`` rows, at most ``MAX_SAMPLE`` (Python integers: for
+        so few rows, NumPy's per-call cost would be most of a small lookup's check)."""
         count = min(MAX_SAMPLE, 1 + local.size // ROWS_PER_SAMPLE)
-        sample = local[:: max(1, local.size // count)][:count].astype(np.int64)
-        if len(self.starts) == 1:  # one block: no search (the common case, and lookups small)
-            first = self.addresses[0] + sample * self.row_bytes
-        else:
-            block = np.searchsorted(self.starts, sample, side="right") - 1
-            first = self.addresses[block] + (sample - self.starts[block]) * self.row_bytes
-        return (first - first % mmap.PAGESIZE).tolist()
+        pages = []
+        for row in local[:: max(1, local.size // count)][:count].tolist():
+            block = bisect.bisect_right(self.block_starts, row) - 1
+            first = self.block_addresses[block] + (row - self.block_starts[block]) * \
+                self.row_bytes
+            pages.append(first - first % mmap.PAGESIZE)
+        return pages
 
     def read_cold(self, local: np.ndarray) -> bool:
         """Before a gather of the rows ``local`` (local ids, all inside the table): when a sample
