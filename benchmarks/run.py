@@ -31,6 +31,7 @@ def sections() -> list[Bench]:
     """Every section in report order (GPU sections import CuPy only when run)."""
     from . import sections_cpu as cpu
     from . import sections_gpu as gpu
+    from . import sections_mmap as mapped
     from . import sections_packed as packed
     from . import sections_quantize as quantize
     from . import sections_shared as shared
@@ -73,6 +74,9 @@ def sections() -> list[Bench]:
               ">= 1 GiB, generate tokens/s with and without", hf.bench_transformers_cpu),
         Bench("packed-rows", "cpu", "NVFP4 / MXFP8 rows packed with their block scales against "
               "two arrays and fp8 rows, idle and one core busy", packed.bench_packed_rows),
+        Bench("mmap-cold", "cpu", "cold mapped-table lookups (pages dropped, fresh process per "
+              "case): plain, faults only, prefetched, against O_DIRECT reads at queue depth 64",
+              mapped.bench_mmap_cold),
         Bench("transformers-gpu", "gpu", "transformers Qwen4Exp generate: bf16 table on the GPU "
               "against a pinned fp8 table, prefetch on and off", hf.bench_transformers_gpu),
     ]

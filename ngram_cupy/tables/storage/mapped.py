@@ -3,12 +3,14 @@
 The rows stay in the files (mapped with ``madvise(MADV_RANDOM)``, so a lookup faults in only the
 pages it reads, without read-ahead); nothing is loaded up front. Shards can live in different
 files, so the rows are a sequence of contiguous blocks, each a read-only mapped view; the gather
-groups the ids by block and runs the CPU gather (``gather_numba``) on each.
+groups the ids by block and runs the CPU gather (``gather_numba``) on each. A CPU gather (a
+lookup's, or a prefetch's on its worker) whose rows are out of memory first has all their pages
+read at once (``PagePrefetcher.read_cold``), not faulted in one by one.
 
 Where the GPU can read pageable host memory (``cudaDevAttrPageableMemoryAccess``: HMM or ATS),
 GPU lookups read the mapped pages too, with the UVA gather kernel (``gather_cupy``): no load, no
-pinned copy, the page cache shared by every process. A prefetch first advises the pages of its
-rows ``MADV_WILLNEED`` on a thread of its own (``page_prefetch``), on either side.
+pinned copy, the page cache shared by every process. A prefetch of GPU ids first advises the
+pages of its rows ``MADV_WILLNEED`` on a thread of its own (``page_prefetch``).
 """
 
 from __future__ import annotations
@@ -79,7 +81,8 @@ class MappedStorage(Storage):
         self.pageable = gpu_reads_pageable() if pageable is None else bool(pageable)
         self.device_blocks = None
         self.pages = PagePrefetcher(self.blocks, self.starts,
-                                    fmt.row_width(head_dim) * fmt.itemsize, self.num_rows)
+                                    fmt.row_width(head_dim) * fmt.itemsize, self.num_rows,
+                                    self.scale_blocks if fmt.blocked else None)
 
     def reads(self, side: Backend) -> bool:
         """CPU lookups; GPU ones where the device reads pageable memory."""
@@ -95,8 +98,11 @@ class MappedStorage(Storage):
                 "pages): load the table into 'cpu', 'pinned' or 'shared' memory to train it")
 
     def will_read(self, ids, row_start: int, stream=None) -> None:
-        """Advise the pages of these rows ``MADV_WILLNEED``, off the caller's thread."""
-        self.pages.submit(ids, row_start, stream)
+        """GPU ids: advise the pages of these rows ``MADV_WILLNEED``, off the caller's thread.
+        CPU ids: nothing here; the prefetch's worker reads the cold pages before its gather,
+        which is faster than advice racing the gather's own faults."""
+        if not isinstance(ids, np.ndarray):
+            self.pages.submit(ids, row_start, stream)
 
     def write_rows(self, local_start: int, rows, scales=None) -> None:
         """Refused: the rows are the checkpoint's, mapped read-only."""
@@ -123,6 +129,7 @@ class MappedStorage(Storage):
             if outside.any():
                 raise row_id_error(job.ids, int(other[outside.argmax()]), job.total_rows)
         where, local = where[owned], local[owned]
+        self.pages.read_cold(local)
         block = np.searchsorted(self.starts, local, side="right") - 1
         order = np.argsort(block, kind="stable")
         where, local, block = where[order], local[order], block[order]
