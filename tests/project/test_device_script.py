@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -13,6 +14,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "device_check.sh"
 MAX_FILES = 8  # what the device tool brings back from $OUT
+# The script runs ``python3``: here the tests' own interpreter (a venv's has the package's
+# dependencies; the system's may not), as the device machine's python3 is there.
+TEST_PYTHON_FIRST = os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])
 
 
 def test_the_script_parses():
@@ -23,7 +27,7 @@ def test_the_script_parses():
 def dry_run(tmp_path_factory):
     """``(OUT folder, summary lines, log names)`` of one dry run."""
     out = tmp_path_factory.mktemp("out")
-    env = {**os.environ, "OUT": str(out),
+    env = {**os.environ, "OUT": str(out), "PATH": TEST_PYTHON_FIRST,
            "NGRAM_CUPY_CACHE_DIR": str(tmp_path_factory.mktemp("kernels"))}
     env.pop("CUDA_HOME", None)
     subprocess.run(["bash", str(SCRIPT), "--dry-run"], env=env, check=True, timeout=300,
@@ -55,7 +59,8 @@ def test_the_dry_run_compiles_for_real_and_finds_cuda(dry_run):
 def test_no_step_starts_past_the_deadline(tmp_path):
     """A run whose budget is spent skips every step (the default budget, 420 s, stays under
     the device tool's 480 s)."""
-    env = {**os.environ, "OUT": str(tmp_path), "DEVICE_CHECK_SECONDS": "4"}
+    env = {**os.environ, "OUT": str(tmp_path), "DEVICE_CHECK_SECONDS": "4",
+           "PATH": TEST_PYTHON_FIRST}
     subprocess.run(["bash", str(SCRIPT), "--dry-run"], env=env, check=True, timeout=60,
                    capture_output=True)
     summary = (tmp_path / "summary.txt").read_text().splitlines()
