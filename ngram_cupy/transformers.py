@@ -218,9 +218,14 @@ def tested_range() -> str:
 
 @functools.cache
 def check_release(version: str) -> None:
-    """Warn once per release newer than the tested range; refuse one whose n-gram layer no
-    longer has the attributes and call this module replaces (naming the release)."""
+    """Refuse a release older than the tested range; warn once per release newer than it;
+    refuse one whose n-gram layer no longer has the call this module replaces (naming the
+    release)."""
     release = Version(version).release[:2]
+    if release < TESTED_RELEASES[0]:
+        raise RuntimeError(f"transformers {version} is older than the releases ngram_cupy's "
+                           f"Qwen4Exp integration supports ({tested_range()}): its cache keeps "
+                           "the n-gram context differently; upgrade transformers")
     if release > TESTED_RELEASES[1]:
         warnings.warn(f"transformers {version} is newer than the releases ngram_cupy's "
                       f"Qwen4Exp integration is tested with ({tested_range()}); the layers are "

@@ -576,6 +576,12 @@ def test_releases_outside_the_tested_range(monkeypatch, float32_pair):
         use_ngram_cupy(model)
     assert unchanged(model)
     monkeypatch.undo()
+    monkeypatch.setattr(integration.transformers, "__version__", "5.17.0")
+    integration.check_release.cache_clear()
+    with pytest.raises(RuntimeError, match=r"transformers 5\.17\.0 is older .*5\.23 to 5\.25"):
+        use_ngram_cupy(model)
+    assert unchanged(model)
+    monkeypatch.undo()
     integration.check_release.cache_clear()
     model = copy.deepcopy(reference)
     monkeypatch.delattr(model.get_submodule(NAMES[0]), "ple_layer_index")
