@@ -31,6 +31,48 @@ def finite_number(name: str, value, low: float = 0.0, high: float = math.inf,
     return value
 
 
+WEIGHT_DECAY_MODES = ("l2", "decoupled")
+
+
+def hyper_array(lr: float, eps: float = 0.0, decay: float = 0.0,
+                adam: tuple[float, float, float] = (0.0, 0.0, 0.0), max_norm: float | None = None,
+                decoupled: bool = False) -> np.ndarray:
+    """The float32 hyper-parameters ``update_rows`` reads, in its slot order."""
+    hyper = np.zeros(updates_numba.HYPER_SIZE, np.float32)
+    hyper[[updates_numba.LR, updates_numba.EPS, updates_numba.DECAY]] = lr, eps, decay
+    hyper[[updates_numba.ONE_MINUS_BETA1, updates_numba.ONE_MINUS_BETA2,
+           updates_numba.STEP_SIZE]] = adam
+    hyper[updates_numba.MAX_NORM] = 0.0 if max_norm is None else max_norm
+    hyper[updates_numba.DECOUPLED] = float(decoupled)
+    return hyper
+
+
+class DecayRules:
+    """FBGEMM's row-wise rules: weight decay added to the gradient (``"l2"``) or applied to the
+    row beside the update (``"decoupled"``), and rows scaled down to ``max_norm`` after it."""
+
+    def set_rules(self, weight_decay, weight_decay_mode: str, max_norm) -> None:
+        """Check and keep the three settings (errors name the argument)."""
+        self.weight_decay = finite_number("weight_decay", weight_decay)
+        if weight_decay_mode not in WEIGHT_DECAY_MODES:
+            raise ValueError(f"weight_decay_mode must be one of {WEIGHT_DECAY_MODES}, got "
+                             f"{weight_decay_mode!r}")
+        self.weight_decay_mode = weight_decay_mode
+        self.max_norm = None if max_norm is None else finite_number("max_norm", max_norm)
+        if self.max_norm is not None and not np.float32(self.max_norm) > 0:
+            raise ValueError(f"max_norm must be positive (None: no clamp), got {max_norm}")
+
+    def rules_hyper(self, eps: float = 0.0) -> np.ndarray:
+        """``hyper_array`` with the learning rate, ``eps`` and the three rules."""
+        return hyper_array(self.lr, eps, self.weight_decay, max_norm=self.max_norm,
+                           decoupled=self.weight_decay_mode == "decoupled")
+
+    def rules_settings(self) -> dict:
+        """The rules as a state dict records them."""
+        return {"weight_decay": self.weight_decay, "weight_decay_mode": self.weight_decay_mode,
+                "max_norm": self.max_norm}
+
+
 class RowOptimizer:
     """The common part: the table's writable rows, named float32 state arrays, a step count."""
 
@@ -63,7 +105,7 @@ class RowOptimizer:
 
     def hyper(self, step: int) -> np.ndarray:
         """The float32 hyper-parameters of step ``step`` (see ``updates_numba``)."""
-        return np.array([self.lr, 0, 0, 0, 0, 0], np.float32)
+        return hyper_array(self.lr)
 
     # ---- steps ----
 
@@ -159,32 +201,47 @@ class RowOptimizer:
         self.steps = int(state["steps"])
 
 
-class SGD(RowOptimizer):
-    """``w -= lr * g`` (float32)."""
+class SGD(DecayRules, RowOptimizer):
+    """``w -= lr * g`` (float32); optional weight decay (``"l2"``: ``g += weight_decay * w``
+    first; ``"decoupled"``: ``w = (1 - lr * weight_decay) * w - lr * g``) and ``max_norm``."""
 
     kind = updates_numba.SGD
     name = "sgd"
 
+    def __init__(self, table, lr: float, weight_decay: float = 0.0, *,
+                 weight_decay_mode: str = "l2", max_norm: float | None = None,
+                 stochastic_rounding: bool = False, seed: int = 0):
+        self.set_rules(weight_decay, weight_decay_mode, max_norm)
+        super().__init__(table, lr, stochastic_rounding=stochastic_rounding, seed=seed)
 
-class RowwiseAdagrad(RowOptimizer):
+    def hyper(self, step: int) -> np.ndarray:
+        return self.rules_hyper()
+
+    def settings(self) -> dict:
+        return {"lr": self.lr, **self.rules_settings()}
+
+
+class RowwiseAdagrad(DecayRules, RowOptimizer):
     """One float32 per row: ``s += mean(g * g)`` (the mean summed in float64), ``w -= lr /
-    (sqrt(s) + eps) * g``; L2 ``weight_decay * w`` added to ``g`` first."""
+    (sqrt(s) + eps) * g``; weight decay ``"l2"`` (``weight_decay * w`` added to ``g`` first)
+    or ``"decoupled"`` (``w = (1 - lr * weight_decay) * w - m * g``), and ``max_norm``."""
 
     kind = updates_numba.ROWWISE_ADAGRAD
     name = "rowwise_adagrad"
     state_widths = (("sum", True),)
 
     def __init__(self, table, lr: float, eps: float = 1e-8, weight_decay: float = 0.0, *,
+                 weight_decay_mode: str = "l2", max_norm: float | None = None,
                  stochastic_rounding: bool = False, seed: int = 0):
         self.eps = finite_number("eps", eps)
-        self.weight_decay = finite_number("weight_decay", weight_decay)
+        self.set_rules(weight_decay, weight_decay_mode, max_norm)
         super().__init__(table, lr, stochastic_rounding=stochastic_rounding, seed=seed)
 
     def hyper(self, step: int) -> np.ndarray:
-        return np.array([self.lr, self.eps, self.weight_decay, 0, 0, 0], np.float32)
+        return self.rules_hyper(self.eps)
 
     def settings(self) -> dict:
-        return {"lr": self.lr, "eps": self.eps, "weight_decay": self.weight_decay}
+        return {"lr": self.lr, "eps": self.eps, **self.rules_settings()}
 
 
 class Adam(RowOptimizer):
@@ -209,7 +266,7 @@ class Adam(RowOptimizer):
     def hyper(self, step: int) -> np.ndarray:
         beta1, beta2 = self.betas
         step_size = self.lr * math.sqrt(1 - beta2**step) / (1 - beta1**step)
-        return np.array([self.lr, self.eps, 0, 1 - beta1, 1 - beta2, step_size], np.float32)
+        return hyper_array(self.lr, self.eps, adam=(1 - beta1, 1 - beta2, step_size))
 
     def settings(self) -> dict:
         return {"lr": self.lr, "betas": list(self.betas), "eps": self.eps,
