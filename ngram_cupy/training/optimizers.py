@@ -12,10 +12,10 @@ import math
 import numpy as np
 
 from ..runtime.backends import HOST, bind
-from . import backward_numba, updates_numba
+from . import backward_numba, gpu_steps, updates_numba
 from .inputs import check_finite, check_ids_inside, flat_inputs
 from .sparse_rows import SparseRows
-from .table_rows import refresh_hot, state_array, writable_rows
+from .table_rows import copy_into, host_copy, refresh_hot, state_array, writable_rows
 
 
 def finite_number(name: str, value, low: float = 0.0, high: float = math.inf,
@@ -84,6 +84,7 @@ class RowOptimizer:
         self.table = table
         self.lr = finite_number("lr", lr)
         self.rows = writable_rows(table)
+        self.on_gpu = table.storage.cold.device_resident  # rows and state in GPU memory
         self.code = table.format.code  # the row format the kernel loads and stores
         self.stochastic_rounding = bool(stochastic_rounding)
         self.seed = int(seed) & ((1 << 64) - 1)
@@ -112,10 +113,12 @@ class RowOptimizer:
     def step(self, grads: SparseRows) -> None:
         """Update the rows of ``grads`` (global, sorted unique ``indices``, float32 ``values``
         ``[U, head_dim]``)."""
+        if self.on_gpu:
+            gpu_steps.step(self, grads)
+            return
+        grads = gpu_steps.host_sparse_rows(grads)  # GPU gradients of a host table: copied over
         call = bind(indices=grads.indices, values=grads.values)
         indices, values = call["indices"], call["values"]
-        if call.side is not HOST:
-            raise ValueError("grads must be on the CPU for a table in host memory")
         if indices.ndim != 1 or indices.dtype.kind not in "iu":
             raise TypeError(f"grads.indices must be a 1-D integer array, got {indices.dtype} "
                             f"{tuple(indices.shape)}")
@@ -134,9 +137,13 @@ class RowOptimizer:
     def step_from_output_grad(self, ids, grad_out) -> None:
         """Backward and update in one pass: ``ids`` ``[N]`` / ``[T, H]`` (global rows) and the
         lookup's output gradient ``grad_out`` (as ``embedding_backward`` takes them)."""
+        if self.on_gpu:
+            gpu_steps.step_from_output_grad(self, ids, grad_out)
+            return
         call = bind(ids=ids, grad_out=grad_out)
-        if call.side is not HOST:
-            raise ValueError("ids and grad_out must be on the CPU for a table in host memory")
+        if call.side is not HOST:  # summed on the GPU, the distinct rows applied here
+            self.step(gpu_steps.host_rows_of_device_grad(self, call))
+            return
         flat, grad = flat_inputs(call["ids"], call["grad_out"], call.formats.get("grad_out"))
         if grad.shape[1] != self.table.head_dim:
             raise ValueError(f"grad_out has {grad.shape[1]} values per head, the table "
@@ -178,7 +185,7 @@ class RowOptimizer:
         return {"optimizer": self.name, "steps": self.steps,
                 "shape": [self.table.num_rows, self.table.head_dim],
                 "settings": self.settings(),
-                "state": {key: array.copy() for key, array in self.state.items()}}
+                "state": {key: host_copy(array) for key, array in self.state.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore ``state_dict()``'s state (copied in place); a ValueError for another
@@ -197,7 +204,7 @@ class RowOptimizer:
                 raise ValueError(f"state[{key!r}] must have shape {array.shape}, got "
                                  f"{given.shape}")
         for key, array in self.state.items():
-            array[...] = np.asarray(arrays[key], np.float32)
+            copy_into(array, np.asarray(arrays[key], np.float32))
         self.steps = int(state["steps"])
 
 

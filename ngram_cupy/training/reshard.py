@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..hashing.layout import split_rows
 from ..runtime.checks import check_integer
+from ..runtime.row_split import split_rows
+from .table_rows import copy_into
 
 SHARD = "shard"  # the metadata key of a saved state's row range and table layout
 
@@ -145,5 +146,5 @@ def load_resharded(paths: Sequence[str | os.PathLike], optimizer, rank=None,
                  state={key: gather_rows(shards, f"state.{key}", start, stop, array)
                         for key, array in optimizer.state.items()})
     optimizer.load_state_dict(state)  # checks the settings and shapes before anything changes
-    optimizer.rows[...] = rows
+    copy_into(optimizer.rows, rows)
     table.refresh_hot_rows()

@@ -11,6 +11,7 @@ import numpy as np
 
 from ..runtime.atomic import atomic_file
 from .reshard import SHARD, load_resharded, shard_metadata
+from .table_rows import copy_into, on_host
 
 ROWS = "rows"
 FORMAT = "ngram_cupy.training/1"
@@ -22,7 +23,7 @@ def save_training_state(path: str | os.PathLike, optimizer) -> str:
     from safetensors.numpy import save_file
 
     state = optimizer.state_dict()
-    tensors = {ROWS: np.ascontiguousarray(optimizer.rows)}
+    tensors = {ROWS: np.ascontiguousarray(on_host(optimizer.rows))}
     tensors.update({f"state.{key}": np.ascontiguousarray(value)
                     for key, value in state["state"].items()})
     metadata = {"format": FORMAT, "table_dtype": optimizer.table.format.name,
@@ -63,5 +64,5 @@ def load_training_state(path: str | os.PathLike | Sequence[str | os.PathLike], o
         raise ValueError(f"{path} holds rows of shape {list(rows.shape)}, the table "
                          f"{list(optimizer.rows.shape)}")
     optimizer.load_state_dict(state)  # checks the state before anything changes
-    optimizer.rows[...] = rows.view(optimizer.rows.dtype)
+    copy_into(optimizer.rows, rows)
     optimizer.table.refresh_hot_rows()

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import ngram_cupy as nc
-from ngram_cupy.hashing.layout import split_rows
+from ngram_cupy.runtime.row_split import split_rows
 
 TOTAL, DIM = 41, 6
 OPTIMIZERS = {"rowwise_adagrad": (nc.RowwiseAdagrad, {"lr": 0.1, "weight_decay": 0.01}),
