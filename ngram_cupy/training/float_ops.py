@@ -11,6 +11,8 @@ correctly rounded everywhere.
 
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 from numba.core.extending import overload
 
@@ -46,49 +48,20 @@ def sqrt(a):
     return np.sqrt(a)
 
 
-@overload(mul, target="cpu")
-def _mul_cpu(a, b):
-    return lambda a, b: a * b
+def implemented_by(operation, arity: int = 2):
+    """An overload whose compiled form is ``operation`` of the arguments."""
+    if arity == 1:
+        return lambda a: lambda a: operation(a)
+    return lambda a, b: lambda a, b: operation(a, b)
 
 
-@overload(add, target="cpu")
-def _add_cpu(a, b):
-    return lambda a, b: a + b
-
-
-@overload(sub, target="cpu")
-def _sub_cpu(a, b):
-    return lambda a, b: a - b
-
-
-@overload(div, target="cpu")
-def _div_cpu(a, b):
-    return lambda a, b: a / b
-
-
-@overload(sqrt, target="cpu")
-def _sqrt_cpu(a):
-    return lambda a: np.sqrt(a)
-
+for _function, _cpu in ((mul, operator.mul), (add, operator.add), (sub, operator.sub),
+                        (div, operator.truediv)):
+    overload(_function, target="cpu")(implemented_by(_cpu))
+overload(sqrt, target="cpu")(implemented_by(np.sqrt, 1))
 
 if cuda_overload is not None:
-
-    @cuda_overload(mul)
-    def _mul_cuda(a, b):
-        return lambda a, b: libdevice.fmul_rn(a, b)
-
-    @cuda_overload(add)
-    def _add_cuda(a, b):
-        return lambda a, b: libdevice.fadd_rn(a, b)
-
-    @cuda_overload(sub)
-    def _sub_cuda(a, b):
-        return lambda a, b: libdevice.fsub_rn(a, b)
-
-    @cuda_overload(div)
-    def _div_cuda(a, b):
-        return lambda a, b: libdevice.fdiv_rn(a, b)
-
-    @cuda_overload(sqrt)
-    def _sqrt_cuda(a):
-        return lambda a: libdevice.fsqrt_rn(a)
+    for _function, _gpu in ((mul, libdevice.fmul_rn), (add, libdevice.fadd_rn),
+                            (sub, libdevice.fsub_rn), (div, libdevice.fdiv_rn)):
+        cuda_overload(_function)(implemented_by(_gpu))
+    cuda_overload(sqrt)(implemented_by(libdevice.fsqrt_rn, 1))
