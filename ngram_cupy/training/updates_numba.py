@@ -1,6 +1,7 @@
 """CPU kernel of every row-wise update: each distinct row's gradient summed (float64, rounded
 once), then the optimizer's formula in float32, the row written back (bfloat16: rounded to
-nearest even, or stochastically from a counter-based hash: reproducible for any thread count)."""
+nearest even, or stochastically from a counter-based hash: reproducible for any thread count).
+The formula of one row (``update_row``) is inlined by this kernel and by ``updates_cuda``'s."""
 
 from __future__ import annotations
 
