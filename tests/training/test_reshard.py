@@ -150,3 +150,22 @@ def test_shards_of_different_runs_do_not_mix(tmp_path, saved_two):
     target = shard_optimizers(1, "rowwise_adagrad", weight)[0]
     with pytest.raises(ValueError, match="different steps"):
         nc.load_training_state([saved_two[0], later], target)
+
+
+def test_a_file_saved_before_row_ranges_holds_a_whole_table(tmp_path):
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    weight = np.random.default_rng(4).standard_normal((TOTAL, DIM)).astype(np.float32)
+    (whole_table,) = shard_optimizers(1, "rowwise_adagrad", weight)
+    step_all([whole_table], range(1))
+    path = nc.save_training_state(tmp_path / "new.safetensors", whole_table)
+    with safe_open(path, "np") as file:
+        metadata = file.metadata()
+        tensors = {key: file.get_tensor(key) for key in file.keys()}
+    del metadata["shard"]
+    save_file(tensors, tmp_path / "old.safetensors", metadata=metadata)
+    after = shard_optimizers(2, "rowwise_adagrad", np.zeros_like(weight))
+    for rank, optimizer in enumerate(after):
+        nc.load_training_state(tmp_path / "old.safetensors", optimizer, rank=rank, world_size=2)
+    assert same_bits(after, [whole_table])
