@@ -14,7 +14,7 @@
 #   versions 5 s | compile the kernel cache: released shapes, sm_90, 16 CPUs: ~40 s (100 s on 2
 #   loaded CPUs here, its slowest kernel 34 s) | gpu tests: ~150 s, each file its own pytest
 #   (their kernels compiled once, then shared through the cache) | graph, misaligned,
-#   fresh-fill: ~10 s each | train: ~20 s | packed-uva: ~15 s (estimated: 700 MiB of pinned rows made and
+#   fresh-fill: ~10 s each | train: ~30 s | packed-uva: ~15 s (estimated: 700 MiB of pinned rows made and
 #   filled, 3 x 22 timed gathers and copies) | bench --quick: ~60 s | memcheck, racecheck: ~45 s
 #   each
 # The simulator, PTX, host-build and CPU tests run in CI, not here.
@@ -131,9 +131,9 @@ step graph 30 python3 scripts/gpu_workload.py graph
 step misaligned 20 python3 scripts/gpu_workload.py misaligned
 step fresh-fill 20 python3 scripts/gpu_workload.py fresh-fill
 
-# 3b. GPU-trained tables: 20 steps of every row optimizer against the CPU's bits (~20 s, most of
-# it the CPU update kernel's first compile).
-step train 40 python3 scripts/gpu_workload.py train
+# 3b. GPU-trained tables: 20 steps of every row optimizer against the CPU's bits (~30 s estimated,
+# most of it first compiles: the CPU update kernel twice, the GPU one twice; never run yet).
+step train 60 python3 scripts/gpu_workload.py train
 
 # 4. Packed NVFP4 records over UVA: bytes per token and GB/s of the gather from pinned memory,
 # records vs fp8 rows vs two arrays, beside cudaMemcpy of the same bytes (packed-uva.md).
