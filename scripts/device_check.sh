@@ -14,9 +14,9 @@
 #   versions 5 s | compile the kernel cache: released shapes, sm_90, 16 CPUs: ~40 s (100 s on 2
 #   loaded CPUs here, its slowest kernel 34 s) | gpu tests: ~150 s, each file its own pytest
 #   (their kernels compiled once, then shared through the cache) | graph, misaligned,
-#   fresh-fill: ~10 s each | train: ~30 s | packed-uva: ~15 s (estimated: 700 MiB of pinned rows made and
-#   filled, 3 x 22 timed gathers and copies) | bench --quick: ~60 s | memcheck, racecheck: ~45 s
-#   each
+#   fresh-fill: ~10 s each | train: ~30 s (estimated) | packed-uva: ~15 s (estimated: 700 MiB
+#   of pinned rows made and filled, 3 x 22 timed gathers and copies) | bench --quick: ~60 s |
+#   memcheck, racecheck: ~45 s each
 # The simulator, PTX, host-build and CPU tests run in CI, not here.
 set -uo pipefail
 cd "$(dirname "$0")/.."
