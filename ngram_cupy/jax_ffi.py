@@ -1,0 +1,252 @@
+"""Python functions as XLA FFI custom calls (``jax.ffi``), for ``ngram_cupy.jax``.
+
+One handler, a ctypes function registered once per platform as the FFI target ``TARGET``,
+reads XLA's call frame (``xla/ffi/api/c_api.h``, which ships in ``jax.ffi.include_dir()``),
+views every argument and result buffer in place, as NumPy arrays on the CPU and CuPy arrays on a
+CUDA device, and runs the Python function named by the call's ``key`` attribute on them, with
+XLA's CUDA stream on a GPU. No buffer is copied: results are written into the buffers XLA
+allocated. A Python exception becomes an XLA error carrying its type and message; eager callers
+get the exception itself back (``run_now``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import ml_dtypes
+import numpy as np
+
+TARGET = "ngram_cupy_python"
+_API_VERSION = (0, 3)  # the XLA FFI C API this handler speaks (XLA_FFI_API_MAJOR / MINOR)
+_EXECUTE = 3  # XLA_FFI_ExecutionStage_EXECUTE
+_METADATA = 1  # XLA_FFI_Extension_Metadata: XLA asks the handler's API version once
+_UNKNOWN = 2  # XLA_FFI_Error_Code_UNKNOWN
+# XLA_FFI_DataType codes -> the NumPy dtype a buffer is viewed as (bfloat16 as raw bits on CUDA).
+_DTYPES = {1: np.bool_, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.uint8,
+           7: np.uint16, 8: np.uint32, 9: np.uint64, 10: np.float16, 11: np.float32,
+           12: np.float64, 16: ml_dtypes.bfloat16}
+_c_int64_p = ctypes.POINTER(ctypes.c_int64)
+
+
+class _Extension(ctypes.Structure):
+    _fields_ = [("struct_size", ctypes.c_size_t), ("type", ctypes.c_int),
+                ("next", ctypes.c_void_p)]
+
+
+class _ApiVersion(ctypes.Structure):
+    _fields_ = [("struct_size", ctypes.c_size_t), ("extension_start", ctypes.c_void_p),
+                ("major", ctypes.c_int), ("minor", ctypes.c_int)]
+
+
+class _Metadata(ctypes.Structure):
+    _fields_ = [("struct_size", ctypes.c_size_t), ("api_version", _ApiVersion),
+                ("traits", ctypes.c_uint32), ("state_type_id", ctypes.c_int64)]
+
+
+class _MetadataExtension(ctypes.Structure):
+    _fields_ = [("base", _Extension), ("metadata", ctypes.POINTER(_Metadata))]
+
+
+class _Buffer(ctypes.Structure):
+    _fields_ = [("struct_size", ctypes.c_size_t), ("extension_start", ctypes.c_void_p),
+                ("dtype", ctypes.c_int), ("data", ctypes.c_void_p), ("rank", ctypes.c_int64),
+                ("dims", _c_int64_p)]
+
+
+class _Items(ctypes.Structure):  # XLA_FFI_Args and XLA_FFI_Rets
+    _fields_ = [("struct_size", ctypes.c_size_t), ("extension_start", ctypes.c_void_p),
+                ("size", ctypes.c_int64), ("types", ctypes.c_void_p),
+                ("items", ctypes.POINTER(ctypes.POINTER(_Buffer)))]
+
+
+class _Scalar(ctypes.Structure):
+    _fields_ = [("dtype", ctypes.c_int), ("value", _c_int64_p)]
+
+
+class _Attrs(ctypes.Structure):
+    _fields_ = [("struct_size", ctypes.c_size_t), ("extension_start", ctypes.c_void_p),
+                ("size", ctypes.c_int64), ("types", ctypes.c_void_p), ("names", ctypes.c_void_p),
+                ("items", ctypes.POINTER(ctypes.POINTER(_Scalar)))]
+
+
+class _ErrorArgs(ctypes.Structure):
+    _fields_ = [("struct_size", ctypes.c_size_t), ("extension_start", ctypes.c_void_p),
+                ("message", ctypes.c_char_p), ("errc", ctypes.c_int)]
+
+
+class _StreamArgs(ctypes.Structure):
+    _fields_ = [("struct_size", ctypes.c_size_t), ("extension_start", ctypes.c_void_p),
+                ("ctx", ctypes.c_void_p), ("stream", ctypes.c_void_p)]
+
+
+_ErrorCreate = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.POINTER(_ErrorArgs))
+_StreamGet = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.POINTER(_StreamArgs))
+
+
+class _Api(ctypes.Structure):  # the leading fields of XLA_FFI_Api, in order
+    _fields_ = [("struct_size", ctypes.c_size_t), ("extension_start", ctypes.c_void_p),
+                ("api_version", _ApiVersion), ("internal_api", ctypes.c_void_p),
+                ("error_create", _ErrorCreate), ("error_get_message", ctypes.c_void_p),
+                ("error_destroy", ctypes.c_void_p), ("handler_register", ctypes.c_void_p),
+                ("stream_get", _StreamGet)]
+
+
+class _CallFrame(ctypes.Structure):
+    _fields_ = [("struct_size", ctypes.c_size_t),
+                ("extension_start", ctypes.POINTER(_Extension)),
+                ("api", ctypes.POINTER(_Api)), ("ctx", ctypes.c_void_p), ("stage", ctypes.c_int),
+                ("args", _Items), ("rets", _Items), ("attrs", _Attrs),
+                ("future", ctypes.c_void_p)]
+
+
+class _HostBytes:
+    """``nbytes`` bytes of host memory at ``address``, in NumPy's array interface."""
+
+    def __init__(self, address: int, nbytes: int):
+        self.__array_interface__ = {"shape": (nbytes,), "typestr": "|u1",
+                                    "data": (address, False), "version": 3}
+
+
+def _host_view(buffer: _Buffer) -> np.ndarray:
+    """A NumPy array over an XLA host buffer, in place."""
+    shape = tuple(buffer.dims[i] for i in range(buffer.rank))
+    dtype = np.dtype(_DTYPES[buffer.dtype])
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if nbytes == 0:
+        return np.empty(shape, dtype)
+    return np.asarray(_HostBytes(buffer.data, nbytes)).view(dtype).reshape(shape)
+
+
+def _device_view(buffer: _Buffer):
+    """A CuPy array over an XLA device buffer, in place (bfloat16 as its uint16 bits)."""
+    import cupy
+
+    shape = tuple(buffer.dims[i] for i in range(buffer.rank))
+    dtype = np.dtype(_DTYPES[buffer.dtype])
+    dtype = np.dtype(np.uint16) if dtype == ml_dtypes.bfloat16 else dtype
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    memory = cupy.cuda.UnownedMemory(buffer.data or 0, nbytes, None)
+    return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, 0))
+
+
+def _device_stream(frame: _CallFrame):
+    """XLA's CUDA stream of this call, as a CuPy stream."""
+    import cupy
+
+    args = _StreamArgs(ctypes.sizeof(_StreamArgs), None, frame.ctx, None)
+    error = frame.api.contents.stream_get(ctypes.byref(args))
+    if error:
+        raise RuntimeError("XLA gave no CUDA stream to the custom call")
+    return cupy.cuda.ExternalStream(args.stream or 0)
+
+
+_FUNCTIONS: dict[int, tuple[weakref.ref, Callable[..., None], tuple]] = {}
+_KEYS: dict[tuple, int] = {}
+_NEXT_KEY = itertools.count(1)
+_RAISED: OrderedDict[str, BaseException] = OrderedDict()  # the latest failures, by message
+_LOCK = threading.Lock()
+
+
+def _fail(frame: _CallFrame, error: BaseException) -> int:
+    """An XLA error holding ``error``'s type and message (kept for ``run_now``)."""
+    message = f"{type(error).__name__}: {error}"
+    with _LOCK:
+        _RAISED[message] = error
+        while len(_RAISED) > 16:
+            _RAISED.popitem(last=False)
+    args = _ErrorArgs(ctypes.sizeof(_ErrorArgs), None, message.encode(), _UNKNOWN)
+    return frame.api.contents.error_create(ctypes.byref(args))
+
+
+def _handle(frame_pointer, on_device: bool) -> int | None:
+    """The FFI handler: answer XLA's metadata query, or run the function of the call's key."""
+    frame = frame_pointer.contents
+    if frame.extension_start and frame.extension_start.contents.type == _METADATA:
+        metadata = ctypes.cast(frame.extension_start,
+                               ctypes.POINTER(_MetadataExtension)).contents.metadata.contents
+        metadata.api_version.major, metadata.api_version.minor = _API_VERSION
+        metadata.traits = 0  # not capturable in command buffers (CUDA graphs)
+        return None
+    if frame.stage != _EXECUTE:
+        return None
+    try:
+        owner, function, extra = _FUNCTIONS[frame.attrs.items[0].contents.value.contents.value]
+        target = owner()
+        if target is None:
+            raise RuntimeError("the object this jitted call was traced with is gone")
+        view = _device_view if on_device else _host_view
+        inputs = [view(frame.args.items[i].contents) for i in range(frame.args.size)]
+        outputs = [view(frame.rets.items[i].contents) for i in range(frame.rets.size)]
+        function(target, extra, inputs, outputs, _device_stream(frame) if on_device else None)
+        return None
+    except BaseException as error:  # noqa: BLE001  every failure goes back to XLA as an error
+        return _fail(frame, error)
+
+
+_HANDLER_TYPE = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.POINTER(_CallFrame))
+_HANDLERS: list[Any] = []  # the registered ctypes functions, alive while the process is
+
+
+def _register() -> None:
+    """Register the handler for the CPU, and for CUDA where jaxlib can take it."""
+    with _LOCK:
+        if _HANDLERS:
+            return
+        for platform, on_device in (("cpu", False), ("CUDA", True)):
+            handler = _HANDLER_TYPE(lambda frame, on_device=on_device: _handle(frame, on_device))
+            try:
+                jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handler), platform=platform)
+            except Exception:  # noqa: BLE001  no CUDA plugin: the CPU target alone
+                continue
+            _HANDLERS.append(handler)
+
+
+def _key(owner: Any, function: Callable[..., None], extra: tuple) -> int:
+    """The key of ``function`` bound to ``owner`` (held weakly) and ``extra``: one per distinct
+    triple, so jax caches one compiled call for each; dropped with the owner."""
+    index = (function, id(owner), extra)
+    with _LOCK:
+        key = _KEYS.get(index)
+        if key is None:
+            key = _KEYS[index] = next(_NEXT_KEY)
+            _FUNCTIONS[key] = (weakref.ref(owner), function, extra)
+            weakref.finalize(owner, _forget, index)
+    return key
+
+
+def _forget(index: tuple) -> None:
+    """Drop a key whose owner is gone."""
+    with _LOCK:
+        _FUNCTIONS.pop(_KEYS.pop(index, 0), None)
+
+
+def custom_call(owner: Any, function: Callable[..., None], extra: tuple,
+                results: Sequence[jax.ShapeDtypeStruct], *args, side_effect: bool = False):
+    """Call ``function(owner, extra, inputs, outputs, stream)`` on ``args``' buffers as one XLA
+    custom call with ``results``, and return the list of result arrays: traced under
+    ``jax.jit``; outside it run at once and waited for, a failure raising the Python exception
+    the function raised (an IndexError stays an IndexError), not XLA's wrapper of it.
+    ``side_effect``: never removed or merged with another call."""
+    _register()
+    call = jax.ffi.ffi_call(TARGET, list(results), has_side_effect=side_effect,
+                            vmap_method="sequential")
+    key = np.int64(_key(owner, function, extra))
+    if any(isinstance(arg, jax.core.Tracer) for arg in args):
+        return call(*args, key=key)
+    try:
+        return jax.block_until_ready(call(*args, key=key))
+    except jax.errors.JaxRuntimeError as error:
+        text = str(error)
+        with _LOCK:
+            found = [message for message in _RAISED if message in text]
+            raised = _RAISED.pop(found[-1]) if found else None
+        if raised is None:
+            raise
+        raise raised from None
