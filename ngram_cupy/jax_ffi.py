@@ -177,7 +177,8 @@ def _handle(frame_pointer, on_device: bool) -> int | None:
     if frame.stage != _EXECUTE:
         return None
     try:
-        owner, function, extra = _FUNCTIONS[frame.attrs.items[0].contents.value.contents.value]
+        owner, function, extra = _FUNCTIONS.get(
+            frame.attrs.items[0].contents.value.contents.value, (_gone, None, None))
         target = owner()
         if target is None:
             raise RuntimeError("the object this jitted call was traced with is gone")
@@ -188,6 +189,11 @@ def _handle(frame_pointer, on_device: bool) -> int | None:
         return None
     except BaseException as error:  # noqa: BLE001  every failure goes back to XLA as an error
         return _fail(frame, error)
+
+
+def _gone() -> None:
+    """The owner of a key that was dropped."""
+    return None
 
 
 _HANDLER_TYPE = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.POINTER(_CallFrame))

@@ -1,0 +1,100 @@
+"""The XLA FFI bridge under ngram_cupy.jax: buffers handed over in place, exceptions carried
+back, one compiled call per bound function (skipped without jax)."""
+
+from __future__ import annotations
+
+import gc
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+jnp = pytest.importorskip("jax.numpy")
+
+from ngram_cupy import jax_ffi  # noqa: E402
+
+
+class Owner:
+    """Something a custom call is bound to (a table, a layout, an optimizer)."""
+
+    def __init__(self):
+        self.seen: list[tuple[int, int]] = []
+
+
+def record_and_double(owner, extra, inputs, outputs, stream):
+    """Note where the buffers are, then write twice the input into the output."""
+    owner.seen.append((inputs[0].ctypes.data, outputs[0].ctypes.data))
+    np.multiply(inputs[0], extra[0], out=outputs[0])
+
+
+def copy(owner, extra, inputs, outputs, stream):
+    np.copyto(outputs[0], inputs[0])
+
+
+def fail(owner, extra, inputs, outputs, stream):
+    raise IndexError("row 7 is not here")
+
+
+def spec(array):
+    return [jax.ShapeDtypeStruct(array.shape, array.dtype)]
+
+
+def test_buffers_are_handed_over_in_place_eagerly_and_jitted():
+    owner = Owner()
+    x = jnp.arange(4096, dtype=jnp.float32) + 1  # a buffer of XLA's own
+    (eager,) = jax_ffi.custom_call(owner, record_and_double, (2,), spec(x), x)
+    assert owner.seen[-1] == (x.unsafe_buffer_pointer(), eager.unsafe_buffer_pointer())
+    jitted = jax.jit(lambda v: jax_ffi.custom_call(owner, record_and_double, (2,), spec(v), v)[0])
+    result = jitted(x)
+    assert owner.seen[-1] == (x.unsafe_buffer_pointer(), result.unsafe_buffer_pointer())
+    np.testing.assert_array_equal(np.asarray(result), 2 * np.asarray(x))
+    np.testing.assert_array_equal(np.asarray(eager), 2 * np.asarray(x))
+
+
+def test_bfloat16_and_bool_buffers_keep_their_types():
+    owner = Owner()
+    for value in (jnp.ones((3, 5), jnp.bfloat16), jnp.array([True, False])):
+        (out,) = jax_ffi.custom_call(owner, copy, (), spec(value), value)
+        assert out.dtype == value.dtype
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(value))
+    assert np.dtype(ml_dtypes.bfloat16) == jnp.ones(1, jnp.bfloat16).dtype
+
+
+def test_a_raised_exception_comes_back_eagerly_and_as_xla_error_under_jit():
+    owner, x = Owner(), jnp.zeros(3)
+    with pytest.raises(IndexError, match="row 7 is not here"):
+        jax_ffi.custom_call(owner, fail, (), spec(x), x)
+    jitted = jax.jit(lambda v: jax_ffi.custom_call(owner, fail, (), spec(v), v)[0])
+    with pytest.raises(jax.errors.JaxRuntimeError, match="IndexError: row 7 is not here"):
+        jitted(x).block_until_ready()
+
+
+def test_a_call_is_compiled_once_per_owner_and_dropped_with_it():
+    owner, x = Owner(), jnp.ones(8)
+    jitted = jax.jit(lambda v: jax_ffi.custom_call(owner, record_and_double, (3,), spec(v), v)[0])
+    for _ in range(3):
+        jitted(x)
+    assert jitted._cache_size() == 1
+    assert sum(ref() is owner for ref, _, _ in jax_ffi._FUNCTIONS.values()) == 1
+    del owner, jitted
+    gc.collect()
+    assert all(ref() is not None for ref, _, _ in jax_ffi._FUNCTIONS.values())
+
+
+def test_a_call_whose_owner_is_gone_says_so():
+    owner, x = Owner(), jnp.ones(8)
+    jitted = jax.jit(lambda v: jax_ffi.custom_call(owner, record_and_double, (1,), spec(v), v)[0])
+    compiled = jitted.lower(x).compile()
+    del owner
+    gc.collect()
+    with pytest.raises(jax.errors.JaxRuntimeError, match="traced with is gone"):
+        compiled(x).block_until_ready()
+
+
+def test_vmap_runs_the_call_once_per_element():
+    owner = Owner()
+    x = jnp.arange(12.0).reshape(3, 4)
+    double = jax.vmap(lambda v: jax_ffi.custom_call(owner, record_and_double, (2,), spec(v),
+                                                    v)[0])
+    np.testing.assert_array_equal(np.asarray(double(x)), 2 * np.asarray(x))
