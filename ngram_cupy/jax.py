@@ -118,7 +118,7 @@ def lookup(table, ids, out_dtype=None):
     same bits, ``[T, H * head_dim]`` of ``lookup_dtype(table, out_dtype)``; any table (every
     placement and format, hot rows, shared). Ids outside ``[0, total_rows)`` raise the
     table's IndexError eagerly."""
-    ids = jnp.asarray(ids)
+    ids = ids if isinstance(ids, jax.Array) else jnp.asarray(ids)
     _integers("ids", ids, (2,))
     dtype = lookup_dtype(table, out_dtype)
     shape = (ids.shape[0], ids.shape[1] * table.head_dim)
