@@ -45,7 +45,7 @@ def bench_jax_cpu(quick: bool) -> Section:
     for name, table in (("fp8 -> bf16", nc.EmbeddingTable(weight.astype(
             ml_dtypes.float8_e4m3fn), scale=0.5)), ("float32", nc.EmbeddingTable(weight))):
         lookup = jax.jit(lambda i, table=table: ncj.lookup(table, i))
-        add(f"jitted lookup, {name}", lambda: lookup(jax_ids).block_until_ready(),
+        add(f"jitted lookup, {name}", lambda lookup=lookup: lookup(jax_ids).block_until_ready(),
             lambda table=table: table.lookup(ids), "table.lookup")
 
     table = nc.EmbeddingTable(weight.copy())

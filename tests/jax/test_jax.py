@@ -10,9 +10,10 @@ import pytest
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 
+from engram_cases import SHAPES, random_batch, small_layout  # noqa: E402
+
 import ngram_cupy as nc  # noqa: E402
 import ngram_cupy.jax as ncj  # noqa: E402
-from engram_cases import SHAPES, random_batch, small_layout  # noqa: E402
 
 ROWS, DIM, HEADS = 1000, 32, 4
 

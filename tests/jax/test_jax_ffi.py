@@ -70,12 +70,17 @@ def test_a_raised_exception_comes_back_eagerly_and_as_xla_error_under_jit():
         jitted(x).block_until_ready()
 
 
+def doubling(owner: Owner):
+    """A jitted function doubling its argument through a custom call bound to ``owner``."""
+    return jax.jit(lambda v: jax_ffi.custom_call(owner, record_and_double, (2,), spec(v), v)[0])
+
+
 def test_a_call_is_compiled_once_per_owner_and_dropped_with_it():
     owner, x = Owner(), jnp.ones(8)
-    jitted = jax.jit(lambda v: jax_ffi.custom_call(owner, record_and_double, (3,), spec(v), v)[0])
+    jitted = doubling(owner)
     for _ in range(3):
         jitted(x)
-    assert jitted._cache_size() == 1
+    assert jitted._cache_size() == 1 and len(owner.seen) == 3
     assert sum(ref() is owner for ref, _, _ in jax_ffi._FUNCTIONS.values()) == 1
     del owner, jitted
     gc.collect()
@@ -83,10 +88,8 @@ def test_a_call_is_compiled_once_per_owner_and_dropped_with_it():
 
 
 def test_a_call_whose_owner_is_gone_says_so():
-    owner, x = Owner(), jnp.ones(8)
-    jitted = jax.jit(lambda v: jax_ffi.custom_call(owner, record_and_double, (1,), spec(v), v)[0])
-    compiled = jitted.lower(x).compile()
-    del owner
+    x = jnp.ones(8)
+    compiled = doubling(Owner()).lower(x).compile()  # the owner lives in the dropped closure
     gc.collect()
     with pytest.raises(jax.errors.JaxRuntimeError, match="traced with is gone"):
         compiled(x).block_until_ready()
