@@ -6,7 +6,7 @@ views every argument and result buffer in place, as NumPy arrays on the CPU and 
 CUDA device, and runs the Python function named by the call's ``key`` attribute on them, with
 XLA's CUDA stream on a GPU. No buffer is copied: results are written into the buffers XLA
 allocated. A Python exception becomes an XLA error carrying its type and message; eager callers
-get the exception itself back (``run_now``).
+get the exception itself back (``custom_call``).
 """
 
 from __future__ import annotations
@@ -123,11 +123,18 @@ class _HostBytes:
                                     "data": (address, False), "version": 3}
 
 
+def _layout(buffer: _Buffer) -> tuple[tuple[int, ...], np.dtype]:
+    """The shape and NumPy dtype of an XLA buffer; a TypeError for a type no call takes."""
+    if buffer.dtype not in _DTYPES:
+        raise TypeError(f"an argument of XLA element type {buffer.dtype} (not an integer, bool "
+                        "or float16 / bfloat16 / float32 / float64 array)")
+    return tuple(buffer.dims[i] for i in range(buffer.rank)), np.dtype(_DTYPES[buffer.dtype])
+
+
 def _host_view(buffer: _Buffer, result: bool = False) -> np.ndarray:
     """A NumPy array over an XLA host buffer, in place (a large ``result``'s whole pages
     advised to be huge pages)."""
-    shape = tuple(buffer.dims[i] for i in range(buffer.rank))
-    dtype = np.dtype(_DTYPES[buffer.dtype])
+    shape, dtype = _layout(buffer)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     if nbytes == 0:
         return np.empty(shape, dtype)
@@ -139,14 +146,16 @@ def _host_view(buffer: _Buffer, result: bool = False) -> np.ndarray:
 
 
 def _device_view(buffer: _Buffer, result: bool = False):
-    """A CuPy array over an XLA device buffer, in place (bfloat16 as its uint16 bits)."""
+    """A CuPy array over an XLA device buffer, in place (bfloat16 as its uint16 bits; results
+    are not advised: device memory)."""
     import cupy
 
-    shape = tuple(buffer.dims[i] for i in range(buffer.rank))
-    dtype = np.dtype(_DTYPES[buffer.dtype])
+    shape, dtype = _layout(buffer)
     dtype = np.dtype(np.uint16) if dtype == ml_dtypes.bfloat16 else dtype
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    memory = cupy.cuda.UnownedMemory(buffer.data or 0, nbytes, None)
+    if nbytes == 0:
+        return cupy.empty(shape, dtype)
+    memory = cupy.cuda.UnownedMemory(buffer.data, nbytes, None)
     return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, 0))
 
 
@@ -169,10 +178,11 @@ _LOCK = threading.Lock()
 
 
 def _fail(frame: _CallFrame, error: BaseException) -> int:
-    """An XLA error holding ``error``'s type and message (kept for ``run_now``)."""
+    """An XLA error holding ``error``'s type and message; the exception itself is kept (without
+    its traceback, which holds the call's buffers) for an eager caller to raise again."""
     message = f"{type(error).__name__}: {error}"
     with _LOCK:
-        _RAISED[message] = error
+        _RAISED[message] = error.with_traceback(None)
         while len(_RAISED) > 16:
             _RAISED.popitem(last=False)
     args = _ErrorArgs(ctypes.sizeof(_ErrorArgs), None, message.encode(), _UNKNOWN)
@@ -191,11 +201,11 @@ def _handle(frame_pointer, on_device: bool) -> int | None:
     if frame.stage != _EXECUTE:
         return None
     try:
-        owner, function, extra = _FUNCTIONS.get(
-            frame.attrs.items[0].contents.value.contents.value, (_gone, None, None))
-        target = owner()
+        entry = _FUNCTIONS.get(frame.attrs.items[0].contents.value.contents.value)
+        target = None if entry is None else entry[0]()
         if target is None:
             raise RuntimeError("the object this jitted call was traced with is gone")
+        _, function, extra = entry
         view = _device_view if on_device else _host_view
         inputs = [view(frame.args.items[i].contents) for i in range(frame.args.size)]
         outputs = [view(frame.rets.items[i].contents, True) for i in range(frame.rets.size)]
@@ -205,17 +215,14 @@ def _handle(frame_pointer, on_device: bool) -> int | None:
         return _fail(frame, error)
 
 
-def _gone() -> None:
-    """The owner of a key that was dropped."""
-    return None
-
-
 _HANDLER_TYPE = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.POINTER(_CallFrame))
 _HANDLERS: list[Any] = []  # the registered ctypes functions, alive while the process is
 
 
 def _register() -> None:
-    """Register the handler for the CPU, and for CUDA where jaxlib can take it."""
+    """Register the handler for the CPU, and for CUDA where jaxlib can take it (once)."""
+    if _HANDLERS:
+        return
     with _LOCK:
         if _HANDLERS:
             return
