@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import contextlib
 
-import jax
-import jax.numpy as jnp
 import numpy as np
+
+try:
+    import jax
+    import jax.numpy as jnp
+except ImportError as error:  # the optional extra
+    raise ImportError("ngram_cupy.jax needs jax: pip install 'ngram-cupy[jax]'") from error
 
 from .formats import default_output, output_format
 from .ids import engram_ids, ngram_ids

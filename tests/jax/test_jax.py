@@ -33,6 +33,7 @@ def tables(weight):
         "nvfp4": nc.EmbeddingTable(nc.quantize_table(weight, "nvfp4")),
         "hot rows": nc.EmbeddingTable(weight, hot_rows=np.arange(0, ROWS, 7)),
         "shared": nc.EmbeddingTable(weight.astype(ml_dtypes.bfloat16), placement="shared"),
+        "pinned": nc.EmbeddingTable(weight, placement="pinned"),  # host memory without a GPU
     }
     yield made
     for table in made.values():
@@ -51,7 +52,7 @@ def same_bits(got, want: np.ndarray) -> None:
     np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
 
 
-KINDS = ["float32", "bfloat16", "fp8", "nvfp4", "hot rows", "shared"]
+KINDS = ["float32", "bfloat16", "fp8", "nvfp4", "hot rows", "shared", "pinned"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -70,6 +71,13 @@ def test_out_dtype_is_the_tables(tables, ids, kind):
     jitted = jax.jit(lambda i: ncj.lookup(table, i, out_dtype="float32"))
     same_bits(jitted(jnp.asarray(ids)), want)
     same_bits(ncj.lookup(table, jnp.asarray(ids), out_dtype=np.float32), want)
+
+
+def test_vmap_looks_up_each_batch(tables, ids):
+    table = tables["bfloat16"]
+    stacked = np.stack([ids, ids[::-1]])
+    got = jax.jit(jax.vmap(lambda i: ncj.lookup(table, i)))(jnp.asarray(stacked))
+    same_bits(got, np.stack([table.lookup(ids), table.lookup(ids[::-1])]))
 
 
 def test_hot_rows_are_read_from_their_tier(tables, ids):
