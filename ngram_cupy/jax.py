@@ -62,7 +62,7 @@ def _ngram_ids(layout, names: tuple[str, ...], inputs, outputs, stream) -> None:
         return
     ids = ngram_ids.compute_ngram_ids(layout, **arguments, stream=stream)
     with stream if stream is not None else contextlib.nullcontext():
-        out[...] = ids
+        out[...] = ids.astype(out.dtype)
 
 
 def compute_ngram_ids(layout, input_ids, query_start_loc=None, ngram_context=None):

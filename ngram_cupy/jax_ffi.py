@@ -159,15 +159,16 @@ def _device_view(buffer: _Buffer, result: bool = False):
     return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, 0))
 
 
-def _device_stream(frame: _CallFrame):
-    """XLA's CUDA stream of this call, as a CuPy stream."""
+def _device_stream(frame: _CallFrame, buffers: list):
+    """XLA's CUDA stream of this call, as a CuPy stream of the device of ``buffers`` (CuPy
+    views), so that kernels launch on the GPU that XLA runs the call on."""
     import cupy
 
     args = _StreamArgs(ctypes.sizeof(_StreamArgs), None, frame.ctx, None)
-    error = frame.api.contents.stream_get(ctypes.byref(args))
-    if error:
+    if frame.api.contents.stream_get(ctypes.byref(args)):
         raise RuntimeError("XLA gave no CUDA stream to the custom call")
-    return cupy.cuda.ExternalStream(args.stream or 0)
+    device = buffers[0].device.id if buffers else cupy.cuda.runtime.getDevice()
+    return cupy.cuda.ExternalStream(args.stream or 0, device)
 
 
 _FUNCTIONS: dict[int, tuple[weakref.ref, Callable[..., None], tuple]] = {}
@@ -209,7 +210,8 @@ def _handle(frame_pointer, on_device: bool) -> int | None:
         view = _device_view if on_device else _host_view
         inputs = [view(frame.args.items[i].contents) for i in range(frame.args.size)]
         outputs = [view(frame.rets.items[i].contents, True) for i in range(frame.rets.size)]
-        function(target, extra, inputs, outputs, _device_stream(frame) if on_device else None)
+        stream = _device_stream(frame, inputs + outputs) if on_device else None
+        function(target, extra, inputs, outputs, stream)
         return None
     except BaseException as error:  # noqa: BLE001  every failure goes back to XLA as an error
         return _fail(frame, error)
