@@ -129,6 +129,15 @@ def test_ngram_ids_packed_and_rows(layout):
     np.testing.assert_array_equal(np.asarray(got), want)
 
 
+def test_ids_arguments_name_themselves(layout):
+    with pytest.raises(ValueError, match="query_start_loc is required"):
+        ncj.compute_ngram_ids(layout, jnp.arange(4))
+    with pytest.raises(TypeError, match="input_ids must be an integer array"):
+        ncj.compute_ngram_ids(layout, jnp.zeros((2, 3)))
+    with pytest.raises(ValueError, match="offsets|query_start_loc"):  # the NumPy face's check
+        ncj.compute_ngram_ids(layout, jnp.arange(4), jnp.array([0, 9]), jnp.zeros((1, 2), int))
+
+
 def test_ngram_ids_are_int64_under_x64(layout):
     tokens = np.arange(12, dtype=np.int64)
     want = nc.compute_ngram_ids(layout, tokens, np.array([0, 12]), np.zeros((1, 2), np.int64))
