@@ -269,13 +269,15 @@ def custom_call(owner: Any, function: Callable[..., None], extra: tuple,
                 results: Sequence[jax.ShapeDtypeStruct], *args, side_effect: bool = False):
     """Call ``function(owner, extra, inputs, outputs, stream)`` on ``args``' buffers as one XLA
     custom call with ``results``, and return the list of result arrays: traced under
-    ``jax.jit``; outside it run at once and waited for, a failure raising the Python exception
-    the function raised (an IndexError stays an IndexError), not XLA's wrapper of it.
+    ``jax.jit``; outside it run at once, after every side-effecting call dispatched before it
+    (``jax.effects_barrier``), and waited for, a failure raising the Python exception the
+    function raised (an IndexError stays an IndexError), not XLA's wrapper of it.
     ``side_effect``: never removed or merged with another call."""
     _register()
     call = _call(_key(owner, function, extra), tuple(results), side_effect)
     if any(isinstance(arg, jax.core.Tracer) for arg in args):
         return call(*args)
+    jax.effects_barrier()  # side-effecting calls dispatched before this one (row updates) first
     try:
         return jax.block_until_ready(call(*args))
     except jax.errors.JaxRuntimeError as error:

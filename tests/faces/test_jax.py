@@ -225,3 +225,15 @@ def test_eager_step_and_its_errors(weight):
     with pytest.raises(ValueError, match="NaN or inf|finite"):
         ncj.step_from_output_grad(optimizer, jnp.asarray(ids), jnp.full_like(grad, np.nan))
     assert optimizer.steps == 1  # refused steps change nothing
+
+
+def test_an_eager_lookup_sees_the_updates_dispatched_before_it(weight):
+    table, reference = nc.EmbeddingTable(weight.copy()), nc.EmbeddingTable(weight.copy())
+    optimizer, numpy_optimizer = nc.SGD(table, lr=0.25), nc.SGD(reference, lr=0.25)
+    ids = np.arange(0, 64, dtype=np.int32).reshape(16, 4)
+    grad = np.full((16, 4 * DIM), 0.5, np.float32)
+    step = jax.jit(lambda i, g: ncj.step_from_output_grad(optimizer, i, g))
+    for _ in range(3):
+        step(jnp.asarray(ids), jnp.asarray(grad))  # dispatched, not waited for
+        numpy_optimizer.step_from_output_grad(ids, grad)
+    same_bits(ncj.lookup(table, jnp.asarray(ids)), reference.lookup(ids))
