@@ -44,74 +44,98 @@ _LIBC = ctypes.CDLL(None)
 _LIBC.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 
 
-class _Extension(ctypes.Structure):
+class Extension(ctypes.Structure):
+    """XLA_FFI_Extension_Base: the head of an extension in a call frame's list."""
+
     _fields_ = [("struct_size", ctypes.c_size_t), ("type", ctypes.c_int),
                 ("next", ctypes.c_void_p)]
 
 
-class _ApiVersion(ctypes.Structure):
+class ApiVersion(ctypes.Structure):
+    """XLA_FFI_Api_Version: the C API version a handler speaks."""
+
     _fields_ = [("struct_size", ctypes.c_size_t), ("extension_start", ctypes.c_void_p),
                 ("major", ctypes.c_int), ("minor", ctypes.c_int)]
 
 
-class _Metadata(ctypes.Structure):
-    _fields_ = [("struct_size", ctypes.c_size_t), ("api_version", _ApiVersion),
+class Metadata(ctypes.Structure):
+    """XLA_FFI_Metadata: what a handler tells XLA about itself when asked."""
+
+    _fields_ = [("struct_size", ctypes.c_size_t), ("api_version", ApiVersion),
                 ("traits", ctypes.c_uint32), ("state_type_id", ctypes.c_int64)]
 
 
-class _MetadataExtension(ctypes.Structure):
-    _fields_ = [("base", _Extension), ("metadata", ctypes.POINTER(_Metadata))]
+class MetadataExtension(ctypes.Structure):
+    """XLA_FFI_Metadata_Extension: XLA's question for the handler's metadata."""
+
+    _fields_ = [("base", Extension), ("metadata", ctypes.POINTER(Metadata))]
 
 
-class _Buffer(ctypes.Structure):
+class Buffer(ctypes.Structure):
+    """XLA_FFI_Buffer: one argument or result (element type, data, shape)."""
+
     _fields_ = [("struct_size", ctypes.c_size_t), ("extension_start", ctypes.c_void_p),
                 ("dtype", ctypes.c_int), ("data", ctypes.c_void_p), ("rank", ctypes.c_int64),
                 ("dims", _c_int64_p)]
 
 
-class _Items(ctypes.Structure):  # XLA_FFI_Args and XLA_FFI_Rets
+class Items(ctypes.Structure):
+    """XLA_FFI_Args and XLA_FFI_Rets: a call's buffers."""
+
     _fields_ = [("struct_size", ctypes.c_size_t), ("extension_start", ctypes.c_void_p),
                 ("size", ctypes.c_int64), ("types", ctypes.c_void_p),
-                ("items", ctypes.POINTER(ctypes.POINTER(_Buffer)))]
+                ("items", ctypes.POINTER(ctypes.POINTER(Buffer)))]
 
 
-class _Scalar(ctypes.Structure):
+class Scalar(ctypes.Structure):
+    """XLA_FFI_Scalar: a scalar attribute (here the int64 ``key``)."""
+
     _fields_ = [("dtype", ctypes.c_int), ("value", _c_int64_p)]
 
 
-class _Attrs(ctypes.Structure):
+class Attrs(ctypes.Structure):
+    """XLA_FFI_Attrs: a call's attributes."""
+
     _fields_ = [("struct_size", ctypes.c_size_t), ("extension_start", ctypes.c_void_p),
                 ("size", ctypes.c_int64), ("types", ctypes.c_void_p), ("names", ctypes.c_void_p),
-                ("items", ctypes.POINTER(ctypes.POINTER(_Scalar)))]
+                ("items", ctypes.POINTER(ctypes.POINTER(Scalar)))]
 
 
-class _ErrorArgs(ctypes.Structure):
+class ErrorArgs(ctypes.Structure):
+    """XLA_FFI_Error_Create_Args: an error's message and code."""
+
     _fields_ = [("struct_size", ctypes.c_size_t), ("extension_start", ctypes.c_void_p),
                 ("message", ctypes.c_char_p), ("errc", ctypes.c_int)]
 
 
-class _StreamArgs(ctypes.Structure):
+class StreamArgs(ctypes.Structure):
+    """XLA_FFI_Stream_Get_Args: asks for the call's device stream."""
+
     _fields_ = [("struct_size", ctypes.c_size_t), ("extension_start", ctypes.c_void_p),
                 ("ctx", ctypes.c_void_p), ("stream", ctypes.c_void_p)]
 
 
-_ErrorCreate = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.POINTER(_ErrorArgs))
-_StreamGet = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.POINTER(_StreamArgs))
+ErrorCreate = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.POINTER(ErrorArgs))
+StreamGet = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.POINTER(StreamArgs))
 
 
-class _Api(ctypes.Structure):  # the leading fields of XLA_FFI_Api, in order
+class Api(ctypes.Structure):
+    """The leading fields of XLA_FFI_Api, in order: the functions this handler calls."""
+
     _fields_ = [("struct_size", ctypes.c_size_t), ("extension_start", ctypes.c_void_p),
-                ("api_version", _ApiVersion), ("internal_api", ctypes.c_void_p),
-                ("error_create", _ErrorCreate), ("error_get_message", ctypes.c_void_p),
+                ("api_version", ApiVersion), ("internal_api", ctypes.c_void_p),
+                ("error_create", ErrorCreate), ("error_get_message", ctypes.c_void_p),
                 ("error_destroy", ctypes.c_void_p), ("handler_register", ctypes.c_void_p),
-                ("stream_get", _StreamGet)]
+                ("stream_get", StreamGet)]
 
 
-class _CallFrame(ctypes.Structure):
+class CallFrame(ctypes.Structure):
+    """XLA_FFI_CallFrame: one call, as the handler receives it."""
+
     _fields_ = [("struct_size", ctypes.c_size_t),
-                ("extension_start", ctypes.POINTER(_Extension)),
-                ("api", ctypes.POINTER(_Api)), ("ctx", ctypes.c_void_p), ("stage", ctypes.c_int),
-                ("args", _Items), ("rets", _Items), ("attrs", _Attrs),
+                ("extension_start", ctypes.POINTER(Extension)),
+                ("api", ctypes.POINTER(Api)), ("ctx", ctypes.c_void_p), ("stage", ctypes.c_int),
+                ("args", Items), ("rets", Items), ("attrs", Attrs),
                 ("future", ctypes.c_void_p)]
 
 
@@ -123,7 +147,7 @@ class _HostBytes:
                                     "data": (address, False), "version": 3}
 
 
-def _layout(buffer: _Buffer) -> tuple[tuple[int, ...], np.dtype]:
+def _layout(buffer: Buffer) -> tuple[tuple[int, ...], np.dtype]:
     """The shape and NumPy dtype of an XLA buffer; a TypeError for a type no call takes."""
     if buffer.dtype not in _DTYPES:
         raise TypeError(f"an argument of XLA element type {buffer.dtype} (not an integer, bool "
@@ -131,7 +155,7 @@ def _layout(buffer: _Buffer) -> tuple[tuple[int, ...], np.dtype]:
     return tuple(buffer.dims[i] for i in range(buffer.rank)), np.dtype(_DTYPES[buffer.dtype])
 
 
-def _host_view(buffer: _Buffer, result: bool = False) -> np.ndarray:
+def _host_view(buffer: Buffer, result: bool = False) -> np.ndarray:
     """A NumPy array over an XLA host buffer, in place (a large ``result``'s whole pages
     advised to be huge pages)."""
     shape, dtype = _layout(buffer)
@@ -145,7 +169,7 @@ def _host_view(buffer: _Buffer, result: bool = False) -> np.ndarray:
     return np.asarray(_HostBytes(buffer.data, nbytes)).view(dtype).reshape(shape)
 
 
-def _device_view(buffer: _Buffer, result: bool = False):
+def _device_view(buffer: Buffer, result: bool = False):
     """A CuPy array over an XLA device buffer, in place (bfloat16 as its uint16 bits; results
     are not advised: device memory)."""
     import cupy
@@ -159,26 +183,26 @@ def _device_view(buffer: _Buffer, result: bool = False):
     return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, 0))
 
 
-def _device_stream(frame: _CallFrame, buffers: list):
+def _device_stream(frame: CallFrame, buffers: list):
     """XLA's CUDA stream of this call, as a CuPy stream of the device of ``buffers`` (CuPy
     views), so that kernels launch on the GPU that XLA runs the call on."""
     import cupy
 
-    args = _StreamArgs(ctypes.sizeof(_StreamArgs), None, frame.ctx, None)
+    args = StreamArgs(ctypes.sizeof(StreamArgs), None, frame.ctx, None)
     if frame.api.contents.stream_get(ctypes.byref(args)):
         raise RuntimeError("XLA gave no CUDA stream to the custom call")
     device = buffers[0].device.id if buffers else cupy.cuda.runtime.getDevice()
     return cupy.cuda.ExternalStream(args.stream or 0, device)
 
 
-_FUNCTIONS: dict[int, tuple[weakref.ref, Callable[..., None], tuple]] = {}
+FUNCTIONS: dict[int, tuple[weakref.ref, Callable[..., None], tuple]] = {}
 _KEYS: dict[tuple, int] = {}
 _NEXT_KEY = itertools.count(1)
 _RAISED: OrderedDict[str, BaseException] = OrderedDict()  # the latest failures, by message
 _LOCK = threading.Lock()
 
 
-def _fail(frame: _CallFrame, error: BaseException) -> int:
+def _fail(frame: CallFrame, error: BaseException) -> int:
     """An XLA error holding ``error``'s type and message; the exception itself is kept (without
     its traceback, which holds the call's buffers) for an eager caller to raise again."""
     message = f"{type(error).__name__}: {error}"
@@ -186,23 +210,23 @@ def _fail(frame: _CallFrame, error: BaseException) -> int:
         _RAISED[message] = error.with_traceback(None)
         while len(_RAISED) > 16:
             _RAISED.popitem(last=False)
-    args = _ErrorArgs(ctypes.sizeof(_ErrorArgs), None, message.encode(), _UNKNOWN)
+    args = ErrorArgs(ctypes.sizeof(ErrorArgs), None, message.encode(), _UNKNOWN)
     return frame.api.contents.error_create(ctypes.byref(args))
 
 
-def _handle(frame_pointer, on_device: bool) -> int | None:
+def handle(frame_pointer, on_device: bool) -> int | None:
     """The FFI handler: answer XLA's metadata query, or run the function of the call's key."""
     frame = frame_pointer.contents
     if frame.extension_start and frame.extension_start.contents.type == _METADATA:
         metadata = ctypes.cast(frame.extension_start,
-                               ctypes.POINTER(_MetadataExtension)).contents.metadata.contents
+                               ctypes.POINTER(MetadataExtension)).contents.metadata.contents
         metadata.api_version.major, metadata.api_version.minor = _API_VERSION
         metadata.traits = 0  # not capturable in command buffers (CUDA graphs)
         return None
     if frame.stage != _EXECUTE:
         return None
     try:
-        entry = _FUNCTIONS.get(frame.attrs.items[0].contents.value.contents.value)
+        entry = FUNCTIONS.get(frame.attrs.items[0].contents.value.contents.value)
         target = None if entry is None else entry[0]()
         if target is None:
             raise RuntimeError("the object this jitted call was traced with is gone")
@@ -217,7 +241,7 @@ def _handle(frame_pointer, on_device: bool) -> int | None:
         return _fail(frame, error)
 
 
-_HANDLER_TYPE = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.POINTER(_CallFrame))
+_HANDLER_TYPE = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.POINTER(CallFrame))
 _HANDLERS: list[Any] = []  # the registered ctypes functions, alive while the process is
 
 
@@ -229,7 +253,7 @@ def _register() -> None:
         if _HANDLERS:
             return
         for platform, on_device in (("cpu", False), ("CUDA", True)):
-            handler = _HANDLER_TYPE(lambda frame, on_device=on_device: _handle(frame, on_device))
+            handler = _HANDLER_TYPE(lambda frame, on_device=on_device: handle(frame, on_device))
             try:
                 jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handler), platform=platform)
             except Exception:  # noqa: BLE001  no CUDA plugin: the CPU target alone
@@ -237,7 +261,7 @@ def _register() -> None:
             _HANDLERS.append(handler)
 
 
-def _key(owner: Any, function: Callable[..., None], extra: tuple) -> int:
+def function_key(owner: Any, function: Callable[..., None], extra: tuple) -> int:
     """The key of ``function`` bound to ``owner`` (held weakly) and ``extra``: one per distinct
     triple, so jax caches one compiled call for each; dropped with the owner."""
     index = (function, id(owner), extra)
@@ -245,7 +269,7 @@ def _key(owner: Any, function: Callable[..., None], extra: tuple) -> int:
         key = _KEYS.get(index)
         if key is None:
             key = _KEYS[index] = next(_NEXT_KEY)
-            _FUNCTIONS[key] = (weakref.ref(owner), function, extra)
+            FUNCTIONS[key] = (weakref.ref(owner), function, extra)
             weakref.finalize(owner, _forget, index)
     return key
 
@@ -253,7 +277,7 @@ def _key(owner: Any, function: Callable[..., None], extra: tuple) -> int:
 def _forget(index: tuple) -> None:
     """Drop a key whose owner is gone."""
     with _LOCK:
-        _FUNCTIONS.pop(_KEYS.pop(index, 0), None)
+        FUNCTIONS.pop(_KEYS.pop(index, 0), None)
 
 
 @functools.lru_cache(maxsize=256)
@@ -274,7 +298,7 @@ def custom_call(owner: Any, function: Callable[..., None], extra: tuple,
     function raised (an IndexError stays an IndexError), not XLA's wrapper of it.
     ``side_effect``: never removed or merged with another call."""
     _register()
-    call = _call(_key(owner, function, extra), tuple(results), side_effect)
+    call = _call(function_key(owner, function, extra), tuple(results), side_effect)
     if any(isinstance(arg, jax.core.Tracer) for arg in args):
         return call(*args)
     jax.effects_barrier()  # side-effecting calls dispatched before this one (row updates) first

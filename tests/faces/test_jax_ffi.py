@@ -81,10 +81,10 @@ def test_a_call_is_compiled_once_per_owner_and_dropped_with_it():
     for _ in range(3):
         jitted(x)
     assert jitted._cache_size() == 1 and len(owner.seen) == 3
-    assert sum(ref() is owner for ref, _, _ in jax_ffi._FUNCTIONS.values()) == 1
+    assert sum(ref() is owner for ref, _, _ in jax_ffi.FUNCTIONS.values()) == 1
     del owner, jitted
     gc.collect()
-    assert all(ref() is not None for ref, _, _ in jax_ffi._FUNCTIONS.values())
+    assert all(ref() is not None for ref, _, _ in jax_ffi.FUNCTIONS.values())
 
 
 def test_a_call_whose_owner_is_gone_says_so():
@@ -109,3 +109,74 @@ def test_a_large_result_is_written_whole():
     x = jnp.arange(3 << 20, dtype=jnp.float32)  # 12 MiB
     (out,) = jax_ffi.custom_call(owner, copy, (), spec(x), x)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(x))
+
+
+class FakeCuda:
+    """The corner of CuPy the device views use: memory wrappers, arrays, external streams."""
+
+    def __init__(self):
+        cuda = self
+        self.runtime = type("runtime", (), {"getDevice": staticmethod(lambda: 0)})
+
+        class UnownedMemory:
+            def __init__(self, ptr, size, owner):
+                self.ptr, self.size = ptr, size
+
+        class MemoryPointer:
+            def __init__(self, memory, offset):
+                self.memory = memory
+
+        class ExternalStream:
+            def __init__(self, handle, device):
+                self.handle, self.device = handle, device
+
+        self.UnownedMemory, self.MemoryPointer, self.ExternalStream = (
+            UnownedMemory, MemoryPointer, ExternalStream)
+        self.made = []
+
+        class ndarray:  # noqa: N801  CuPy's name
+            def __init__(self, shape, dtype, pointer):
+                self.shape, self.dtype, self.ptr = shape, dtype, pointer.memory.ptr
+                self.device = type("device", (), {"id": 3})
+                cuda.made.append(self)
+
+        self.ndarray = ndarray
+
+
+def test_the_cuda_handler_views_device_buffers_on_xlas_stream(monkeypatch):
+    """The device branch, driven by a call frame built here: CuPy views of the buffers (bfloat16
+    as uint16), XLA's stream from its API on the buffers' device, the key's function run."""
+    import ctypes
+    import types
+
+    fake = FakeCuda()
+    monkeypatch.setitem(__import__("sys").modules, "cupy",
+                        types.SimpleNamespace(cuda=fake, ndarray=fake.ndarray))
+    dims = (ctypes.c_int64 * 2)(4, 8)
+    arg = jax_ffi.Buffer(ctypes.sizeof(jax_ffi.Buffer), None, 4, 0x1000, 2, dims)  # int32
+    ret = jax_ffi.Buffer(ctypes.sizeof(jax_ffi.Buffer), None, 16, 0x2000, 2, dims)  # bf16
+    args = (ctypes.POINTER(jax_ffi.Buffer) * 1)(ctypes.pointer(arg))
+    rets = (ctypes.POINTER(jax_ffi.Buffer) * 1)(ctypes.pointer(ret))
+    seen = []
+    owner = Owner()
+    key = jax_ffi.function_key(
+        owner, lambda o, extra, i, out, stream: seen.append((i, out, stream)), ())
+    value = ctypes.c_int64(key)
+    scalar = jax_ffi.Scalar(5, ctypes.pointer(value))
+    attrs = (ctypes.POINTER(jax_ffi.Scalar) * 1)(ctypes.pointer(scalar))
+
+    @jax_ffi.StreamGet
+    def stream_get(stream_args):
+        stream_args.contents.stream = 0xABC
+        return None
+
+    api = jax_ffi.Api(stream_get=stream_get)
+    frame = jax_ffi.CallFrame(
+        ctypes.sizeof(jax_ffi.CallFrame), None, ctypes.pointer(api), None, 3,
+        jax_ffi.Items(0, None, 1, None, args), jax_ffi.Items(0, None, 1, None, rets),
+        jax_ffi.Attrs(0, None, 1, None, None, attrs), None)
+    assert jax_ffi.handle(ctypes.pointer(frame), True) is None
+    ((inputs, outputs, stream),) = seen
+    assert [(a.ptr, a.shape, a.dtype) for a in inputs + outputs] == [
+        (0x1000, (4, 8), np.int32), (0x2000, (4, 8), np.uint16)]
+    assert (stream.handle, stream.device) == (0xABC, 3)
