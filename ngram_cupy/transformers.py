@@ -10,11 +10,22 @@ or CPU memory, or the mapped checkpoint) read by this library's exact ids and ga
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 
 import torch
-from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextNGramEmbedding
+import transformers
+from packaging.version import Version
+
+try:
+    from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextNGramEmbedding
+except ImportError as error:  # a release that renamed or dropped the layer this replaces
+    raise ImportError(f"transformers {transformers.__version__} has no Qwen4ExpTextNGramEmbedding "
+                      "for ngram_cupy.transformers to replace; it is tested with transformers "
+                      "5.23 to 5.25") from error
 
 from .embedding import NGramEmbedding
 from .files.checkpoint import (
@@ -37,6 +48,12 @@ from .tables.table import EmbeddingTable
 from .torch import TableWeights
 from .torch_training import OPTIMIZERS, TrainableRows, check_trainable, fused_optimizer
 
+# The oldest and newest transformers releases (major, minor) the integration is tested with.
+TESTED_RELEASES = ((5, 23), (5, 25))
+# What this module reads of transformers' layer: its attributes and its call's leading arguments.
+LAYER_ATTRIBUTES = ("layer_idx", "ple_layer_index", "ngram_embedding", "layer_multipliers",
+                    "ngram_heads_vocab_sizes", "ngram_heads_offsets")
+CACHE_NAMES = ("cache", "past_key_values")
 # The cache's conv state that holds each PLE layer's last n-1 tokens (transformers' layout).
 CONTEXT_STATE = 2
 SINGLE_WEIGHT = "ngram_embedding.weight"
@@ -129,15 +146,22 @@ class CachedNGramEmbedding(torch.nn.Module):
         width = self.layout.num_heads * self.table.head_dim
         return torch.empty((ids.shape[0], width), dtype=self.out_like.dtype, device=ids.device)
 
-    def start_prefetch(self, input_ids: torch.Tensor, past_key_values) -> None:
+    def start_prefetch(self, input_ids: torch.Tensor, cache=None) -> None:
         """Start gathering this batch's rows (side CUDA stream, or a CPU worker) so that the
         next ``forward`` finds them; a stale prefetch costs time, never correctness."""
-        ids = self._ids(input_ids.long(), self._context(past_key_values))
+        ids = self._ids(input_ids.long(), self._context(cache))
         self._prefetched = self._empty_rows(ids)
         self.table.prefetch(ids, out=self._prefetched)
 
-    def forward(self, input_ids: torch.Tensor, past_key_values=None) -> torch.Tensor:
-        """``[B, S, H * head_dim]`` embeddings; rolls the cache's context on by this batch."""
+    def forward(self, input_ids: torch.Tensor, cache=None, *, past_key_values=None,
+                **kwargs) -> torch.Tensor:
+        """``[B, S, H * head_dim]`` embeddings; rolls the cache's context on by this batch.
+
+        The cache comes as transformers passes it (second argument, ``cache=`` from 5.25,
+        ``past_key_values=`` before); the model's other keyword arguments
+        (``output_router_logits``, attention settings, ...) are accepted and unused, as
+        transformers' own layer does."""
+        past_key_values = _one_cache(cache, past_key_values)
         input_ids = input_ids.long()
         batch, length = input_ids.shape
         context = self._context(past_key_values)
@@ -173,8 +197,50 @@ def _prefetch_hook(target: CachedNGramEmbedding):
         if target.prefetch is False or target.prefetch is None and not (
                 input_ids.is_cuda and not target.table.storage.device_resident):
             return
-        target.start_prefetch(input_ids, kwargs.get("past_key_values"))
+        target.start_prefetch(input_ids, _one_cache(kwargs.get("cache"),
+                                                    kwargs.get("past_key_values")))
     return hook
+
+
+def _one_cache(cache, past_key_values):
+    """The cache under either of its names (``cache`` from transformers 5.25 on,
+    ``past_key_values`` before); both at once is ambiguous."""
+    if cache is not None and past_key_values is not None and cache is not past_key_values:
+        raise TypeError("pass the cache once, as cache= or past_key_values=, not both")
+    return past_key_values if cache is None else cache
+
+
+def tested_range() -> str:
+    """The tested transformers releases, as messages name them ("5.23 to 5.25")."""
+    (low_major, low_minor), (high_major, high_minor) = TESTED_RELEASES
+    return f"{low_major}.{low_minor} to {high_major}.{high_minor}"
+
+
+@functools.cache
+def check_release(version: str) -> None:
+    """Refuse a release older than the tested range; warn once per release newer than it;
+    refuse one whose n-gram layer no longer has the call this module replaces (naming the
+    release)."""
+    release = Version(version).release[:2]
+    if release < TESTED_RELEASES[0]:
+        raise RuntimeError(f"transformers {version} is older than the releases ngram_cupy's "
+                           f"Qwen4Exp integration supports ({tested_range()}): its cache keeps "
+                           "the n-gram context differently; upgrade transformers")
+    if release > TESTED_RELEASES[1]:
+        warnings.warn(f"transformers {version} is newer than the releases ngram_cupy's "
+                      f"Qwen4Exp integration is tested with ({tested_range()}); the layers are "
+                      "checked before they are replaced, but compare the logits with the "
+                      "model's own once", UserWarning, stacklevel=3)
+    leading = list(inspect.signature(Qwen4ExpTextNGramEmbedding.forward).parameters)[1:3]
+    if len(leading) < 2 or leading[1] not in CACHE_NAMES:
+        unlike_tested(f"its forward takes ({', '.join(leading)})")
+
+
+def unlike_tested(found: str):
+    """Refuse a transformers release whose n-gram layer differs from the tested ones."""
+    raise RuntimeError(f"transformers {transformers.__version__}'s Qwen4ExpTextNGramEmbedding is "
+                       f"not the layer ngram_cupy replaces ({found}); use_ngram_cupy is tested "
+                       f"with transformers {tested_range()}")
 
 
 def _named_dtype(config: NGramConfig) -> str | None:
@@ -340,6 +406,7 @@ def use_ngram_cupy(model: torch.nn.Module, *, placement: str = "pinned",
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    check_release(transformers.__version__)
     targets = [(name, module) for name, module in model.named_modules()
                if isinstance(module, Qwen4ExpTextNGramEmbedding)]
     done = [name for name, module in model.named_modules()
@@ -352,6 +419,10 @@ def use_ngram_cupy(model: torch.nn.Module, *, placement: str = "pinned",
         raise ValueError(f"{type(model).__name__} has no Qwen4ExpTextNGramEmbedding: "
                          "use_ngram_cupy replaces the n-gram embeddings of transformers' "
                          "Qwen4Exp models with PLE layers")
+    for name, module in targets:
+        missing = [attribute for attribute in LAYER_ATTRIBUTES if not hasattr(module, attribute)]
+        if missing:
+            unlike_tested(f"{name} lacks {', '.join(missing)}")
     if placement_named(placement, mapped=True).mapped and checkpoint is None:
         raise ValueError(f"placement {placement!r} serves a checkpoint's rows: pass checkpoint=")
     config = ngram_config(model.config.get_text_config())

@@ -29,6 +29,13 @@ out="${OUT:-device-results}"
 mkdir -p "$out"
 logs="$(mktemp -d)"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# Wheels carried in .whl/ (the device tool's `carry`; the image's transformers is older than the
+# supported range) are unpacked into a folder after the checkout on the path, never from an index.
+if [ "$dry_run" = 0 ] && compgen -G ".whl/*.whl" > /dev/null; then
+    site="$(mktemp -d)"
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .whl/*.whl \
+        && export PYTHONPATH="$PYTHONPATH:$site"
+fi
 export NUMBA_CACHE_DIR="${NUMBA_CACHE_DIR:-$PWD/.numba-cache}"  # shared by the steps below
 export NGRAM_CUPY_CACHE_DIR="${NGRAM_CUPY_CACHE_DIR:-$PWD/.kernel-cache}"  # kept between runs
 if [ -z "${CUDA_HOME:-}" ]; then  # NVRTC's headers and compute-sanitizer live there
@@ -68,7 +75,7 @@ step() {
         echo "dry run: $*" > "$logs/$name.txt"
         status=0
     else
-        timeout --kill-after=5 "$limit" "$@" > "$logs/$name.txt" 2>&1
+        timeout -s ABRT --kill-after=5 "$limit" "$@" > "$logs/$name.txt" 2>&1
         status=$?
     fi
     echo "$name: exit $status, $((SECONDS - start)) s (limit $limit s)" | tee -a "$summary"

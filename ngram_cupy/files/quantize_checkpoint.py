@@ -25,7 +25,7 @@ from ..hashing.config import NGramConfig
 from ..hashing.engram_config import EngramConfig
 from ..hashing.layout import layer_layout
 from ..runtime import interrupts
-from ..runtime.atomic import temporary_name
+from ..runtime.atomic import remove_stale_temporaries, temporary_name
 from ..tables.quantize import (
     FORMAT_OF,
     QuantizedTable,
@@ -163,6 +163,7 @@ def quantize_checkpoint(source: str | os.PathLike, to: str, output: str | os.Pat
     for name in checkpoint.tensors:
         if name not in replaced and name not in tensors:
             tensors[name] = checkpoint.view(name)
+    remove_stale_temporaries(output.parent)  # a killed run's folder
     temporary = Path(temporary_name(output))
     temporary.mkdir()
     try:
