@@ -11,7 +11,7 @@ transformers adapter and the checkpoint loaders ask these entries; none of them 
 
 Adding a format is one entry here plus its decoding: ``dequant.py`` (the plain NumPy definition
 every path is tested against), the Numba row decoder in ``gather_numba.py`` and
-``kernels/dequant.cuh``; ``tests/tables/test_decoders.py`` checks every entry's decoders against
+``kernels/dequant.cuh``; ``tests/codecs/test_decoders.py`` checks every entry's decoders against
 each other, and docs/tables.md says the same.
 
 A block-scaled format (NVFP4 and MXFP8, docs/tables.md) packs ``pack`` values per stored byte

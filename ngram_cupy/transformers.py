@@ -16,6 +16,8 @@ from collections.abc import Mapping, Sequence
 import torch
 from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextNGramEmbedding
 
+from .codecs.dequant import check_scale_rounding
+from .codecs.quantize import quantize_table, quantize_target
 from .embedding import NGramEmbedding
 from .files.checkpoint import (
     find_prefix,
@@ -30,12 +32,10 @@ from .hashing.config import NGramConfig
 from .hashing.layout import LayerLayout, layer_layout, split_rows
 from .ids.ngram_ids import compute_ngram_ids
 from .runtime.backends import DEVICE
-from .tables.dequant import check_scale_rounding
-from .tables.quantize import quantize_table, quantize_target
 from .tables.storage import RowsSource, find_placement, place, placement_named
 from .tables.table import EmbeddingTable
-from .torch import TableWeights
-from .torch_training import OPTIMIZERS, TrainableRows, check_trainable, fused_optimizer
+from .torch.autograd import OPTIMIZERS, TrainableRows, check_trainable, fused_optimizer
+from .torch.module import TableWeights
 
 # The cache's conv state that holds each PLE layer's last n-1 tokens (transformers' layout).
 CONTEXT_STATE = 2

@@ -20,13 +20,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from ..formats import BY_SAFETENSORS, ENGRAM, QWEN4EXP
-from ..hashing.config import NGramConfig
-from ..hashing.engram_config import EngramConfig
-from ..hashing.layout import layer_layout
-from ..runtime import interrupts
-from ..runtime.atomic import temporary_name
-from ..tables.quantize import (
+from ..codecs.quantize import (
     FORMAT_OF,
     QuantizedTable,
     default_scale,
@@ -34,6 +28,12 @@ from ..tables.quantize import (
     quantize_target,
     table_amax,
 )
+from ..formats import BY_SAFETENSORS, ENGRAM, QWEN4EXP
+from ..hashing.config import NGramConfig
+from ..hashing.engram_config import EngramConfig
+from ..hashing.layout import layer_layout
+from ..runtime import interrupts
+from ..runtime.atomic import temporary_name
 from .checkpoint import ple_prefixes, table_key, table_shards, verify_buffers
 from .engram_checkpoint import FLOAT_TABLES, engram_tensor_name
 from .safetensors_files import Checkpoint, write_checkpoint

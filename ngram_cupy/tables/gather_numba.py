@@ -26,10 +26,8 @@ from numba import float32, int64, njit, prange, types, uint16, uint32, uint64
 from numba.core.extending import intrinsic, overload
 
 from .. import formats
-from ..runtime.cpu_threads import use_threads
-from ..runtime.jitable import source_digest
-from . import dequant, hot_rows
-from .dequant import (
+from ..codecs import dequant
+from ..codecs.dequant import (
     BFLOAT16,
     FLOAT8_E4M3,
     FLOAT32,
@@ -40,6 +38,9 @@ from .dequant import (
     convert_blocked,
     float32_to_bits,
 )
+from ..runtime.cpu_threads import use_threads
+from ..runtime.jitable import source_digest
+from . import hot_rows
 from .hot_rows import HotRowMap, hot_slot
 from .row_ids import NO_BAD_ID, UNCHECKED, raise_recorded
 

@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from ..codecs.dequant import check_scale_rounding, rounded_scale
+from ..codecs.quantize import QuantizedTable
 from ..formats import (
     Format,
     bits_name,
@@ -32,10 +34,8 @@ from ..runtime.checks import (
     check_out,
     check_scale,
 )
-from .dequant import check_scale_rounding, rounded_scale
 from .hot_rows import check_hot_rows
 from .prefetch import Prefetcher
-from .quantize import QuantizedTable
 from .storage import Gather, Storage, adopt, allocate, canonical_placement
 from .storage.tiered import TieredStorage
 

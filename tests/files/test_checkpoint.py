@@ -13,6 +13,7 @@ import pytest
 from safetensors.numpy import save_file
 
 import ngram_cupy as nc
+from ngram_cupy.codecs.dequant import default_output, reference_lookup, storage_format
 from ngram_cupy.files import checkpoint as ck
 from ngram_cupy.files.safetensors_files import (
     Checkpoint,
@@ -20,7 +21,6 @@ from ngram_cupy.files.safetensors_files import (
     read_header,
     write_checkpoint,
 )
-from ngram_cupy.tables.dequant import default_output, reference_lookup, storage_format
 
 # 4 heads of prime sizes 11, 13, 17, 19: 60 rows padded to 64, cut in 6 shards of 11 (the last 9).
 TINY = nc.NGramConfig(

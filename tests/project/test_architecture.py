@@ -47,8 +47,8 @@ def test_placements_are_asked_of_the_registry():
 
 
 # Where a format may be named: the registry and the decoders and encoders each format has.
-CODEC_MODULES = {"formats.py", "tables/dequant.py", "tables/gather_numba.py",
-                 "tables/gather_cupy.py", "tables/quantize.py", "tables/quantize_array.py",
+CODEC_MODULES = {"formats.py", "codecs/dequant.py", "tables/gather_numba.py",
+                 "tables/gather_cupy.py", "codecs/quantize.py", "codecs/quantize_cupy.py",
                  "ids/fused_cuda.py", "ids/kernel_set.py", "training/updates_numba.py"}
 
 

@@ -14,9 +14,9 @@ import pytest
 from conftest import HAS_GPU
 
 import ngram_cupy as nc
+from ngram_cupy.codecs.dequant import reference_lookup
+from ngram_cupy.memory.pinned import PinnedBuffer, release_deferred
 from ngram_cupy.tables import gather_numba
-from ngram_cupy.tables.dequant import reference_lookup
-from ngram_cupy.tables.pinned_memory import PinnedBuffer, release_deferred
 from ngram_cupy.tables.prefetch import Pending
 
 SCALE = 0.75

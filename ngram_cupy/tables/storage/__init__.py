@@ -65,10 +65,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ...codecs.records import device_packed_rows, packed_rows
 from ...formats import Format
+from ...memory.anonymous import anonymous_memory
 from ...runtime.backends import DEVICE, HOST, Backend, bind, gpu_available
-from ..host_memory import anonymous_memory
-from ..packed import device_packed_rows, packed_rows
 from .base import Gather, Storage
 from .cpu import CpuStorage
 from .gpu import GpuStorage

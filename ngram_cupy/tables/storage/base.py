@@ -7,10 +7,10 @@ from typing import Any
 
 import numpy as np
 
+from ...codecs.records import record_bytes
 from ...formats import Format
 from ...runtime.backends import HOST, Backend
 from ...runtime.used_streams import UsedStreams
-from ..packed import record_bytes
 
 
 @dataclass

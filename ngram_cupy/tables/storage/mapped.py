@@ -21,9 +21,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from ...formats import Format
+from ...memory.page_reads import PagePrefetcher
 from ...runtime.backends import DEVICE, HOST, Backend, cupy_module, gpu_available
 from .. import gather_numba
-from ..page_prefetch import PagePrefetcher
 from ..row_ids import row_id_error
 from .base import Gather, Storage
 from .gpu import gather_device

@@ -19,9 +19,9 @@ from collections.abc import Callable
 import numpy as np
 
 from ...formats import Format
+from ...memory import shared as shared_memory
+from ...memory.pinned import PinnedBuffer
 from ...runtime.backends import HOST, gpu_available
-from .. import shared_memory
-from ..pinned_memory import PinnedBuffer
 from .base import Gather, Storage
 from .cpu import gather_host
 from .gpu import gather_device

@@ -18,11 +18,11 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from ...codecs.records import record_views
 from ...runtime.backends import DEVICE, HOST, Backend, cuda_stream, cupy_module
 from ...runtime.used_streams import UsedStreams
 from .. import gather_numba
 from ..hot_rows import build_map
-from ..packed import record_views
 from .base import Gather, Storage
 from .gpu import fill
 
