@@ -35,7 +35,7 @@ from .runtime.backends import DEVICE
 from .tables.storage import RowsSource, find_placement, place, placement_named
 from .tables.table import EmbeddingTable
 from .torch.autograd import OPTIMIZERS, TrainableRows, check_trainable, fused_optimizer
-from .torch.module import TableWeights
+from .torch.weights import TableWeights
 
 # The cache's conv state that holds each PLE layer's last n-1 tokens (transformers' layout).
 CONTEXT_STATE = 2

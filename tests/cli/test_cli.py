@@ -24,7 +24,8 @@ pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 pytest.importorskip("tqdm")
 
-from ngram_cupy.cli.main import main, parse_bytes  # noqa: E402
+from ngram_cupy.cli.common import parse_bytes  # noqa: E402
+from ngram_cupy.cli.main import main  # noqa: E402
 from ngram_cupy.runtime.atomic import TEMP_PREFIX  # noqa: E402
 from ngram_cupy.stats import hottest_rows, ngram_stats, reuse_stats  # noqa: E402
 
@@ -551,7 +552,7 @@ def unwritable(monkeypatch, folder: Path) -> None:
 @pytest.mark.parametrize("folder", ["missing", "read-only"])
 def test_ugly_unwritable_output_folder_is_refused_before_compiling_or_running(
         tmp_path, capsys, monkeypatch, folder):
-    import ngram_cupy.cli.main as cli
+    import ngram_cupy.cli.ids as cli
     import ngram_cupy.stats as stats
 
     out = tmp_path / "out"
