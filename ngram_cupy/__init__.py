@@ -43,7 +43,7 @@ _EXPORTS = {
     "plan_placement": "tables.plan",
     "quantize_table": "codecs.quantize",
     "save_engram_embedding": "files.engram_checkpoint",
-    "save_ngram_embedding": "files.checkpoint",
+    "save_ngram_embedding": "files.checkpoint_writing",
     "save_training_state": "training.state_files",
 }
 
@@ -88,7 +88,8 @@ if TYPE_CHECKING:
     from .distributed.lookup import ShardedLookup
     from .distributed.optimizer import ShardedOptimizer
     from .embedding import EngramEmbedding, NGramEmbedding
-    from .files.checkpoint import load_ngram_embedding, save_ngram_embedding
+    from .files.checkpoint import load_ngram_embedding
+    from .files.checkpoint_writing import save_ngram_embedding
     from .files.engram_checkpoint import load_engram_embedding, save_engram_embedding
     from .hashing.config import NGramConfig
     from .hashing.engram_config import EngramConfig

@@ -19,13 +19,10 @@ from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextNGramEm
 from .codecs.dequant import check_scale_rounding
 from .codecs.quantize import quantize_table, quantize_target
 from .embedding import NGramEmbedding
-from .files.checkpoint import (
-    find_prefix,
-    load_ngram_embedding,
-    read_scale,
-    shard_key,
-    verify_buffers,
-)
+from .files.checkpoint import load_ngram_embedding
+from .files.checkpoint_discovery import find_prefix
+from .files.checkpoint_names import shard_key
+from .files.checkpoint_reading import read_scale, verify_buffers
 from .files.safetensors_files import DTYPES, Checkpoint
 from .formats import QWEN4EXP, find_format, output_format, storage_format
 from .hashing.config import NGramConfig
@@ -340,18 +337,7 @@ def use_ngram_cupy(model: torch.nn.Module, *, placement: str = "pinned",
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    targets = [(name, module) for name, module in model.named_modules()
-               if isinstance(module, Qwen4ExpTextNGramEmbedding)]
-    done = [name for name, module in model.named_modules()
-            if isinstance(module, CachedNGramEmbedding)]
-    if done and not targets:
-        raise ValueError(f"use_ngram_cupy was already applied to this {type(model).__name__} "
-                         f"({done[0]} is ngram_cupy's): its layers are replaced once; to change "
-                         "placement or weight_dtype, load the model again and call it once")
-    if not targets:
-        raise ValueError(f"{type(model).__name__} has no Qwen4ExpTextNGramEmbedding: "
-                         "use_ngram_cupy replaces the n-gram embeddings of transformers' "
-                         "Qwen4Exp models with PLE layers")
+    targets = _embeddings_of(model)
     if placement_named(placement, mapped=True).mapped and checkpoint is None:
         raise ValueError(f"placement {placement!r} serves a checkpoint's rows: pass checkpoint=")
     config = ngram_config(model.config.get_text_config())
@@ -364,26 +350,12 @@ def use_ngram_cupy(model: torch.nn.Module, *, placement: str = "pinned",
         fmt = storage_format(weight_dtype, "weight_dtype")
         _check_named(config, fmt.name, f"weight_dtype={weight_dtype}")
         weight_dtype = fmt.name  # NVFP4's torch dtype (uint8) would name no format
-    layouts = []
-    for name, module in targets:
-        layout = layer_layout(config, module.ple_layer_index)
-        _check_module(name, module, layout)
-        output_format(module.ngram_embedding.weight.dtype, f"{name} model dtype")
-        layouts.append(layout)
+    layouts = _layouts(config, targets)
     prefixes = []
     if checkpoint is not None:
         opened = Checkpoint.open(checkpoint,
                                  random_access=placement_named(placement, mapped=True).mapped)
-        for (name, _), layout in zip(targets, layouts, strict=True):
-            prefix = name if f"{name}.layer_multipliers" in opened else \
-                find_prefix(opened.tensors, config, layout.layer)
-            dtype = _checkpoint_dtype(opened, prefix)
-            _check_named(config, dtype, f"the table of {prefix}")
-            if weight_dtype is not None and dtype is not None \
-                    and dtype != storage_format(weight_dtype).name:
-                raise ValueError(f"weight_dtype={asked} but {prefix} stores {dtype}: "
-                                 "checkpoint tables load in their own dtype")
-            prefixes.append(prefix)
+        prefixes = _checkpoint_prefixes(opened, names, layouts, weight_dtype, asked)
     elif weight_dtype is None and _named_dtype(config) is not None:
         weight_dtype = storage_format(config.ple_embedding_dtype).name
     embeddings = []
@@ -399,6 +371,64 @@ def use_ngram_cupy(model: torch.nn.Module, *, placement: str = "pinned",
             embeddings.append(load_ngram_embedding(
                 checkpoint, config, layout.layer, prefix=prefixes[index], placement=placement,
                 progress=table_options.get("progress"), hot_rows=rows))
+    _replace(model, targets, embeddings, table_options, trainable,
+             (optimizer, optimizer_options))
+    return names
+
+
+def _embeddings_of(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The model's ``Qwen4ExpTextNGramEmbedding`` modules and their names, in model order; a
+    ValueError for a model that has none, or whose were replaced already."""
+    targets = [(name, module) for name, module in model.named_modules()
+               if isinstance(module, Qwen4ExpTextNGramEmbedding)]
+    done = [name for name, module in model.named_modules()
+            if isinstance(module, CachedNGramEmbedding)]
+    if done and not targets:
+        raise ValueError(f"use_ngram_cupy was already applied to this {type(model).__name__} "
+                         f"({done[0]} is ngram_cupy's): its layers are replaced once; to change "
+                         "placement or weight_dtype, load the model again and call it once")
+    if not targets:
+        raise ValueError(f"{type(model).__name__} has no Qwen4ExpTextNGramEmbedding: "
+                         "use_ngram_cupy replaces the n-gram embeddings of transformers' "
+                         "Qwen4Exp models with PLE layers")
+    return targets
+
+
+def _layouts(config: NGramConfig, targets: list) -> list[LayerLayout]:
+    """Each module's layer layout, checked against the module's buffers and dtype."""
+    layouts = []
+    for name, module in targets:
+        layout = layer_layout(config, module.ple_layer_index)
+        _check_module(name, module, layout)
+        output_format(module.ngram_embedding.weight.dtype, f"{name} model dtype")
+        layouts.append(layout)
+    return layouts
+
+
+def _checkpoint_prefixes(opened: Checkpoint, names: list[str], layouts: list[LayerLayout],
+                         weight_dtype: str | None, asked) -> list[str]:
+    """Each module's prefix in the checkpoint (its own name when the checkpoint uses it), its
+    table's dtype checked against the config and ``weight_dtype`` (``asked``: as spelt)."""
+    prefixes = []
+    for name, layout in zip(names, layouts, strict=True):
+        config = layout.config
+        prefix = name if f"{name}.layer_multipliers" in opened else \
+            find_prefix(opened.tensors, config, layout.layer)
+        dtype = _checkpoint_dtype(opened, prefix)
+        _check_named(config, dtype, f"the table of {prefix}")
+        if weight_dtype is not None and dtype is not None \
+                and dtype != storage_format(weight_dtype).name:
+            raise ValueError(f"weight_dtype={asked} but {prefix} stores {dtype}: "
+                             "checkpoint tables load in their own dtype")
+        prefixes.append(prefix)
+    return prefixes
+
+
+def _replace(model: torch.nn.Module, targets: list, embeddings: list, table_options: Mapping,
+             trainable: bool, optimizer: tuple) -> None:
+    """Put a ``CachedNGramEmbedding`` over each embedding in its module's place (with the
+    ``(name, options)`` optimizer, when named), and hook the layer before it for prefetch."""
+    name_of_optimizer, optimizer_options = optimizer
     replacements = []
     for (_, module), embedding in zip(targets, embeddings, strict=True):
         embedding.table.dedup = bool(table_options.get("dedup", False))
@@ -406,13 +436,12 @@ def use_ngram_cupy(model: torch.nn.Module, *, placement: str = "pinned",
         replacements.append(CachedNGramEmbedding(embedding, module.layer_idx,
                                                  module.ngram_embedding.weight.dtype,
                                                  table_options.get("prefetch"), trainable))
-        if optimizer is not None:
-            fused_optimizer(replacements[-1], optimizer, **dict(optimizer_options))
+        if name_of_optimizer is not None:
+            fused_optimizer(replacements[-1], name_of_optimizer, **dict(optimizer_options))
     for (name, _), replacement in zip(targets, replacements, strict=True):
         parent, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent), leaf, replacement)
         _hook_previous_layer(model, name, replacement)
-    return names
 
 
 def _check_training(trainable: bool, optimizer, optimizer_options, placement: str) -> None:

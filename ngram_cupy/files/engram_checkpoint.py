@@ -14,7 +14,7 @@ from ..runtime.backends import HOST, unwrap_torch
 from ..runtime.checks import check_integer
 from ..tables.storage import RowsSource, place, placement_named
 from ..tables.table import EmbeddingTable, block_scale_bits
-from .checkpoint import shared_key
+from .checkpoint_reading import shared_key
 from .safetensors_files import Checkpoint, write_checkpoint
 
 # The formats Engram checkpoints hold (``Format.checkpoints``): float tables by their dtype, and

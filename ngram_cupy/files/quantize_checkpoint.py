@@ -34,7 +34,9 @@ from ..hashing.engram_config import EngramConfig
 from ..hashing.layout import layer_layout
 from ..runtime import interrupts
 from ..runtime.atomic import temporary_name
-from .checkpoint import ple_prefixes, table_key, table_shards, verify_buffers
+from .checkpoint_discovery import ple_prefixes
+from .checkpoint_names import table_key
+from .checkpoint_reading import table_shards, verify_buffers
 from .engram_checkpoint import FLOAT_TABLES, engram_tensor_name
 from .safetensors_files import Checkpoint, write_checkpoint
 

@@ -18,10 +18,11 @@ import numpy as np
 import torch
 
 from ..embedding import NGramEmbedding
-from ..files.checkpoint import BUFFERS, check_scale
+from ..files.checkpoint_names import BUFFERS
 from ..formats import FORMATS, default_output, output_format
 from ..hashing.config import NGramConfig
 from ..hashing.layout import layer_layout, split_rows
+from ..runtime.checks import check_scale
 from ..tables.storage import place_filled, placement_named
 from ..tables.table import EmbeddingTable
 from .autograd import TrainableRows

@@ -8,8 +8,8 @@ import warnings
 import numpy as np
 import torch
 
-from ..files.checkpoint import check_scale
 from ..formats import FORMATS, Format, default_output, output_format
+from ..runtime.checks import check_scale
 from ..tables.table import EmbeddingTable
 
 # Value width in bytes -> the NumPy integer type that moves those bits to torch.

@@ -491,7 +491,7 @@ def write_tensors(path, tensors):
 def good_tensors():
     layout = nc.layer_layout(CONFIG, 0)
     weight, scales = random_nvfp4(layout)
-    from ngram_cupy.files.checkpoint import ngram_tensors
+    from ngram_cupy.files.checkpoint_writing import ngram_tensors
 
     return ngram_tensors(layout, weight, np.float32(0.5), block_scales=scales)
 
@@ -753,7 +753,7 @@ def test_the_layout_command_prints_bytes_per_row_in_memory_and_checkpoints(capsy
 
 def test_the_layout_command_prints_mxfp8_records(tmp_path, capsys):
     """MXFP8 at head_dim 256 (DeepSeek Engram's): 256 + 8 -> 272 bytes in memory."""
-    from ngram_cupy.files.checkpoint import write_config_json
+    from ngram_cupy.files.config_json import write_config_json
 
     write_config_json(tmp_path, nc.NGramConfig(1000, 3, 2, 100, 5, embedding_dim=4 * 256))
     lines = layout_lines(capsys, tmp_path)

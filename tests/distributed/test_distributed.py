@@ -13,7 +13,7 @@ import pytest
 from gloo_ranks import TIMEOUT_S, init_method, run_ranks
 
 import ngram_cupy as nc
-from ngram_cupy.files import checkpoint as ck
+from ngram_cupy.hashing.layout import split_rows
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 # 4 heads of prime sizes 11..19: 60 rows padded to 64, in 5 shards of 13 (the last 12).
@@ -118,7 +118,7 @@ def test_rank_lookups_sum_to_the_full_lookup(tmp_path):
         for rank in range(world):
             table = nc.load_ngram_embedding(tmp_path / "c.safetensors", CONFIG, 0, rank=rank,
                                             world_size=world).table
-            start, stop = ck.split_rows(LAYOUT.padded_rows, world, rank)
+            start, stop = split_rows(LAYOUT.padded_rows, world, rank)
             assert (table.row_start, table.num_rows) == (start, stop - start)
             part = table.lookup(ids)
             owned = ((ids >= start) & (ids < stop)).repeat(LAYOUT.head_dim, axis=1)

@@ -28,7 +28,7 @@ from transformers import (  # noqa: E402
 
 import ngram_cupy as nc  # noqa: E402
 from ngram_cupy.codecs.dequant import reference_block_lookup  # noqa: E402
-from ngram_cupy.files.checkpoint import ngram_tensors  # noqa: E402
+from ngram_cupy.files.checkpoint_writing import ngram_tensors  # noqa: E402
 from ngram_cupy.files.safetensors_files import write_checkpoint  # noqa: E402
 from ngram_cupy.formats import FORMATS, NVFP4  # noqa: E402
 from ngram_cupy.transformers import CachedNGramEmbedding, ngram_config, use_ngram_cupy  # noqa: E402
