@@ -54,15 +54,9 @@ def cmd_ids(args: argparse.Namespace) -> int:
     """Stream INPUT through the id columns into OUTPUT (Parquet), atomically."""
     if args.scheme == "engram":
         return cmd_engram_ids(args)
-    from ..arrow import (
-        NGramIds,
-        TextError,
-        ids_metadata,
-        open_tokens,
-        out_of_vocabulary,
-        token_slices,
-    )
+    from ..arrow import NGramIds, TextError, ids_metadata, out_of_vocabulary
     from ..files.pipeline import tokens_per_call, write_ids, writer_options
+    from ..files.token_files import open_tokens, token_slices
 
     check_output(args.output, [args.input])
     layouts = layouts_for(load_config(args.config), args.layers or [0])
@@ -115,8 +109,9 @@ def cmd_ids(args: argparse.Namespace) -> int:
 
 def cmd_engram_ids(args: argparse.Namespace) -> int:
     """``ids --scheme engram``: every row a whole sequence, ``[T, L, H]`` int32 ids per row."""
-    from ..arrow import TextTokens, open_tokens
+    from ..arrow import TextTokens
     from ..files.engram_parquet import EngramIds, write_engram_ids
+    from ..files.token_files import open_tokens
 
     if args.doc_id_column is not None:
         raise UserError("--doc-id-column is not supported with --scheme engram (every row is "

@@ -6,6 +6,7 @@ import os
 
 import numpy as np
 
+from ..codecs.scales import block_scale_bits
 from ..formats import (
     QWEN4EXP,
     SCALE_FORMATS,
@@ -15,7 +16,6 @@ from ..hashing.config import MAX_SPLIT_PARTS, NGramConfig
 from ..hashing.layout import LayerLayout, check_layout, layer_layout, split_rows
 from ..runtime.backends import HOST, unwrap_torch
 from ..runtime.checks import check_scale
-from ..tables.table import block_scale_bits
 from .checkpoint_names import (
     BLOCK_SCALED,
     BUFFERS,

@@ -7,13 +7,14 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
+from ..codecs.scales import block_scale_bits
 from ..embedding import EngramEmbedding
 from ..formats import BY_SAFETENSORS, ENGRAM, FORMATS, Format, storage_format
 from ..hashing.engram_layout import EngramLayout, check_engram_layout
 from ..runtime.backends import HOST, unwrap_torch
 from ..runtime.checks import check_integer
 from ..tables.storage import RowsSource, place, placement_named
-from ..tables.table import EmbeddingTable, block_scale_bits
+from ..tables.table import EmbeddingTable
 from .checkpoint_reading import shared_key
 from .safetensors_files import Checkpoint, write_checkpoint
 

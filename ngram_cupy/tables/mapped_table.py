@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from ..codecs.scales import block_scale_bits
 from ..formats import storage_format
 from .storage.mapped import MappedStorage
-from .table import EmbeddingTable, block_scale_bits
+from .table import EmbeddingTable
 
 
 class MappedTable(EmbeddingTable):
