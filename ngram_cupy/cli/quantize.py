@@ -5,9 +5,17 @@ from __future__ import annotations
 import argparse
 import time
 
+from ..formats import ENCODED
+
+
+def targets_help() -> str:
+    """Each format ``--to`` takes and the model families whose checkpoints hold it."""
+    return ", ".join(f"{to} ({' and '.join(family for family, _ in fmt.checkpoints)})"
+                     for to, fmt in ENCODED.items())
+
 
 def cmd_quantize(args: argparse.Namespace) -> int:
-    """``quantize``: a model's n-gram tables to fp8, NVFP4 or MXFP8, in a new checkpoint."""
+    """``quantize``: a model's n-gram tables to a quantised format, in a new checkpoint."""
     from ..files.quantize_checkpoint import quantize_checkpoint
 
     start = time.perf_counter()
@@ -21,12 +29,12 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 def add_parser(commands) -> None:
     """Add the ``quantize`` command to the sub-parsers ``commands``."""
     quantize = commands.add_parser(
-        "quantize", help="quantise a model's n-gram tables to fp8, nvfp4 or mxfp8",
+        "quantize", help=f"quantise a model's n-gram tables to {', '.join(ENCODED)}",
         description="Write MODEL (a folder with config.json and safetensors) into the new "
         "folder OUTPUT with its float n-gram tables quantised, in the engine's names.")
     quantize.add_argument("model", metavar="MODEL_OR_CHECKPOINT", help="model folder")
-    quantize.add_argument("--to", required=True, choices=["fp8", "nvfp4", "mxfp8"],
-                          help="format: fp8 or nvfp4 (Qwen4Exp), mxfp8 (Engram)")
+    quantize.add_argument("--to", required=True, choices=list(ENCODED),
+                          help=f"format: {targets_help()}")
     quantize.add_argument("output", metavar="OUTPUT", help="new folder to write (must not "
                           "exist; appears complete or not at all)")
     quantize.add_argument("--layers", type=int, nargs="+", metavar="L",

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 from numba import float32, int64, njit, prange, uint32
 
-from ..formats import FLOAT8_E4M3, FORMATS, MXFP8, NVFP4, Format, find_format
+from ..formats import ENCODED, Format, encoded_format, find_format
 from ..runtime.backends import HOST, Backend, cupy_module, unwrap_torch, where
 from ..runtime.checks import check_integer
 from .dequant import bits_to_float32, float32_to_bits, subnormal_bits
@@ -159,7 +159,9 @@ def quantize_mxfp8_rows(values, out, blocks):
 
 
 HOST_VALUES = ArrayEngine(np)
-FORMAT_OF = {"fp8": FORMATS[FLOAT8_E4M3], "nvfp4": FORMATS[NVFP4], "mxfp8": FORMATS[MXFP8]}
+# The largest magnitude each scaled encoder's codes reach at scale 1: the default scale is the
+# table's amax over it (fp8: E4M3's 448; NVFP4: E2M1's 6 times its largest E4M3 block scale).
+SCALE_LIMITS = {"fp8": E4M3_MAX, "nvfp4": E2M1_MAX * E4M3_MAX}
 
 
 @dataclass(frozen=True)
@@ -189,25 +191,17 @@ class QuantizedTable:
 def family_targets(family: str) -> tuple[str, ...]:
     """The quantised formats ``family``'s checkpoints hold (``Format.checkpoints``): what its
     engine reads (vLLM's Qwen4Exp: fp8 and NVFP4; DeepSeek's Engram: MXFP8)."""
-    return tuple(to for to, fmt in FORMAT_OF.items() if fmt.checkpoint_names(family))
+    return tuple(to for to, fmt in ENCODED.items() if fmt.checkpoint_names(family))
 
 
 def quantize_target(fmt: Format, family: str) -> str:
     """``quantize_table``'s name for ``fmt`` (``"fp8"``, ...); a ValueError when ``family``'s
     engine does not read that format."""
-    name = next((to for to, known in FORMAT_OF.items() if known == fmt), None)
+    name = fmt.encoder
     if name not in family_targets(family):
         raise ValueError(f"{family} tables are not quantised to {fmt.name}: its engine reads "
                          f"{' and '.join(family_targets(family))}")
     return name
-
-
-def target_format(to) -> Format:
-    """The format named by ``to`` (``"fp8"``, ``"nvfp4"``, ``"mxfp8"``); a ValueError otherwise."""
-    fmt = FORMAT_OF.get(to) if isinstance(to, str) else None
-    if fmt is None:
-        raise ValueError(f"to must be one of {', '.join(FORMAT_OF)}, got {to!r}")
-    return fmt
 
 
 def check_block(fmt: Format, block) -> None:
@@ -255,7 +249,7 @@ def default_scale(fmt: Format, amax: float) -> np.float32:
     """``amax / 448`` (fp8) or ``amax / (6 * 448)`` (NVFP4), in float32; 1.0 for a zero table."""
     if amax == 0:
         return np.float32(1.0)
-    limit = E4M3_MAX if fmt.code == FLOAT8_E4M3 else E2M1_MAX * E4M3_MAX
+    limit = SCALE_LIMITS[fmt.encoder]
     return np.float32(np.float32(amax) / np.float32(limit))
 
 
@@ -300,14 +294,19 @@ class NumbaEngine:
         return out
 
     @staticmethod
-    def quantize(fmt: Format, values, scale, out, blocks) -> None:
-        """Fill ``out`` (and ``blocks``) with the chunk's codes."""
-        if fmt.code == FLOAT8_E4M3:
-            quantize_fp8_rows(values, np.float32(scale), out)
-        elif fmt.code == NVFP4:
-            quantize_nvfp4_rows(values, np.float32(scale), E4M3_VALUES, out, blocks)
-        else:
-            quantize_mxfp8_rows(values, out, blocks)
+    def fp8(values, scale, out, blocks) -> None:
+        """Fill ``out`` with the chunk's E4M3 codes (no block scales)."""
+        quantize_fp8_rows(values, np.float32(scale), out)
+
+    @staticmethod
+    def nvfp4(values, scale, out, blocks) -> None:
+        """Fill ``out`` with the chunk's packed E2M1 codes and ``blocks`` with their scales."""
+        quantize_nvfp4_rows(values, np.float32(scale), E4M3_VALUES, out, blocks)
+
+    @staticmethod
+    def mxfp8(values, scale, out, blocks) -> None:
+        """Fill ``out`` with the chunk's E4M3 codes and ``blocks`` with their UE8M0 scales."""
+        quantize_mxfp8_rows(values, out, blocks)
 
 
 def engine_for(side: Backend):
@@ -354,7 +353,7 @@ def quantize_table(weight, to: str, *, scale=None, block=None, chunk_rows=None,
     the GPU (CuPy). ``progress``: a callable given the rows done by each chunk. A row holding
     NaN or inf is a ValueError naming it, before any output is returned.
     """
-    fmt = target_format(to)
+    fmt = encoded_format(to)
     check_block(fmt, block)
     given = quantize_scale(fmt, scale)
     bits, source, side = source_bits(weight)
@@ -362,6 +361,7 @@ def quantize_table(weight, to: str, *, scale=None, block=None, chunk_rows=None,
     fmt.check_head_dim(head_dim, "weight")
     step = chunk_rows_for(head_dim, chunk_rows)
     engine = engine_for(side)
+    encode = getattr(engine, fmt.encoder)  # the engine's encoder the format's entry names
     xp = engine.xp
     chunks = [(start, min(start + step, rows)) for start in range(0, rows, step)]
     checked = False
@@ -373,12 +373,11 @@ def quantize_table(weight, to: str, *, scale=None, block=None, chunk_rows=None,
         piece = engine.values(bits[start:stop], source.code)
         if not checked:
             refuse_nonfinite(engine.to_host(engine.amax(piece)), start)
-        engine.quantize(fmt, piece, given, out[start:stop],
-                        None if blocks is None else blocks[start:stop])
+        encode(piece, given, out[start:stop], None if blocks is None else blocks[start:stop])
         del piece  # before the next chunk's values exist: one chunk at a time
         if progress is not None:
             progress(stop - start)
     if side is HOST:
-        out = out if fmt.code == NVFP4 else out.view(fmt.dtype)
+        out = out.view(fmt.dtype)  # NVFP4's packed bytes stay uint8
         blocks = None if blocks is None else blocks.view(fmt.block_scale)
     return QuantizedTable(fmt, out, given, blocks)

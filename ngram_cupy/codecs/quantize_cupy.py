@@ -9,10 +9,12 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from ..formats import BFLOAT16, FLOAT8_E4M3, FLOAT16, NVFP4, Format
+from ..formats import BFLOAT16, FLOAT16, FORMATS, MXFP8, NVFP4
 
 # The float32 value of every E4M3 byte (NaN for the two NaN codes).
 E4M3_VALUES = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+# Values per block scale of the block-scaled encoders.
+NVFP4_BLOCK, MXFP8_BLOCK = FORMATS[NVFP4].block, FORMATS[MXFP8].block
 # E2M1 codes go up by one past each midpoint; ``>=`` where the tie goes to the even code above.
 E2M1_MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False),
                   (3.5, True), (5.0, False))
@@ -76,28 +78,38 @@ class ArrayEngine:
             code += (magnitude >= midpoint) if inclusive else (magnitude > midpoint)
         return code | xp.where(q < 0, 8, 0).astype(xp.uint8)
 
-    def quantize(self, fmt: Format, x, scale, out, blocks) -> None:
-        """Fill ``out`` (and ``blocks``) with the codes of a chunk's float32 values ``x``."""
+    def fp8(self, x, scale, out, blocks) -> None:
+        """Fill ``out`` with the E4M3 codes of a chunk's float32 values ``x`` over ``scale``."""
         xp = self.xp
-        if fmt.code == FLOAT8_E4M3:
-            out[...] = self.e4m3(xp.clip(x / xp.float32(scale), -448, 448).astype(xp.float32))
-            return
+        out[...] = self.e4m3(xp.clip(x / xp.float32(scale), -448, 448).astype(xp.float32))
+
+    def nvfp4(self, x, scale, out, blocks) -> None:
+        """Fill ``out`` with the packed E2M1 codes of ``x`` (two a byte, low nibble first) and
+        ``blocks`` with their E4M3 scales, one per 16 values."""
+        xp = self.xp
         rows = x.shape[0]
-        x = x.reshape(rows, -1, fmt.block)
+        x = x.reshape(rows, -1, NVFP4_BLOCK)
         top = xp.abs(x).max(axis=2)
-        if fmt.code == NVFP4:
-            scale = xp.float32(scale)
-            byte = self.e4m3(xp.minimum((top / xp.float32(6)) / scale, xp.float32(448)))
-            byte = xp.where(byte == 0, xp.where(top > 0, 1, 0x38), byte).astype(xp.uint8)
-            step = self.e4m3_values[byte] * scale
-            codes = self.e2m1(xp.clip(x / step[..., None], -6, 6).astype(xp.float32))
-            codes = codes.reshape(rows, -1, 2)
-            out[...] = codes[..., 0] | (codes[..., 1] << 4)
-        else:
-            byte = self.e8m0(top)
-            power = (byte.astype(xp.uint32) << 23).view(xp.float32)
-            q = xp.clip(x / power[..., None], -448, 448).astype(xp.float32)
-            out[...] = self.e4m3(q).reshape(rows, -1)
+        scale = xp.float32(scale)
+        byte = self.e4m3(xp.minimum((top / xp.float32(6)) / scale, xp.float32(448)))
+        byte = xp.where(byte == 0, xp.where(top > 0, 1, 0x38), byte).astype(xp.uint8)
+        step = self.e4m3_values[byte] * scale
+        codes = self.e2m1(xp.clip(x / step[..., None], -6, 6).astype(xp.float32))
+        codes = codes.reshape(rows, -1, 2)
+        out[...] = codes[..., 0] | (codes[..., 1] << 4)
+        blocks[...] = byte
+
+    def mxfp8(self, x, scale, out, blocks) -> None:
+        """Fill ``out`` with the E4M3 codes of ``x`` and ``blocks`` with their UE8M0 scales, one
+        per 32 values."""
+        xp = self.xp
+        rows = x.shape[0]
+        x = x.reshape(rows, -1, MXFP8_BLOCK)
+        top = xp.abs(x).max(axis=2)
+        byte = self.e8m0(top)
+        power = (byte.astype(xp.uint32) << 23).view(xp.float32)
+        q = xp.clip(x / power[..., None], -448, 448).astype(xp.float32)
+        out[...] = self.e4m3(q).reshape(rows, -1)
         blocks[...] = byte
 
     def e8m0(self, top):

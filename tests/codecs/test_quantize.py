@@ -89,7 +89,7 @@ def test_array_path_matches_the_cpu_kernels(to):
     engine = ArrayEngine(np)
     out = np.empty(q.weight.shape, np.uint8)
     blocks = None if q.block_scales is None else np.empty(q.block_scales.shape, np.uint8)
-    engine.quantize(q.format, source.astype(np.float32), q.scale, out, blocks)
+    getattr(engine, q.format.encoder)(source.astype(np.float32), q.scale, out, blocks)
     assert np.array_equal(out, q.weight.view(np.uint8))
     if blocks is not None:
         assert np.array_equal(blocks, q.block_scales.view(np.uint8))
