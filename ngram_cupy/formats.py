@@ -10,7 +10,7 @@ Qwen4Exp parameter names), and the checkpoints of each family that hold it. The 
 transformers adapter and the checkpoint loaders ask these entries; none of them names a format.
 
 Adding a format is one entry here plus its decoding: ``dequant.py`` (the plain NumPy definition
-every path is tested against), the Numba row decoder in ``gather_numba.py`` and
+every path is tested against), the Numba row decoder in ``codecs/row_decoders.py`` and
 ``kernels/dequant.cuh``; ``tests/codecs/test_decoders.py`` checks every entry's decoders against
 each other, and docs/tables.md says the same.
 
