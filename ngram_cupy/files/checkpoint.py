@@ -25,7 +25,13 @@ from ..formats import (
 from ..hashing.config import NGramConfig
 from ..hashing.layout import LayerLayout, layer_layout, split_rows
 from ..tables.hot_rows import check_hot_rows
-from ..tables.storage import RowsSource, place, placement_named
+from ..tables.storage import (
+    TABLE_PLACEMENT,
+    RowsSource,
+    place,
+    placement_list,
+    placement_named,
+)
 from ..tables.table import EmbeddingTable
 from .checkpoint_discovery import find_prefix
 from .checkpoint_names import (
@@ -48,7 +54,7 @@ def load_ngram_embedding(
     config: NGramConfig,
     layer: int,
     prefix: str | None = None,
-    placement: str = "cpu",
+    placement: str = TABLE_PLACEMENT,
     rank: int = 0,
     world_size: int = 1,
     progress: bool | None = None,
@@ -105,7 +111,8 @@ def load_ngram_embedding(
     row_start, row_stop = rank_rows(layout, rank, world_size)
     if hot_rows is not None:
         if mapped:
-            raise ValueError(f"hot_rows need placement 'pinned' or 'cpu', not {placement!r}")
+            raise ValueError(f"hot_rows need placement {placement_list('pinned', 'cpu')}, not "
+                             f"{placement!r}")
         hot_rows = check_hot_rows(hot_rows, 0, layout.padded_rows)
         hot_rows = hot_rows[np.searchsorted(hot_rows, row_start):
                             np.searchsorted(hot_rows, row_stop)]

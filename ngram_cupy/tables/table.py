@@ -36,7 +36,15 @@ from ..runtime.checks import (
 )
 from .hot_rows import check_hot_rows
 from .prefetch import Prefetcher
-from .storage import Gather, Storage, adopt, allocate, canonical_placement
+from .storage import (
+    TABLE_PLACEMENT,
+    Gather,
+    Storage,
+    adopt,
+    allocate,
+    canonical_placement,
+    placement_list,
+)
 from .storage.tiered import TieredStorage
 
 
@@ -106,7 +114,7 @@ class EmbeddingTable:
         a scale or block scales the format does not take).
     """
 
-    def __init__(self, weight, scale=None, placement: str = "cpu", row_start: int = 0,
+    def __init__(self, weight, scale=None, placement: str = TABLE_PLACEMENT, row_start: int = 0,
                  total_rows: int | None = None, *, dtype=None, dedup: bool = False,
                  hot_rows=None, scale_rounding: str = "output", block_scales=None):
         check_scale_rounding(scale_rounding)
@@ -145,8 +153,8 @@ class EmbeddingTable:
                     total_rows, dedup, scale_rounding)
 
     @classmethod
-    def empty(cls, num_rows: int, head_dim: int, dtype, placement: str = "cpu", scale=None,
-              row_start: int = 0, total_rows: int | None = None, *,
+    def empty(cls, num_rows: int, head_dim: int, dtype, placement: str = TABLE_PLACEMENT,
+              scale=None, row_start: int = 0, total_rows: int | None = None, *,
               dedup: bool = False, hot_rows=None,
               scale_rounding: str = "output") -> EmbeddingTable:
         """Allocated, unfilled storage, to be filled with ``write_rows`` (checkpoint loading)."""
@@ -328,7 +336,8 @@ class EmbeddingTable:
             raise ValueError("this table is in GPU memory: pass ids on the GPU (CuPy or CUDA "
                              "torch)")
         raise ValueError(f"this table (placement={self.placement!r}) is not readable by the "
-                         "GPU: pass NumPy / CPU ids, or place it on 'gpu' or 'pinned'")
+                         "GPU: pass NumPy / CPU ids, or place it on "
+                         + placement_list("gpu", "pinned"))
 
     def destination(self, side: Backend, ids_shape: tuple[int, int], out, out_dtype,
                     out_format: Format | None = None) -> tuple[Format, Any]:

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import simulator
 import torch
+from mapped_table import MappedTable
 
 import ngram_cupy as nc
 from ngram_cupy.formats import FORMATS, OUTPUT_CODES, find_format
 from ngram_cupy.ids import fused_cuda, ids_cuda
-from ngram_cupy.tables.mapped_table import MappedTable
 
 FP8 = ml_dtypes.float8_e4m3fn
 ALL_CODES = np.arange(256, dtype=np.uint8).reshape(16, 16)  # every fp8 byte, 16 rows of 16

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import simulator
 from conftest import assert_same, laid_out
+from mapped_table import MappedTable
 
 import ngram_cupy as nc
 from ngram_cupy.codecs.dequant import reference_block_lookup
@@ -19,7 +20,6 @@ from ngram_cupy.ids import fused_cuda, ids_cuda
 from ngram_cupy.tables import gather_cupy
 from ngram_cupy.tables.gather_numba import gather_rows
 from ngram_cupy.tables.hot_rows import build_map
-from ngram_cupy.tables.mapped_table import MappedTable
 
 FMT = FORMATS[MXFP8]
 E4M3 = ml_dtypes.float8_e4m3fn

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import simulator
 from conftest import assert_same, laid_out
+from mapped_table import MappedTable
 
 import ngram_cupy as nc
 from ngram_cupy.codecs.dequant import reference_block_lookup
@@ -20,7 +21,6 @@ from ngram_cupy.formats import FORMATS, NVFP4, OUTPUT_CODES, find_format
 from ngram_cupy.ids import fused_cuda, ids_cuda
 from ngram_cupy.tables import gather_cupy
 from ngram_cupy.tables.gather_numba import gather_rows
-from ngram_cupy.tables.mapped_table import MappedTable
 
 GOLDEN = sorted((Path(__file__).resolve().parents[1] / "data" / "golden" / "nvfp4").glob("*.npz"))
 FMT = FORMATS[NVFP4]

@@ -14,12 +14,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 from conftest import layer_rows
+from mapped_table import MappedTable
 
 import ngram_cupy as nc
 from ngram_cupy.codecs.dequant import reference_lookup
 from ngram_cupy.memory import page_reads as page_prefetch
 from ngram_cupy.runtime.backends import DEVICE, HOST
-from ngram_cupy.tables.mapped_table import MappedTable
 from ngram_cupy.tables.storage import mapped
 
 # 4 heads of prime sizes 11, 13, 17, 19: 60 rows padded to 64, in 3 shards; rows of 256 bytes.

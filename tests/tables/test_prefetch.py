@@ -193,7 +193,7 @@ def test_the_worker_never_runs_a_parallel_gather(fp8_small, monkeypatch):
     """Numba's workqueue threading layer aborts the process when two threads run parallel
     kernels at once: the worker's gathers are serial, even for batches that get threads on the
     caller's side."""
-    from ngram_cupy.tables.mapped_table import MappedTable
+    from mapped_table import MappedTable
 
     calls = []
     real = gather_numba.gather_rows

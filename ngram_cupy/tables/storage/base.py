@@ -13,6 +13,12 @@ from ...runtime.backends import HOST, Backend
 from ...runtime.used_streams import UsedStreams
 
 
+def placement_list(*names: str) -> str:
+    """Placement names for a message, quoted and joined: ``'cpu', 'pinned' or 'gpu'``."""
+    quoted = [repr(name) for name in names]
+    return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
+
+
 @dataclass
 class Gather:
     """One gather: ids ``[T, H]`` (contiguous int32/int64 on ``side``) into the raw output

@@ -8,7 +8,7 @@ import numpy as np
 
 from ...formats import Format
 from ...runtime.backends import DEVICE, cuda_stream
-from .base import Gather, Storage
+from .base import Gather, Storage, placement_list
 
 
 def gather_device(rows, code: int, job: Gather, scales=None) -> None:
@@ -70,8 +70,8 @@ class GpuStorage(Storage):
 
     def training_refusal(self) -> str | None:
         """Row optimizers update host rows only, so far."""
-        return ("training tables in GPU memory is not supported yet: place the table on 'cpu', "
-                "'pinned' or 'shared'")
+        return ("training tables in GPU memory is not supported yet: place the table on "
+                + placement_list("cpu", "pinned", "shared"))
 
     def gather(self, job: Gather) -> None:
         """The CUDA gather."""

@@ -1,13 +1,14 @@
-"""A CPU table served straight from memory-mapped checkpoint shards (``storage.mapped``)."""
+"""A test fixture: a CPU table served straight from memory-mapped blocks the test hands it
+(``tables.storage.mapped``), to check mapped gathers against plain ones."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from ..codecs.scales import block_scale_bits
-from ..formats import storage_format
-from .storage.mapped import MappedStorage
-from .table import EmbeddingTable
+from ngram_cupy.codecs.scales import block_scale_bits
+from ngram_cupy.formats import storage_format
+from ngram_cupy.tables.storage.mapped import MappedStorage
+from ngram_cupy.tables.table import EmbeddingTable
 
 
 class MappedTable(EmbeddingTable):
