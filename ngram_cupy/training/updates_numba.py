@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from ..codecs.dequant import bits_to_float32, float32_to_bits
 from ..formats import BFLOAT16, FLOAT32
-from ..tables.dequant import bits_to_float32, float32_to_bits
 
 SGD, ROWWISE_ADAGRAD, ADAM, ROWWISE_ADAM = 0, 1, 2, 3
 # The row formats ``update_rows`` loads and stores (``load``, ``store``).

@@ -8,7 +8,7 @@ import numpy as np
 
 from ...formats import Format
 from ...runtime.backends import DEVICE, cuda_stream
-from .base import Gather, Storage
+from .base import Gather, Storage, placement_list
 
 
 def gather_device(rows, code: int, job: Gather, scales=None) -> None:
@@ -48,7 +48,7 @@ def fill(destination, rows, stream: Any) -> None:
 class GpuStorage(Storage):
     """``[num_rows, head_dim]`` raw bits of ``fmt`` in a CuPy array (the caller's, or new); a
     block-scaled format's rows and block ``scales``, as views into one record per row when
-    ``packed`` (see ``tables.packed``)."""
+    ``packed`` (see ``codecs.records``)."""
 
     placement = "gpu"
     device_resident = True
@@ -70,8 +70,8 @@ class GpuStorage(Storage):
 
     def training_refusal(self) -> str | None:
         """Row optimizers update host rows only, so far."""
-        return ("training tables in GPU memory is not supported yet: place the table on 'cpu', "
-                "'pinned' or 'shared'")
+        return ("training tables in GPU memory is not supported yet: place the table on "
+                + placement_list("cpu", "pinned", "shared"))
 
     def gather(self, job: Gather) -> None:
         """The CUDA gather."""
