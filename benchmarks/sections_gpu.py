@@ -201,7 +201,7 @@ def bench_host_gpu(quick: bool) -> Section:
     the prefetch with a stand-in decoder layer."""
     import cupy
 
-    from ngram_cupy.tables.pinned_memory import PinnedBuffer
+    from ngram_cupy.memory.pinned import PinnedBuffer
 
     section = Section("pinned host table, UVA gather over PCIe (16 x 160-byte fp8 rows per "
                       "token -> bf16)", "gpu")

@@ -15,8 +15,9 @@
 #   loaded CPUs here, its slowest kernel 34 s) | gpu tests: ~150 s, each file its own pytest
 #   (their kernels compiled once, then shared through the cache) | graph, misaligned,
 #   fresh-fill: ~10 s each | train: ~30 s (estimated) | packed-uva: ~15 s (estimated: 700 MiB
-#   of pinned rows made and filled, 3 x 22 timed gathers and copies) | bench --quick: ~60 s |
-#   memcheck, racecheck: ~45 s each
+#   of pinned rows made and filled, 3 x 22 timed gathers and copies) | jax-gpu: ~15 s
+#   (estimated: jax's start and five small tables; not yet run on a device) | bench --quick:
+#   ~60 s | memcheck, racecheck: ~45 s each
 # The simulator, PTX, host-build and CPU tests run in CI, not here.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -139,6 +140,10 @@ step train 60 python3 scripts/gpu_workload.py train
 # records vs fp8 rows vs two arrays, beside cudaMemcpy of the same bytes (packed-uva.md).
 export PACKED_UVA_OUT="$out/packed-uva.md"
 step packed-uva 30 python3 scripts/gpu_workload.py packed-uva
+
+# 4b. ngram_cupy.jax on the GPU: ids and lookups of CUDA JAX arrays, eager and jitted, against
+# the CPU's bits (XLA FFI custom calls on XLA's stream); skipped inside when jax has no CUDA.
+step jax-gpu 30 python3 scripts/jax_gpu_check.py
 
 # 5. The quick GPU benchmark (tables and plot straight into $out).
 step bench 75 python3 bench.py --device gpu --quick --output "$out/bench-results.md"

@@ -203,8 +203,9 @@ def case_packed_uva() -> None:
     import cupy
 
     from ngram_cupy.formats import BFLOAT16, FLOAT8_E4M3, NVFP4
-    from ngram_cupy.tables.gather_cupy import data_address, gather_rows
-    from ngram_cupy.tables.pinned_memory import PinnedBuffer
+    from ngram_cupy.memory.pinned import PinnedBuffer
+    from ngram_cupy.runtime.backends import data_address
+    from ngram_cupy.tables.gather_cupy import gather_rows
 
     rng = np.random.default_rng(4)
     rows, tokens, heads = 1 << 21, 4096, 16  # 192 MiB of records: far past the GPU's caches

@@ -7,7 +7,7 @@ import json
 import numpy as np
 
 from ..formats import FORMATS
-from ..tables import shared_memory
+from ..memory import shared as shared_memory
 from .updates_numba import ROW_FORMATS
 
 # The formats a row optimizer updates in place: those its kernel loads and stores.

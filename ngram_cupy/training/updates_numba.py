@@ -10,9 +10,9 @@ import math
 import numpy as np
 from numba import njit, prange
 
+from ..codecs.dequant import bits_to_float32, float32_to_bits
 from ..formats import BFLOAT16, FLOAT32
 from ..runtime.jitable import inline_jitable
-from ..tables.dequant import bits_to_float32, float32_to_bits
 from .float_ops import add, div, mul, sqrt, sub
 
 SGD, ROWWISE_ADAGRAD, ADAM, ROWWISE_ADAM = 0, 1, 2, 3

@@ -25,7 +25,7 @@ from test_transformers import (  # noqa: E402
 from transformers import Qwen4ExpForCausalLM  # noqa: E402
 
 import ngram_cupy as nc  # noqa: E402
-from ngram_cupy.cli import main  # noqa: E402
+from ngram_cupy.cli.main import main  # noqa: E402
 from ngram_cupy.files import safetensors_files  # noqa: E402
 from ngram_cupy.runtime.atomic import STALE_SECONDS, TEMP_PREFIX  # noqa: E402
 from ngram_cupy.transformers import ngram_config, use_ngram_cupy  # noqa: E402

@@ -19,6 +19,7 @@ from kernel_builds import build_for
 from numba import cuda
 
 import ngram_cupy as nc
+from ngram_cupy.codecs import dequant
 from ngram_cupy.ids import fused_cuda, ids_cuda
 from ngram_cupy.runtime import cuda_launch
 from ngram_cupy.runtime.cuda_launch import (
@@ -30,7 +31,6 @@ from ngram_cupy.runtime.cuda_launch import (
     flatten,
     llvm_params,
 )
-from ngram_cupy.tables import dequant
 
 
 @pytest.fixture(autouse=True)

@@ -15,10 +15,11 @@ import pytest
 import simulator
 
 import ngram_cupy as nc
+from ngram_cupy.codecs import dequant
+from ngram_cupy.codecs.dequant import FORMATS, OUTPUT_CODES, reference_lookup
 from ngram_cupy.formats import PLAIN_FORMATS  # NVFP4's own tests: test_nvfp4
 from ngram_cupy.ids import fused_cuda, ids_cuda
-from ngram_cupy.tables import dequant, gather_cupy
-from ngram_cupy.tables.dequant import FORMATS, OUTPUT_CODES, reference_lookup
+from ngram_cupy.tables import gather_cupy
 from ngram_cupy.tables.gather_numba import gather_rows
 
 

@@ -48,7 +48,7 @@ def fill(destination, rows, stream: Any) -> None:
 class GpuStorage(Storage):
     """``[num_rows, head_dim]`` raw bits of ``fmt`` in a CuPy array (the caller's, or new); a
     block-scaled format's rows and block ``scales``, as views into one record per row when
-    ``packed`` (see ``tables.packed``)."""
+    ``packed`` (see ``codecs.records``)."""
 
     placement = "gpu"
     device_resident = True
