@@ -8,6 +8,7 @@ import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 import numpy as np
 
@@ -65,7 +66,8 @@ def check_rank(table, rank, world_size) -> None:
 
 def check_layout(shards: list[SavedShard], optimizer) -> list[SavedShard]:
     """The shards sorted by row; a ValueError unless they come from one table of the
-    optimizer's layout (total rows, head_dim, dtype, optimizer, step) and tile its rows."""
+    optimizer's layout (total rows, head_dim, dtype, optimizer, steps, settings), overlap
+    nowhere and hold every row of this table."""
     table = optimizer.table
     want = {"total rows": table.total_rows, "head_dim": table.head_dim,
             "dtype": table.format.name, "optimizer": optimizer.name}
@@ -82,17 +84,21 @@ def check_layout(shards: list[SavedShard], optimizer) -> list[SavedShard]:
             raise ValueError(f"the saved shards have different {key} ({', '.join(sorted(values))}"
                              f"): not one training state")
     ordered = sorted(shards, key=lambda shard: shard.row_start)
-    covered = 0
+    for before, after in pairwise(ordered):
+        if after.row_start < before.row_stop:
+            raise ValueError(f"the saved shards overlap at row {after.row_start} ({before.path} "
+                             f"and {after.path}): pass each rank's file once")
+    start, stop = table.row_start, table.row_start + table.num_rows
+    covered = start  # this table's rows found so far, in order
     for shard in ordered:
-        if shard.row_start != covered:
-            kind = "overlap" if shard.row_start < covered else "leave a gap"
-            raise ValueError(f"the saved shards {kind} at row {min(covered, shard.row_start)} "
-                             f"({shard.path} starts at {shard.row_start}): pass every rank's "
-                             f"file, once")
-        covered = shard.row_stop
-    if covered != table.total_rows:
-        raise ValueError(f"the saved shards hold rows [0, {covered}) of {table.total_rows}: "
-                         f"pass every rank's file")
+        if shard.row_start > covered:
+            break
+        covered = max(covered, shard.row_stop)
+    if covered < stop:
+        following = [shard.row_start for shard in ordered if shard.row_start > covered]
+        gap_end = min([stop, *following])
+        raise ValueError(f"rows [{covered}, {gap_end}) of this table are in none of the saved "
+                         f"files: pass every rank's file")
     return ordered
 
 

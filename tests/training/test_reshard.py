@@ -123,9 +123,9 @@ def test_another_table_layout_is_a_clear_error(saved_two):
 
 def test_shards_must_tile_the_rows_and_the_rank_own_the_table(saved_two):
     optimizer = shard_optimizers(1, "rowwise_adagrad", np.zeros((TOTAL, DIM), np.float32))[0]
-    with pytest.raises(ValueError, match=r"hold rows \[0, 21\) of 41: pass every rank's file"):
+    with pytest.raises(ValueError, match=r"rows \[21, 41\) of this table are in none"):
         nc.load_training_state(saved_two[:1], optimizer)
-    with pytest.raises(ValueError, match="leave a gap at row 0"):
+    with pytest.raises(ValueError, match=r"rows \[0, 21\) of this table are in none"):
         nc.load_training_state(saved_two[1:], optimizer)
     with pytest.raises(ValueError, match="overlap at row 0"):
         nc.load_training_state(saved_two + saved_two[:1], optimizer)
@@ -169,3 +169,12 @@ def test_a_file_saved_before_row_ranges_holds_a_whole_table(tmp_path):
     for rank, optimizer in enumerate(after):
         nc.load_training_state(tmp_path / "old.safetensors", optimizer, rank=rank, world_size=2)
     assert same_bits(after, [whole_table])
+
+
+def test_a_rank_needs_only_the_files_holding_its_rows(saved_two):
+    weight = np.zeros((TOTAL, DIM), np.float32)
+    (first, second) = shard_optimizers(2, "rowwise_adagrad", weight)
+    nc.load_training_state(saved_two[1:], second, rank=1, world_size=2)
+    assert second.rows.any() and second.steps == 1
+    with pytest.raises(ValueError, match=r"rows \[0, 21\) of this table are in none"):
+        nc.load_training_state(saved_two[1:], first, rank=0, world_size=2)
