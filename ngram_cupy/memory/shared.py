@@ -18,7 +18,8 @@ gone at once, so nobody waits on it; a live creator is waited for (``timeout``);
 that does not answer within ``HANDOVER_SECONDS`` is an error naming its pid. The segment is
 sealed against resizing (so no process can shrink it under the others' mappings) and mapped
 shared and writable in every process. Where anonymous shared memory cannot hold the rows (less
-memory available than the segment needs, ``memfd_create`` missing or refused), the rows go to
+memory available than the segment needs, ``memfd_create`` missing or refused, a size the kernel
+refuses: ``EFBIG`` over ``RLIMIT_FSIZE``), the rows go to
 private memory with a ``SharedMemoryFallbackWarning`` naming the sizes, or, strict, an
 ``OSError``. ``NGRAM_CUPY_SHM_DIR`` scopes the names: processes share segments when they see the
 same value (default ``/dev/shm``); nothing is written there.
@@ -51,7 +52,7 @@ MESSAGE = struct.Struct("<8sQ32s")  # magic, rows' bytes, key digest: sent with 
 HANDOVER_SECONDS = 5.0  # a live holder's thread answers in milliseconds
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 NO_ROOM = (errno.ENOSPC, errno.ENOMEM, errno.ENOSYS, errno.EPERM, errno.EACCES, errno.EMFILE,
-           errno.ENFILE)
+           errno.ENFILE, errno.EFBIG)  # EFBIG: over RLIMIT_FSIZE (CPython ignores SIGXFSZ)
 
 
 class SharedMemoryFallbackWarning(RuntimeWarning):

@@ -214,6 +214,39 @@ def test_too_little_memory_falls_back_to_private_rows_or_refuses(fp8_layer, shm_
     assert_nothing_left(shm_dir)
 
 
+OVER_FILE_SIZE_LIMIT = """
+import errno, json, resource, warnings
+from ngram_cupy.memory import shared as sm
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    private = sm.attach("rows", 10_000, lambda memory: memory.write(bytes([5]) * 10_000))
+try:
+    sm.attach("rows", 10_000, print, strict=True)
+except sm.SharedMemoryUnavailable as error:
+    refused = [error.errno == errno.EFBIG, str(error)]
+print(json.dumps({"shared": private.shared, "rows": private.memory[:] == bytes([5]) * 10_000,
+                  "warned": [(w.category.__name__, str(w.message)) for w in caught],
+                  "refused": refused}))
+"""
+
+
+def test_a_segment_over_the_file_size_limit_falls_back_or_refuses(shm_dir):
+    """ftruncate of a memfd past RLIMIT_FSIZE fails with EFBIG: private rows with the warning,
+    or SharedMemoryUnavailable when strict, never a bare OSError."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get(
+        "PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-S", "-c", OVER_FILE_SIZE_LIMIT], env=env,
+                          capture_output=True, text=True, timeout=WAIT_S)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert not result["shared"] and result["rows"]
+    [(category, message)] = result["warned"]
+    assert category == "SharedMemoryFallbackWarning" and "10,000 bytes" in message, message
+    assert "File too large" in message
+    assert result["refused"][0] and "could not reserve 10,000 bytes" in result["refused"][1]
+
+
 def test_memory_available_is_positive_and_at_most_the_node_memory():
     available = sm.memory_available()
     with open("/proc/meminfo") as meminfo:
@@ -504,6 +537,55 @@ def test_twenty_rounds_of_a_four_process_kill_race_leave_nothing(shm_dir):
             kill(process)
         assert_nothing_left(shm_dir)
     assert killed_attached > 0
+
+
+SOAK_WORKER = Path(__file__).with_name("soak_worker.py")
+SOAK_ROUNDS = 50
+
+
+def soak_process(mode, key, seed=0):
+    """A started tests/memory/soak_worker.py (``slot`` or ``churn``), its pipes open."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get(
+        "PYTHONPATH", "")])}
+    return subprocess.Popen(
+        [sys.executable, "-S", str(SOAK_WORKER), mode, key, str(1 << 16), str(seed)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True, bufsize=1)
+
+
+def test_fifty_rounds_of_four_attaches_and_a_kill_all_answer_in_time(shm_dir):
+    """Fifty rounds, at once one after the other, of one table: four processes attach it (no
+    timeout), one of them is SIGKILLed, the others detach and end; meanwhile other processes
+    attach it and are SIGKILLed at random moments (waiting, filling, handing over). Every attach
+    answers within its bound, with the whole rows, and nothing is left."""
+    rng = random.Random(43)
+    slots = [soak_process("slot", "soak") for _ in range(4)]
+    churn = soak_process("churn", "soak", seed=43)
+    try:
+        for round_ in range(SOAK_ROUNDS):
+            for process in slots:
+                process.stdin.write("attach\n")
+            for process in slots:
+                attached = report(process, ATTACH_LIMIT_S)
+                assert attached.get("complete") and attached["seconds"] < ATTACH_LIMIT_S, (
+                    round_, attached)
+            victim = rng.randrange(4)
+            for index, process in enumerate(slots):
+                process.stdin.write("kill\n" if index == victim else "end\n")
+        churn.stdin.close()
+        lines = [json.loads(line) for line in churn.stdout]
+        assert churn.wait(WAIT_S) == 0
+        assert lines[-1]["late"] == [] and lines[-1]["killed"] > 0, lines
+        assert all("error" not in line for line in lines), lines
+    finally:
+        for process in [*slots, churn]:
+            for pipe in (process.stdin, process.stdout):
+                try:
+                    pipe.close()
+                except (BrokenPipeError, ValueError):
+                    pass
+            if process.wait(WAIT_S) != 0:
+                process.kill()
+    assert_nothing_left(shm_dir)
 
 
 # --- on a GPU -------------------------------------------------------------------------------
