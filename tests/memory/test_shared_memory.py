@@ -320,6 +320,60 @@ def test_a_forked_child_neither_serves_nor_keeps_the_segment(shm_dir):
         os.waitpid(child, 0)
 
 
+def test_a_child_forked_during_the_fill_keeps_no_name(shm_dir):
+    """A child forked while the creator fills (by another thread, a worker pool...) closes its
+    copies of the sockets: the names go with the processes that bound them, so a later
+    process is never left waiting on a name nobody answers (issue 43)."""
+    release_read, release_write = os.pipe()
+    children = []
+
+    def fill_and_fork(memory):
+        child = os.fork()
+        if child == 0:  # lives on, holding whatever it inherited, until released
+            os.close(release_write)
+            os.read(release_read, 1)
+            os._exit(0)
+        children.append(child)
+        memory[:] = bytes([6]) * len(memory)
+
+    try:
+        segment = sm.attach("rows", 4096, fill_and_fork)
+        assert segment.created and len(children) == 1
+        segment.close()
+        assert sm.own_segments(shm_dir) == []  # neither the creation name nor a holder's
+    finally:
+        os.close(release_write)
+        for child in children:
+            os.waitpid(child, 0)
+        os.close(release_read)
+
+
+def test_a_creation_name_outliving_its_creator_is_an_error_naming_it(shm_dir):
+    """A copy of a creation name's socket that the fork hooks never saw (a fork from C code)
+    outlives its creator: the waiter names the dead creator instead of waiting forever."""
+    release_read, release_write = os.pipe()
+    creator = os.fork()
+    if creator == 0:  # binds the name, leaves a copy in a child, ends mid-fill
+        sock = rendezvous.bind(sm.segment_name("rows", shm_dir))
+        rendezvous.SOCKETS.discard(sock)
+        os.close(release_write)
+        if os.fork() == 0:
+            os.read(release_read, 1)
+            os._exit(0)
+        os._exit(0)
+    try:
+        os.waitpid(creator, 0)
+        began = time.monotonic()
+        with pytest.raises(TimeoutError, match=f"process {creator}, which bound .* is gone"):
+            sm.attach("rows", 4096, fill_with(1), timeout=ATTACH_LIMIT_S)
+        assert time.monotonic() - began < ATTACH_LIMIT_S / 2
+    finally:
+        os.close(release_write)
+        os.close(release_read)
+    while sm.own_segments(shm_dir):  # the child saw its pipe close and ends
+        time.sleep(0.01)
+
+
 # --- several processes -----------------------------------------------------------------------
 
 
