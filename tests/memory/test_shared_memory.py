@@ -598,33 +598,41 @@ SOAK_ROUNDS = 50
 
 
 def soak_process(mode, key, seed=0):
-    """A started tests/memory/soak_worker.py (``slot`` or ``churn``), its pipes open."""
+    """A started tests/memory/soak_worker.py (``slot`` or ``churn``), its pipes open and
+    unbuffered (a line read takes no byte of the next: ``report`` selects on the pipe)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get(
         "PYTHONPATH", "")])}
     return subprocess.Popen(
         [sys.executable, "-S", str(SOAK_WORKER), mode, key, str(1 << 16), str(seed)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True, bufsize=1)
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, bufsize=0)
 
 
 def test_fifty_rounds_of_four_attaches_and_a_kill_all_answer_in_time(shm_dir):
     """Fifty rounds, at once one after the other, of one table: four processes attach it (no
     timeout), one of them is SIGKILLed, the others detach and end; meanwhile other processes
-    attach it and are SIGKILLed at random moments (waiting, filling, handing over). Every attach
-    answers within its bound, with the whole rows, and nothing is left."""
+    attach it and are SIGKILLed at random moments (waiting, filling, handing over), some after
+    forking a process that outlives them. Every attach answers within its bound, with the whole
+    rows, and nothing is left."""
     rng = random.Random(43)
     slots = [soak_process("slot", "soak") for _ in range(4)]
     churn = soak_process("churn", "soak", seed=43)
     try:
+        ending = False  # the last round's children may still be ending
         for round_ in range(SOAK_ROUNDS):
             for process in slots:
-                process.stdin.write("attach\n")
+                process.stdin.write(b"attach\n")
             for process in slots:
+                if ending:
+                    assert "ended" in report(process, ATTACH_LIMIT_S)
                 attached = report(process, ATTACH_LIMIT_S)
                 assert attached.get("complete") and attached["seconds"] < ATTACH_LIMIT_S, (
                     round_, attached)
             victim = rng.randrange(4)
             for index, process in enumerate(slots):
-                process.stdin.write("kill\n" if index == victim else "end\n")
+                process.stdin.write(b"kill\n" if index == victim else b"end\n")
+            ending = round_ % 2 == 0  # else the next round begins once no slot holds it
+            for process in slots if not ending else ():
+                assert "ended" in report(process, ATTACH_LIMIT_S)
         churn.stdin.close()
         lines = [json.loads(line) for line in churn.stdout]
         assert churn.wait(WAIT_S) == 0
@@ -639,6 +647,9 @@ def test_fifty_rounds_of_four_attaches_and_a_kill_all_answer_in_time(shm_dir):
                     pass
             if process.wait(WAIT_S) != 0:
                 process.kill()
+    began = time.monotonic()  # the processes forked in fills saw their pipe close and end
+    while segment_users(shm_dir) and time.monotonic() - began < ATTACH_LIMIT_S:
+        time.sleep(0.01)
     assert_nothing_left(shm_dir)
 
 
