@@ -5,6 +5,12 @@ bound to it, so a killed process leaves none behind. A process that holds a segm
 name, listens, and a thread of it sends the segment's descriptor (``SCM_RIGHTS``) with a short
 message to every connecting process of the same user. Bound names are listed from
 ``/proc/net/unix`` (the sockets of this network namespace, as the abstract names are).
+
+A forked child closes its copies of these sockets at once. A copy would keep a name bound after
+the process that bound it is gone, with nobody answering on it: a child forked while a segment
+was filled kept the creation name, so once the creator had handed the segment over and ended
+(killed, say) and its holders had ended too, every later process found the name taken,
+connected, and waited for a hand-over that never came (issue 43: an attach that never answered).
 """
 
 from __future__ import annotations
@@ -16,15 +22,33 @@ import socket
 import struct
 import threading
 import time
+import weakref
 
 BACKLOG = 4096  # waiters queue here while a segment is filled (the kernel caps it: somaxconn)
 PEER_CREDENTIALS = struct.Struct("3i")  # pid, uid, gid (SO_PEERCRED)
 UNIX_TABLE = "/proc/net/unix"
+SEND_SECONDS = 5.0  # a hand-over to a peer that stopped reading is given up after this
+SOCKETS: weakref.WeakSet[socket.socket] = weakref.WeakSet()  # closed in a forked child
+
+
+def opened(sock: socket.socket) -> socket.socket:
+    """``sock``, registered to be closed in any child this process forks."""
+    SOCKETS.add(sock)
+    return sock
+
+
+def close_in_child() -> None:
+    """In a forked child: close the copies of this process's rendezvous sockets (see above)."""
+    for sock in list(SOCKETS):
+        sock.close()
+
+
+os.register_at_fork(after_in_child=close_in_child)
 
 
 def bind(name: str) -> socket.socket | None:
     """A listening socket bound to the abstract ``name``; None when another socket has it."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock = opened(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
     try:
         sock.bind("\0" + name)
     except OSError as error:
@@ -37,8 +61,9 @@ def bind(name: str) -> socket.socket | None:
 
 
 def connect(name: str, timeout: float | None) -> socket.socket | None:
-    """A socket connected to the abstract ``name``; None when nothing listens there."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    """A socket connected to the abstract ``name``; None when nothing listens there. With a
+    ``timeout``, ``BlockingIOError`` when the listener's queue is full."""
+    sock = opened(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
     sock.settimeout(timeout)
     try:
         sock.connect("\0" + name)
@@ -49,6 +74,16 @@ def connect(name: str, timeout: float | None) -> socket.socket | None:
         sock.close()
         raise
     return sock
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (exists and is no zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            state = stat.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
 
 
 def peer(sock: socket.socket) -> tuple[int, int]:
@@ -108,17 +143,17 @@ def hand_over(sock: socket.socket, message: bytes, fd: int) -> None:
             conn, _ = sock.accept()
         except OSError:  # none left (or one gone meanwhile): later ones look elsewhere
             return
-        with conn:
-            conn.setblocking(True)
+        with opened(conn):
             give(conn, message, fd)
 
 
 def give(conn: socket.socket, message: bytes, fd: int) -> None:
     """Send the descriptor when the peer is a process of this user; drop it otherwise."""
     try:
+        conn.settimeout(SEND_SECONDS)
         if peer(conn)[1] == os.getuid():
             send(conn, message, fd)
-    except OSError:  # the peer went away meanwhile: nothing to hand over
+    except OSError:  # the peer went away meanwhile, or stopped reading: nothing to hand over
         pass
 
 
@@ -142,7 +177,7 @@ class Server:
                     return
                 time.sleep(0.01)  # out of descriptors, say: answer again once there are some
                 continue
-            with conn:
+            with opened(conn):
                 give(conn, self.message, self.fd)
 
     def close(self) -> None:

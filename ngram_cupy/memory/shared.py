@@ -18,7 +18,8 @@ gone at once, so nobody waits on it; a live creator is waited for (``timeout``);
 that does not answer within ``HANDOVER_SECONDS`` is an error naming its pid. The segment is
 sealed against resizing (so no process can shrink it under the others' mappings) and mapped
 shared and writable in every process. Where anonymous shared memory cannot hold the rows (less
-memory available than the segment needs, ``memfd_create`` missing or refused), the rows go to
+memory available than the segment needs, ``memfd_create`` missing or refused, a size the kernel
+refuses: ``EFBIG`` over ``RLIMIT_FSIZE``), the rows go to
 private memory with a ``SharedMemoryFallbackWarning`` naming the sizes, or, strict, an
 ``OSError``. ``NGRAM_CUPY_SHM_DIR`` scopes the names: processes share segments when they see the
 same value (default ``/dev/shm``); nothing is written there.
@@ -49,9 +50,10 @@ PREFIX = "ngram_cupy-"
 MAGIC = b"NGCSHM02"
 MESSAGE = struct.Struct("<8sQ32s")  # magic, rows' bytes, key digest: sent with the descriptor
 HANDOVER_SECONDS = 5.0  # a live holder's thread answers in milliseconds
+POLL_SECONDS = 0.5  # a waiter checks this often that the creator it waits for still runs
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 NO_ROOM = (errno.ENOSPC, errno.ENOMEM, errno.ENOSYS, errno.EPERM, errno.EACCES, errno.EMFILE,
-           errno.ENFILE)
+           errno.ENFILE, errno.EFBIG)  # EFBIG: over RLIMIT_FSIZE (CPython ignores SIGXFSZ)
 
 
 class SharedMemoryFallbackWarning(RuntimeWarning):
@@ -184,10 +186,9 @@ class Holding:
         self.fd = -1
 
     def forget(self) -> None:
-        """In a forked child: close the copies of the socket and descriptor (the parent's
-        serve); the child keeps only the mapping, if it inherited one."""
+        """In a forked child: close the copy of the descriptor (``rendezvous`` closes the
+        sockets'; the parent serves); the child keeps only the mapping, if it inherited one."""
         HOLDINGS.discard(self)
-        self.server.sock.close()
         os.close(self.fd)
         self.fd = -1
 
@@ -272,7 +273,10 @@ def _from_holders(name: str, nbytes: int, digest: bytes) -> int | None:
     (or all went away meanwhile). Live holders that never answer are an error naming them."""
     silent = []
     for holder, pid in holders(name):
-        sock = rendezvous.connect(holder, HANDOVER_SECONDS)
+        try:
+            sock = rendezvous.connect(holder, HANDOVER_SECONDS)
+        except BlockingIOError:  # its queue is full: ask another, or look again
+            continue
         if sock is None:  # gone since the listing
             continue
         with sock:
@@ -294,19 +298,36 @@ def _from_holders(name: str, nbytes: int, digest: bytes) -> int | None:
 def _from_creator(name: str, nbytes: int, digest: bytes, timeout: float | None,
                   deadline: float | None) -> int | None | bool:
     """The descriptor from the process creating the segment, once filled; False when nothing
-    listens on its name, None when the creator went away (failed, died) or finished just now:
-    the caller looks again."""
-    remaining = None if deadline is None else max(deadline - time.monotonic(), 0.001)
-    sock = rendezvous.connect(name, remaining)
+    listens on its name, None when the creator went away (failed, died) or finished just now,
+    or its queue is full: the caller looks again.
+
+    No socket call blocks for more than ``POLL_SECONDS``: between them the wait checks the
+    deadline and that the creator (the pid that bound the name) still runs. The kernel ends the
+    wait when the last copy of the creator's socket closes, so a copy outliving the creator
+    (kept by a process it forked) would be waited on forever; it is an error naming the pid."""
+    try:
+        sock = rendezvous.connect(name, POLL_SECONDS)
+    except BlockingIOError:
+        return None
     if sock is None:
         return False
     with sock:
         pid = _check_peer(sock, name)
-        try:
-            received = rendezvous.receive(sock, MESSAGE.size)
-        except TimeoutError:
-            raise TimeoutError(f"waited {timeout} s for process {pid} to fill the shared-memory "
-                               f"segment {name} (timeout, or {TIMEOUT_ENV})") from None
+        while True:
+            left = None if deadline is None else deadline - time.monotonic()
+            sock.settimeout(POLL_SECONDS if left is None else min(max(left, 0.001), POLL_SECONDS))
+            try:
+                received = rendezvous.receive(sock, MESSAGE.size)
+                break
+            except TimeoutError:
+                pass
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"waited {timeout} s for process {pid} to fill the "
+                                   f"shared-memory segment {name} (timeout, or {TIMEOUT_ENV})")
+            if pid and not rendezvous.process_alive(pid):  # pid 0: in a pid namespace not ours
+                raise TimeoutError(f"process {pid}, which bound the shared-memory segment name "
+                                   f"{name} to fill it, is gone, but its socket is still held "
+                                   "(by a process it forked?) and nothing answers on it")
     return None if received is None else _check_received(name, received, nbytes, digest)
 
 
@@ -425,6 +446,7 @@ def attach(key: str, nbytes: int, fill: Callable[[mmap.mmap], None], *,
                                    began)
                 if segment is not None:
                     return segment
+                time.sleep(0.001)  # a holder is listed but did not answer (it is closing)
                 continue
             fd = _from_creator(name, nbytes, digest, timeout, deadline)
         if fd is None:

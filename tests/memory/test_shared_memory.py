@@ -216,6 +216,39 @@ def test_too_little_memory_falls_back_to_private_rows_or_refuses(fp8_layer, shm_
     assert_nothing_left(shm_dir)
 
 
+OVER_FILE_SIZE_LIMIT = """
+import errno, json, resource, warnings
+from ngram_cupy.memory import shared as sm
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    private = sm.attach("rows", 10_000, lambda memory: memory.write(bytes([5]) * 10_000))
+try:
+    sm.attach("rows", 10_000, print, strict=True)
+except sm.SharedMemoryUnavailable as error:
+    refused = [error.errno == errno.EFBIG, str(error)]
+print(json.dumps({"shared": private.shared, "rows": private.memory[:] == bytes([5]) * 10_000,
+                  "warned": [(w.category.__name__, str(w.message)) for w in caught],
+                  "refused": refused}))
+"""
+
+
+def test_a_segment_over_the_file_size_limit_falls_back_or_refuses(shm_dir):
+    """ftruncate of a memfd past RLIMIT_FSIZE fails with EFBIG: private rows with the warning,
+    or SharedMemoryUnavailable when strict, never a bare OSError."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get(
+        "PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-S", "-c", OVER_FILE_SIZE_LIMIT], env=env,
+                          capture_output=True, text=True, timeout=WAIT_S)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert not result["shared"] and result["rows"]
+    [(category, message)] = result["warned"]
+    assert category == "SharedMemoryFallbackWarning" and "10,000 bytes" in message, message
+    assert "File too large" in message
+    assert result["refused"][0] and "could not reserve 10,000 bytes" in result["refused"][1]
+
+
 def test_memory_available_is_positive_and_at_most_the_node_memory():
     available = sm.memory_available()
     with open("/proc/meminfo") as meminfo:
@@ -287,6 +320,60 @@ def test_a_forked_child_neither_serves_nor_keeps_the_segment(shm_dir):
         for fd in (write, ready_read, ready_write):
             os.close(fd)
         os.waitpid(child, 0)
+
+
+def test_a_child_forked_during_the_fill_keeps_no_name(shm_dir):
+    """A child forked while the creator fills (by another thread, a worker pool...) closes its
+    copies of the sockets: the names go with the processes that bound them, so a later
+    process is never left waiting on a name nobody answers (issue 43)."""
+    release_read, release_write = os.pipe()
+    children = []
+
+    def fill_and_fork(memory):
+        child = os.fork()
+        if child == 0:  # lives on, holding whatever it inherited, until released
+            os.close(release_write)
+            os.read(release_read, 1)
+            os._exit(0)
+        children.append(child)
+        memory[:] = bytes([6]) * len(memory)
+
+    try:
+        segment = sm.attach("rows", 4096, fill_and_fork)
+        assert segment.created and len(children) == 1
+        segment.close()
+        assert sm.own_segments(shm_dir) == []  # neither the creation name nor a holder's
+    finally:
+        os.close(release_write)
+        for child in children:
+            os.waitpid(child, 0)
+        os.close(release_read)
+
+
+def test_a_creation_name_outliving_its_creator_is_an_error_naming_it(shm_dir):
+    """A copy of a creation name's socket that the fork hooks never saw (a fork from C code)
+    outlives its creator: the waiter names the dead creator instead of waiting forever."""
+    release_read, release_write = os.pipe()
+    creator = os.fork()
+    if creator == 0:  # binds the name, leaves a copy in a child, ends mid-fill
+        sock = rendezvous.bind(sm.segment_name("rows", shm_dir))
+        rendezvous.SOCKETS.discard(sock)
+        os.close(release_write)
+        if os.fork() == 0:
+            os.read(release_read, 1)
+            os._exit(0)
+        os._exit(0)
+    try:
+        os.waitpid(creator, 0)
+        began = time.monotonic()
+        with pytest.raises(TimeoutError, match=f"process {creator}, which bound .* is gone"):
+            sm.attach("rows", 4096, fill_with(1), timeout=ATTACH_LIMIT_S)
+        assert time.monotonic() - began < ATTACH_LIMIT_S / 2
+    finally:
+        os.close(release_write)
+        os.close(release_read)
+    while sm.own_segments(shm_dir):  # the child saw its pipe close and ends
+        time.sleep(0.01)
 
 
 # --- several processes -----------------------------------------------------------------------
@@ -506,6 +593,66 @@ def test_twenty_rounds_of_a_four_process_kill_race_leave_nothing(shm_dir):
             kill(process)
         assert_nothing_left(shm_dir)
     assert killed_attached > 0
+
+
+SOAK_WORKER = Path(__file__).with_name("soak_worker.py")
+SOAK_ROUNDS = 50
+
+
+def soak_process(mode, key, seed=0):
+    """A started tests/memory/soak_worker.py (``slot`` or ``churn``), its pipes open and
+    unbuffered (a line read takes no byte of the next: ``report`` selects on the pipe)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get(
+        "PYTHONPATH", "")])}
+    return subprocess.Popen(
+        [sys.executable, "-S", str(SOAK_WORKER), mode, key, str(1 << 16), str(seed)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, bufsize=0)
+
+
+def test_fifty_rounds_of_four_attaches_and_a_kill_all_answer_in_time(shm_dir):
+    """Fifty rounds, at once one after the other, of one table: four processes attach it (no
+    timeout), one of them is SIGKILLed, the others detach and end; meanwhile other processes
+    attach it and are SIGKILLed at random moments (waiting, filling, handing over), some after
+    forking a process that outlives them. Every attach answers within its bound, with the whole
+    rows, and nothing is left."""
+    rng = random.Random(43)
+    slots = [soak_process("slot", "soak") for _ in range(4)]
+    churn = soak_process("churn", "soak", seed=43)
+    try:
+        ending = False  # the last round's children may still be ending
+        for round_ in range(SOAK_ROUNDS):
+            for process in slots:
+                process.stdin.write(b"attach\n")
+            for process in slots:
+                if ending:
+                    assert "ended" in report(process, ATTACH_LIMIT_S)
+                attached = report(process, ATTACH_LIMIT_S)
+                assert attached.get("complete") and attached["seconds"] < ATTACH_LIMIT_S, (
+                    round_, attached)
+            victim = rng.randrange(4)
+            for index, process in enumerate(slots):
+                process.stdin.write(b"kill\n" if index == victim else b"end\n")
+            ending = round_ % 2 == 0  # else the next round begins once no slot holds it
+            for process in slots if not ending else ():
+                assert "ended" in report(process, ATTACH_LIMIT_S)
+        churn.stdin.close()
+        lines = [json.loads(line) for line in churn.stdout]
+        assert churn.wait(WAIT_S) == 0
+        assert lines[-1]["late"] == [] and lines[-1]["killed"] > 0, lines
+        assert all("error" not in line for line in lines), lines
+    finally:
+        for process in [*slots, churn]:
+            for pipe in (process.stdin, process.stdout):
+                try:
+                    pipe.close()
+                except (BrokenPipeError, ValueError):
+                    pass
+            if process.wait(WAIT_S) != 0:
+                process.kill()
+    began = time.monotonic()  # the processes forked in fills saw their pipe close and end
+    while segment_users(shm_dir) and time.monotonic() - began < ATTACH_LIMIT_S:
+        time.sleep(0.01)
+    assert_nothing_left(shm_dir)
 
 
 # --- on a GPU -------------------------------------------------------------------------------
