@@ -14,26 +14,21 @@ from collections.abc import Callable
 
 import torch
 
-from ..tables.storage import find_placement
 from ..tables.table import EmbeddingTable
 from ..training import optimizers
 from ..training.backward import embedding_backward
-from ..training.table_rows import TRAINABLE, TRAINABLE_NAMES
+from ..training.table_rows import check_trainable
 
 # Names ``fused_optimizer`` takes -> the row optimizer class in ``training.optimizers``.
 OPTIMIZERS = {"sgd": "SGD", "rowwise_adagrad": "RowwiseAdagrad", "adam": "Adam"}
 
 
-def check_trainable(table: EmbeddingTable, what: str) -> None:
-    """A table rows can be trained in: float32 or bfloat16, writable, not a node-wide segment
-    (whose rows a module never owns alone)."""
-    if table.format not in TRAINABLE:
-        raise ValueError(f"{what}: a {table.format.name} table cannot be trained (rows are "
-                         f"updated in float32 and stored as {TRAINABLE_NAMES})")
-    placement = find_placement(table.placement)
-    if not table.storage.writable or placement is not None and not placement.private:
-        raise ValueError(f"{what}: placement {table.placement!r} is read-only here; train a "
-                         "table in placement 'cpu', 'pinned' or 'gpu'")
+def trainable_weight(table: EmbeddingTable, weight: torch.Tensor) -> torch.Tensor:
+    """The rows as a parameter trains them: host rows through the storage's writable rows (a
+    shared segment's mapping, which every process updates: Hogwild), device rows as they are."""
+    if table.host_view is None:
+        return weight
+    return torch.from_numpy(table.storage.cold.training_rows()).view(weight.dtype)
 
 
 class TrainableRows:
@@ -46,7 +41,7 @@ class TrainableRows:
         self.optimizer = None
         self.prefetched = False  # a prefetch was started since the last lookup
         self._touched: list[torch.Tensor] = []  # ids of the gradients since the last lookup
-        weight = weights.weight
+        weight = trainable_weight(weights.table, weights.weight)
         del weights._buffers["weight"]
         weights.weight = torch.nn.Parameter(weight, requires_grad=True)
 

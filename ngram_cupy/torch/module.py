@@ -23,7 +23,7 @@ from ..formats import FORMATS, default_output, output_format
 from ..hashing.config import NGramConfig
 from ..hashing.layout import layer_layout, split_rows
 from ..runtime.checks import check_scale
-from ..tables.storage import place_filled, placement_named
+from ..tables.storage import place_filled, placement_list, placement_named
 from ..tables.table import EmbeddingTable
 from .autograd import TrainableRows
 from .call_shapes import seed_call_shape
@@ -125,7 +125,7 @@ class NGramEmbeddingModule(torch.nn.Module):
         if trainable:
             if self.return_stored_rows or self._share_when_loaded:
                 raise ValueError("trainable=True needs return_stored_rows=False and placement "
-                                 "'cpu', 'pinned' or 'gpu'")
+                                 + placement_list("cpu", "pinned", "gpu"))
             self.trainable_rows = TrainableRows(self.ngram_embedding, "trainable=True")
 
     @property

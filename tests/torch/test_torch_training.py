@@ -126,8 +126,8 @@ def test_copies_and_loads_stay_trainable():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(weight_dtype=torch.float16), "float16 table cannot be trained"),
-    (dict(weight_dtype="float8_e4m3fn"), "float8_e4m3fn table cannot be trained"),
+    (dict(weight_dtype=torch.float16), "float16 tables cannot be trained"),
+    (dict(weight_dtype="float8_e4m3fn"), "float8_e4m3fn tables cannot be trained"),
     (dict(placement="shared"), "trainable=True needs return_stored_rows=False and placement"),
     (dict(return_stored_rows=True), "trainable=True needs return_stored_rows=False"),
 ])

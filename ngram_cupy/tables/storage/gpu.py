@@ -69,9 +69,13 @@ class GpuStorage(Storage):
                      cuda_stream())
 
     def training_refusal(self) -> str | None:
-        """Row optimizers update host rows only, so far."""
-        return ("training tables in GPU memory is not supported yet: place the table on "
-                + placement_list("cpu", "pinned", "shared"))
+        """The rows train under torch's optimizers (sparse gradients on the device rows)."""
+        return None
+
+    def training_rows(self) -> np.ndarray:
+        """Row optimizers update host rows only, so far: a ValueError."""
+        raise ValueError("training tables in GPU memory with a row optimizer is not supported "
+                         "yet: place the table on " + placement_list("cpu", "pinned", "shared"))
 
     def gather(self, job: Gather) -> None:
         """The CUDA gather."""
