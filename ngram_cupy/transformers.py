@@ -31,8 +31,9 @@ from .ids.ngram_ids import compute_ngram_ids
 from .runtime.backends import DEVICE
 from .tables.storage import RowsSource, place, placement_named
 from .tables.table import EmbeddingTable
-from .torch.autograd import OPTIMIZERS, TrainableRows, fused_optimizer
+from .torch.autograd import TrainableRows, fused_optimizer
 from .torch.weights import TableWeights
+from .training.optimizers import OPTIMIZERS
 from .training.table_rows import check_trainable
 
 # The cache's conv state that holds each PLE layer's last n-1 tokens (transformers' layout).

@@ -15,12 +15,9 @@ from collections.abc import Callable
 import torch
 
 from ..tables.table import EmbeddingTable
-from ..training import optimizers
 from ..training.backward import embedding_backward
+from ..training.optimizers import OPTIMIZERS
 from ..training.table_rows import check_trainable
-
-# Names ``fused_optimizer`` takes -> the row optimizer class in ``training.optimizers``.
-OPTIMIZERS = {"sgd": "SGD", "rowwise_adagrad": "RowwiseAdagrad", "adam": "Adam"}
 
 
 def trainable_weight(table: EmbeddingTable, weight: torch.Tensor) -> torch.Tensor:
@@ -111,5 +108,5 @@ def fused_optimizer(module: torch.nn.Module, name: str, lr: float, **options):
                          "trainable=True")
     if name not in OPTIMIZERS:
         raise ValueError(f"name must be one of {', '.join(OPTIMIZERS)}, got {name!r}")
-    rows.optimizer = getattr(optimizers, OPTIMIZERS[name])(rows.table, lr=lr, **options)
+    rows.optimizer = OPTIMIZERS[name](rows.table, lr=lr, **options)
     return rows.optimizer
