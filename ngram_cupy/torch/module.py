@@ -121,7 +121,7 @@ class NGramEmbeddingModule(torch.nn.Module):
         self._scale_loaded = False
         self.allow_missing_weights = False  # True: look rows up before every shard has arrived
         self._pending: dict[int, dict[str, torch.Tensor]] = {}  # block-scaled shard halves
-        self.trainable_rows = None  # trainable=True: see TrainableRows (torch_training)
+        self.trainable_rows = None  # trainable=True: see TrainableRows (autograd.py)
         if trainable:
             if self.return_stored_rows or self._share_when_loaded:
                 raise ValueError("trainable=True needs return_stored_rows=False and placement "
