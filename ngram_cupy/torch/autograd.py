@@ -36,6 +36,7 @@ class TrainableRows:
         check_trainable(weights.table, what)
         self.weights = weights
         self.optimizer = None
+        self.optimizer_arguments: tuple | None = None  # (class, lr, options) of ``optimizer``
         self.prefetched = False  # a prefetch was started since the last lookup
         self._touched: list[torch.Tensor] = []  # ids of the gradients since the last lookup
         weight = trainable_weight(weights.table, weights.weight)
@@ -46,6 +47,16 @@ class TrainableRows:
     def table(self) -> EmbeddingTable:
         """The table the rows live in."""
         return self.weights.table
+
+    def moved_to(self, table: EmbeddingTable) -> None:
+        """The rows now live in ``table`` (a shared layer's segment, once every shard is
+        loaded): the parameter keeps its identity over the table's writable rows, and a fused
+        optimizer starts afresh on them."""
+        check_trainable(table, "trainable=True")
+        self.weights.weight.data = trainable_weight(table, self.weights.weight.detach())
+        if self.optimizer_arguments is not None:
+            kind, lr, options = self.optimizer_arguments
+            self.optimizer = kind(table, lr=lr, **options)
 
     def lookup(self, ids: torch.Tensor, gather: Callable[[], torch.Tensor]) -> torch.Tensor:
         """``gather()`` (the rows of ``ids`` ``[T, H]``, which it may fill) recorded for
@@ -109,4 +120,5 @@ def fused_optimizer(module: torch.nn.Module, name: str, lr: float, **options):
     if name not in OPTIMIZERS:
         raise ValueError(f"name must be one of {', '.join(OPTIMIZERS)}, got {name!r}")
     rows.optimizer = OPTIMIZERS[name](rows.table, lr=lr, **options)
+    rows.optimizer_arguments = (OPTIMIZERS[name], lr, options)
     return rows.optimizer
