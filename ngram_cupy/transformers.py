@@ -29,10 +29,12 @@ from .hashing.config import NGramConfig
 from .hashing.layout import LayerLayout, layer_layout, split_rows
 from .ids.ngram_ids import compute_ngram_ids
 from .runtime.backends import DEVICE
-from .tables.storage import RowsSource, find_placement, place, placement_named
+from .tables.storage import RowsSource, place, placement_named
 from .tables.table import EmbeddingTable
-from .torch.autograd import OPTIMIZERS, TrainableRows, check_trainable, fused_optimizer
+from .torch.autograd import TrainableRows, fused_optimizer
 from .torch.weights import TableWeights
+from .training.optimizers import OPTIMIZERS
+from .training.table_rows import check_trainable
 from .transformers_releases import Qwen4ExpTextNGramEmbedding, check_layers, check_release
 
 # The cache's conv state that holds each PLE layer's last n-1 tokens (transformers' layout).
@@ -86,7 +88,9 @@ class CachedNGramEmbedding(torch.nn.Module):
         self.register_buffer("ngram_heads_vocab_sizes", torch.tensor(layout.head_sizes))
         self.register_buffer("ngram_heads_offsets", torch.tensor(layout.head_offsets))
         self.register_buffer("out_like", torch.empty(0, dtype=dtype), persistent=False)
-        if table.storage.writable:  # a mapped checkpoint is not a module's weight
+        if trainable:  # the core's rule: a shared segment trains too (Hogwild)
+            check_trainable(table, "trainable=True")
+        if table.storage.writable or trainable:  # a read-only table is no module's weight
             scale = table.scale  # TableWeights starts a scaled table at scale 1
             self.ngram_embedding = TableWeights(table, table.format.torch_dtype)
             if table.format.scaled:  # float8's scale, NVFP4's global one
@@ -94,7 +98,6 @@ class CachedNGramEmbedding(torch.nn.Module):
         self._prefetched: torch.Tensor | None = None
         self.trainable_rows = None
         if trainable:
-            check_trainable(table, "trainable=True")
             self.trainable_rows = TrainableRows(self.ngram_embedding, "trainable=True")
 
     @property
@@ -336,9 +339,9 @@ def use_ngram_cupy(model: torch.nn.Module, *, placement: str = "pinned",
             bf16 / float32 model quantise its rows (``quantize_table``, chunk by chunk).
         hot_rows: maps module names (or PLE layer indexes from 0) to sorted hot row ids;
             default None.
-        trainable: ``True`` (float32 or bfloat16 tables in ``"pinned"``, ``"cpu"`` or
-            ``"gpu"``): each table's weight is a parameter that backward gives a sparse
-            gradient; default False.
+        trainable: ``True`` (float32 or bfloat16 tables in ``"pinned"``, ``"cpu"``, ``"gpu"``
+            or ``"shared"``, whose segment every process updates: Hogwild): each table's weight
+            is a parameter that backward gives a sparse gradient; default False.
         optimizer: with ``trainable``, ``"sgd"``, ``"rowwise_adagrad"`` or ``"adam"``: that
             optimizer updates the rows inside the backward (no gradient is left on the
             weight); default None.
@@ -362,7 +365,7 @@ def use_ngram_cupy(model: torch.nn.Module, *, placement: str = "pinned",
     names = [name for name, _ in targets]
     layers = [module.ple_layer_index for _, module in targets]
     _check_options(table_options, hot_rows, names, layers)
-    _check_training(trainable, optimizer, optimizer_options, placement)
+    _check_training(trainable, optimizer, optimizer_options)
     asked = weight_dtype  # as the caller spelt it, for messages
     if weight_dtype is not None:
         fmt = storage_format(weight_dtype, "weight_dtype")
@@ -463,17 +466,13 @@ def _replace(model: torch.nn.Module, targets: list, embeddings: list, table_opti
         _hook_previous_layer(model, name, replacement)
 
 
-def _check_training(trainable: bool, optimizer, optimizer_options, placement: str) -> None:
-    """``optimizer`` needs ``trainable=True``, a known name and options with ``lr``; a trainable
-    table needs a placement it can be written in."""
+def _check_training(trainable: bool, optimizer, optimizer_options) -> None:
+    """``optimizer`` needs ``trainable=True``, a known name and options with ``lr`` (whether a
+    table trains is its own answer, asked once it is placed: ``check_trainable``)."""
     if not trainable:
         if optimizer is not None or optimizer_options is not None:
             raise ValueError("optimizer and optimizer_options need trainable=True")
         return
-    known = find_placement(placement)
-    if known is None or not known.private:
-        raise ValueError(f"trainable=True needs placement 'pinned', 'cpu' or 'gpu', got "
-                         f"{placement!r}")
     if optimizer is None:
         if optimizer_options is not None:
             raise ValueError("optimizer_options need optimizer=")

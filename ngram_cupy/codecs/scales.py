@@ -62,3 +62,21 @@ def block_scale_bits(fmt: Format, scales, torch_format: Format | None, num_rows:
     if dtype != fmt.block_scale and not (dtype.kind in "iu" and dtype.itemsize == 1):
         raise ValueError(f"block_scales must be {kind} or its uint8 bits, got {dtype}")
     return scales.view(np.uint8)
+
+
+def require_block_scales(fmt: Format, scales, hot=None, hot_scales=None) -> None:
+    """A block-scaled format's rows (and a hot tier's, ``hot``) come with their block scales: a
+    ValueError otherwise (a gather's check before any launch)."""
+    if fmt.blocked and (scales is None or (hot is not None and hot_scales is None)):
+        raise ValueError(f"{fmt.name} rows need their block scales")
+
+
+def check_stored_block_scales(fmt: Format, block_scales) -> None:
+    """Stored rows to decode come with block scales exactly when their format has them: a
+    ValueError naming ``block_scales`` otherwise."""
+    if fmt.blocked and block_scales is None:
+        raise ValueError(f"stored {fmt.name} rows need their block_scales (one "
+                         f"{fmt.block_scale.name} per {fmt.block} values): pass "
+                         f"block_scales=, or decode through a lookup")
+    if not fmt.blocked and block_scales is not None:
+        raise ValueError(f"block_scales are only for block-scaled tables, not {fmt.name}")

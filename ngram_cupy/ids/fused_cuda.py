@@ -22,6 +22,7 @@ from numba import cuda, int64, uint64
 
 from ..codecs.dequant import convert, convert_blocked
 from ..codecs.records import whole_records
+from ..codecs.scales import require_block_scales
 from ..formats import FORMATS, Format
 from ..hashing.arithmetic import clamp, stage_token_ids
 from ..runtime.backends import cupy_module, data_address
@@ -217,8 +218,7 @@ def launch_fused(layout, tokens, query_start_loc, context, params, table_words, 
     """
     num_tokens = tokens.shape[0]
     placeholder = table_words.view(np.uint8)  # never read: only block-scaled kernels read scales
-    if FORMATS[code].blocked and (scales is None or (hot is not None and hot_scales is None)):
-        raise ValueError(f"{FORMATS[code].name} rows need their block scales")
+    require_block_scales(FORMATS[code], scales, hot, hot_scales)
     if num_tokens:
         head_dim = out.shape[1] // layout.num_heads
         kernel, block = fused_kernel(layout.ngram_size, layout.heads_per_ngram, head_dim, code,

@@ -105,7 +105,7 @@ class PinnedBuffer:
     """``nbytes`` of page-locked host memory, as a NumPy byte array and a GPU-visible address.
 
     ``memory``: an existing mapping of at least ``nbytes`` to page-lock (a shared-memory
-    segment), instead of new private memory (in huge pages, see ``host_memory``). Either way
+    segment), instead of new private memory (in huge pages, see ``anonymous``). Either way
     it is advised ``MADV_DONTFORK``: a ``fork()`` does not copy (or share) locked pages.
     """
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from ..codecs.dequant import FORMATS, OUTPUT_CODES
+from ..codecs.scales import require_block_scales
 from ..runtime import kernel_cache, nvrtc
 from ..runtime.backends import cupy_module, data_address
 from ..runtime.kernel_cache import entry_key
@@ -154,8 +155,7 @@ def launch_plan(table, code: int, row_start: int, scale, ids, out, out_code: int
     records' views and two arrays take the same kernel.
     With ``total_rows`` and ``bad`` (a uint64 word, ``row_ids.NO_BAD_WORD`` before the launch),
     the kernel notes there the first position of an id outside ``[0, total_rows)``."""
-    if FORMATS[code].blocked and (scales is None or (hot is not None and hot_scales is None)):
-        raise ValueError(f"{FORMATS[code].name} rows need their block scales")
+    require_block_scales(FORMATS[code], scales, hot, hot_scales)
     num_items = ids.size
     rows, row_width = table.shape
     if num_items == 0 or row_width == 0:

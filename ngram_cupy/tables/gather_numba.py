@@ -34,6 +34,7 @@ from ..codecs.dequant import (
     convert_blocked,
 )
 from ..codecs.row_decoders import decode_row, row_decoder, row_layout, row_parts
+from ..codecs.scales import require_block_scales
 from ..runtime.cpu_threads import use_threads
 from ..runtime.jitable import source_digest
 from . import hot_rows
@@ -246,9 +247,8 @@ def gather_rows(table: np.ndarray, code: int, row_start: int, scale: np.float32,
     is read as one record, and a hot tier's rows are records too (``hot``).
     """
     packed = records is not None
-    if FORMATS[code].blocked and not packed and (scales is None
-                                                 or (hot is not None and hot_scales is None)):
-        raise ValueError(f"{FORMATS[code].name} rows need their block scales")
+    if not packed:  # records hold their scales
+        require_block_scales(FORMATS[code], scales, hot, hot_scales)
     scale = np.float32(scale)
     outputs = output_table(code, out_code, int(scale.view(np.uint32)))
     if hot is None:

@@ -14,26 +14,18 @@ from collections.abc import Callable
 
 import torch
 
-from ..tables.storage import find_placement
 from ..tables.table import EmbeddingTable
-from ..training import optimizers
 from ..training.backward import embedding_backward
-from ..training.table_rows import TRAINABLE, TRAINABLE_NAMES
-
-# Names ``fused_optimizer`` takes -> the row optimizer class in ``training.optimizers``.
-OPTIMIZERS = {"sgd": "SGD", "rowwise_adagrad": "RowwiseAdagrad", "adam": "Adam"}
+from ..training.optimizers import OPTIMIZERS
+from ..training.table_rows import check_trainable
 
 
-def check_trainable(table: EmbeddingTable, what: str) -> None:
-    """A table rows can be trained in: float32 or bfloat16, writable, not a node-wide segment
-    (whose rows a module never owns alone)."""
-    if table.format not in TRAINABLE:
-        raise ValueError(f"{what}: a {table.format.name} table cannot be trained (rows are "
-                         f"updated in float32 and stored as {TRAINABLE_NAMES})")
-    placement = find_placement(table.placement)
-    if not table.storage.writable or placement is not None and not placement.private:
-        raise ValueError(f"{what}: placement {table.placement!r} is read-only here; train a "
-                         "table in placement 'cpu', 'pinned' or 'gpu'")
+def trainable_weight(table: EmbeddingTable, weight: torch.Tensor) -> torch.Tensor:
+    """The rows as a parameter trains them: host rows through the storage's writable rows (a
+    shared segment's mapping, which every process updates: Hogwild), device rows as they are."""
+    if table.host_view is None:
+        return weight
+    return torch.from_numpy(table.storage.cold.training_rows()).view(weight.dtype)
 
 
 class TrainableRows:
@@ -44,9 +36,10 @@ class TrainableRows:
         check_trainable(weights.table, what)
         self.weights = weights
         self.optimizer = None
+        self.optimizer_arguments: tuple | None = None  # (class, lr, options) of ``optimizer``
         self.prefetched = False  # a prefetch was started since the last lookup
         self._touched: list[torch.Tensor] = []  # ids of the gradients since the last lookup
-        weight = weights.weight
+        weight = trainable_weight(weights.table, weights.weight)
         del weights._buffers["weight"]
         weights.weight = torch.nn.Parameter(weight, requires_grad=True)
 
@@ -54,6 +47,16 @@ class TrainableRows:
     def table(self) -> EmbeddingTable:
         """The table the rows live in."""
         return self.weights.table
+
+    def moved_to(self, table: EmbeddingTable) -> None:
+        """The rows now live in ``table`` (a shared layer's segment, once every shard is
+        loaded): the parameter keeps its identity over the table's writable rows, and a fused
+        optimizer starts afresh on them."""
+        check_trainable(table, "trainable=True")
+        self.weights.weight.data = trainable_weight(table, self.weights.weight.detach())
+        if self.optimizer_arguments is not None:
+            kind, lr, options = self.optimizer_arguments
+            self.optimizer = kind(table, lr=lr, **options)
 
     def lookup(self, ids: torch.Tensor, gather: Callable[[], torch.Tensor]) -> torch.Tensor:
         """``gather()`` (the rows of ``ids`` ``[T, H]``, which it may fill) recorded for
@@ -116,5 +119,6 @@ def fused_optimizer(module: torch.nn.Module, name: str, lr: float, **options):
                          "trainable=True")
     if name not in OPTIMIZERS:
         raise ValueError(f"name must be one of {', '.join(OPTIMIZERS)}, got {name!r}")
-    rows.optimizer = getattr(optimizers, OPTIMIZERS[name])(rows.table, lr=lr, **options)
+    rows.optimizer = OPTIMIZERS[name](rows.table, lr=lr, **options)
+    rows.optimizer_arguments = (OPTIMIZERS[name], lr, options)
     return rows.optimizer

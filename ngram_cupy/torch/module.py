@@ -71,9 +71,9 @@ class NGramEmbeddingModule(torch.nn.Module):
         out_dtype: the lookups' dtype: bfloat16, float16 or float32 (a torch dtype or name).
             Default None: bfloat16 for float8, bfloat16 and block-scaled tables, else the
             storage type; NVFP4 rows are rounded once, to it.
-        trainable: ``True`` (float32 or bfloat16 rows in ``"cpu"``, ``"pinned"`` or
-            ``"gpu"``): ``ngram_embedding.weight`` is a parameter sharing the rows, and a
-            backward through ``forward`` gives it a sparse gradient, or steps the optimizer
+        trainable: ``True`` (float32 or bfloat16 rows in ``"cpu"``, ``"pinned"``, ``"gpu"`` or
+            ``"shared"``, Hogwild): ``ngram_embedding.weight`` is a parameter sharing the rows,
+            and a backward through ``forward`` gives it a sparse gradient, or steps the optimizer
             that ``fused_optimizer(module, ...)`` attached (docs/training.md). Default False.
 
     Returns:
@@ -121,11 +121,10 @@ class NGramEmbeddingModule(torch.nn.Module):
         self._scale_loaded = False
         self.allow_missing_weights = False  # True: look rows up before every shard has arrived
         self._pending: dict[int, dict[str, torch.Tensor]] = {}  # block-scaled shard halves
-        self.trainable_rows = None  # trainable=True: see TrainableRows (torch_training)
+        self.trainable_rows = None  # trainable=True: see TrainableRows (autograd.py)
         if trainable:
-            if self.return_stored_rows or self._share_when_loaded:
-                raise ValueError("trainable=True needs return_stored_rows=False and placement "
-                                 "'cpu', 'pinned' or 'gpu'")
+            if self.return_stored_rows:
+                raise ValueError("trainable=True needs return_stored_rows=False")
             self.trainable_rows = TrainableRows(self.ngram_embedding, "trainable=True")
 
     @property
@@ -414,7 +413,10 @@ class NGramEmbeddingModule(torch.nn.Module):
                                hot_rows=self._hot_rows, scale_rounding=private.scale_rounding)
         self.embedding = self._embedding_over(table)
         self.ngram_embedding.table = table
-        self.ngram_embedding.weight = storage_view(table, self.ngram_embedding.weight.dtype)
+        if self.trainable_rows is not None:  # the segment trains in place (Hogwild)
+            self.trainable_rows.moved_to(table)
+        else:
+            self.ngram_embedding.weight = storage_view(table, self.ngram_embedding.weight.dtype)
         self._share_when_loaded = False
         private.close()
 

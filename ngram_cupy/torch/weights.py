@@ -8,6 +8,7 @@ import warnings
 import numpy as np
 import torch
 
+from ..codecs.scales import check_stored_block_scales
 from ..formats import FORMATS, Format, default_output, output_format
 from ..runtime.checks import check_scale
 from ..tables.table import EmbeddingTable
@@ -132,12 +133,7 @@ class TableWeights(torch.nn.Module):
             raise ValueError(f"rows must have a last dimension of whole rows of head_dim="
                              f"{head_dim} ({width} stored values), got shape "
                              f"{tuple(rows.shape)}")
-        if fmt.blocked and block_scales is None:
-            raise ValueError(f"stored {fmt.name} rows need their block_scales (one "
-                             f"{fmt.block_scale.name} per {fmt.block} values): pass "
-                             f"block_scales=, or decode through a lookup")
-        if not fmt.blocked and block_scales is not None:
-            raise ValueError(f"block_scales are only for block-scaled tables, not {fmt.name}")
+        check_stored_block_scales(fmt, block_scales)
         flat = rows.detach().reshape(-1, width).contiguous()
         scales = None if block_scales is None else \
             block_scales.detach().reshape(flat.shape[0], -1).contiguous()

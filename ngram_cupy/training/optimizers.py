@@ -256,6 +256,7 @@ class Adam(RowOptimizer):
     arithmetic (the same bits), ``rowwise=True`` keeps one first and second moment per row."""
 
     kind = updates_numba.ADAM
+    name = "adam"  # "rowwise_adam" for one moment pair per row
 
     def __init__(self, table, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  rowwise: bool = False, *, stochastic_rounding: bool = False, seed: int = 0):
@@ -278,3 +279,7 @@ class Adam(RowOptimizer):
     def settings(self) -> dict:
         return {"lr": self.lr, "betas": list(self.betas), "eps": self.eps,
                 "rowwise": self.rowwise}
+
+
+# The row optimizers by the names ``fused_optimizer`` and ``use_ngram_cupy`` take: their own.
+OPTIMIZERS = {optimizer.name: optimizer for optimizer in (SGD, RowwiseAdagrad, Adam)}

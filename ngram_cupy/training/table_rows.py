@@ -15,19 +15,25 @@ TRAINABLE = tuple(FORMATS[code] for code in ROW_FORMATS)
 TRAINABLE_NAMES = " or ".join(fmt.name for fmt in TRAINABLE)
 
 
-def check_trainable(table) -> None:
-    """A ValueError saying why a table cannot be trained (format, placement, closed)."""
+def training_refusal(table) -> str | None:
+    """Why a table cannot be trained, or None: the one rule every face asks (its format, whether
+    it is closed, and its storage's own answer: a shared segment trains, Hogwild)."""
     if table.format not in TRAINABLE:
-        raise ValueError(f"{table.format.name} tables cannot be trained: rows are updated "
-                         f"in float32 and stored as {TRAINABLE_NAMES} (a quantised value rounds "
-                         f"a small update back to the same code, and block scales would need "
-                         f"refitting); train a {TRAINABLE_NAMES} table and "
-                         f"quantise it afterwards")
+        return (f"{table.format.name} tables cannot be trained: rows are updated in float32 and "
+                f"stored as {TRAINABLE_NAMES} (a quantised value rounds a small update back to "
+                f"the same code, and block scales would need refitting); train a "
+                f"{TRAINABLE_NAMES} table and quantise it afterwards")
     if getattr(table, "closed", False):
-        raise ValueError("the table is closed: its rows can no longer be updated")
-    refusal = table.storage.cold.training_refusal()
+        return "the table is closed: its rows can no longer be updated"
+    return table.storage.cold.training_refusal()
+
+
+def check_trainable(table, what: str | None = None) -> None:
+    """A ValueError saying why a table cannot be trained (``training_refusal``), after
+    ``what`` (the argument asking for it) when given."""
+    refusal = training_refusal(table)
     if refusal is not None:
-        raise ValueError(refusal)
+        raise ValueError(refusal if what is None else f"{what}: {refusal}")
 
 
 def writable_rows(table) -> np.ndarray:

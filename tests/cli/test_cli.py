@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import run_cli as run
 
 import ngram_cupy as nc
 
@@ -37,11 +38,6 @@ SMALL = dict(vocab_size=248320, eos_token_id=248044, ngram_size=2, heads_per_ngr
              ngram_vocab_size_base=1000)
 
 
-def run(argv: list, capsys) -> tuple[int, str, str]:
-    """Run the command in this process: (exit status, stdout, stderr)."""
-    status = main([str(a) for a in argv])
-    captured = capsys.readouterr()
-    return status, captured.out, captured.err
 
 
 def run_subprocess(argv: list, **kwargs) -> subprocess.Popen:

@@ -10,9 +10,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from helpers import run_cli as run
 
 import ngram_cupy as nc
-from ngram_cupy.cli.main import main
 
 
 @pytest.fixture(scope="module")
@@ -25,10 +25,6 @@ def model(tmp_path_factory):
     return folder, tokenizer, nc.engram_layout(config, nc.engram_token_map(tokenizer))
 
 
-def run(argv, capsys):
-    status = main([str(a) for a in argv])
-    captured = capsys.readouterr()
-    return status, captured.out, captured.err
 
 
 def test_ids_are_each_rows_ids_from_position_0(model, tmp_path, capsys):

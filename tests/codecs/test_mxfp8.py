@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import simulator
 from conftest import assert_same, laid_out
+from helpers import every_pair_table
 from mapped_table import MappedTable
 
 import ngram_cupy as nc
@@ -25,11 +26,6 @@ FMT = FORMATS[MXFP8]
 E4M3 = ml_dtypes.float8_e4m3fn
 
 
-def every_pair_table():
-    """Row r: every E4M3 byte under scale byte r (all 256 x 256 pairs)."""
-    weight = np.tile(np.arange(256, dtype=np.uint8), (256, 1))
-    scales = np.repeat(np.arange(256, dtype=np.uint8)[:, None], 256 // 32, axis=1)
-    return weight, scales
 
 
 IDS = np.arange(256, dtype=np.int64).reshape(64, 4)
@@ -51,7 +47,7 @@ def test_the_reference_reads_ue8m0_as_vllm_does():
 
 
 def test_every_pair_on_numba_and_host_built_cuda(host_gather):
-    weight, scales = every_pair_table()
+    weight, scales = every_pair_table(FMT)
     for out_code in OUTPUT_CODES:
         fmt = FORMATS[out_code]
         want = reference_block_lookup(FMT, weight, scales, 1.0, IDS, fmt.dtype)
@@ -98,7 +94,7 @@ def test_numba_blocks_at_the_edges_of_the_exponent_shift():
 
 
 def test_host_built_tiered_gather(host_gather):
-    weight, scales = every_pair_table()
+    weight, scales = every_pair_table(FMT)
     hot = np.arange(0, 256, 3, dtype=np.int64)
     cold, cold_scales = weight.copy(), scales.copy()
     cold[hot], cold_scales[hot] = 0x7F, 0xFF  # a mixed-up read shows
@@ -113,7 +109,7 @@ def test_host_built_tiered_gather(host_gather):
 
 
 def test_every_host_placement_and_shard():
-    weight, scales = every_pair_table()
+    weight, scales = every_pair_table(FMT)
     typed = weight.view(E4M3)
     start, total = 1000, 2000
     ids = IDS + start
@@ -194,7 +190,7 @@ def test_torch_float8_e8m0fnu_block_scales():
     as the scale bytes (it reached DLPack: 'Unsupported dtype'), and still refused by NVFP4."""
     import torch
 
-    weight, scales = every_pair_table()
+    weight, scales = every_pair_table(FMT)
     rows = torch.from_numpy(weight).view(torch.float8_e4m3fn)
     ue8m0 = torch.from_numpy(scales).view(torch.float8_e8m0fnu)
     table = nc.EmbeddingTable(rows, dtype="mxfp8", block_scales=ue8m0)
@@ -212,7 +208,7 @@ def test_write_rows_takes_torch_float8_rows():
     as 'rows must have dtype mxfp8', though the constructor takes them)."""
     import torch
 
-    weight, scales = every_pair_table()
+    weight, scales = every_pair_table(FMT)
     table = nc.EmbeddingTable.empty(256, 256, "mxfp8")
     table.write_rows(0, torch.from_numpy(weight).view(torch.float8_e4m3fn), scales)
     want = reference_block_lookup(FMT, weight, scales, 1.0, IDS, np.float32)
@@ -231,7 +227,7 @@ def test_the_format_is_found_by_name_only():
 def test_gpu_lookups_equal_the_reference(placement):
     import cupy
 
-    weight, scales = every_pair_table()
+    weight, scales = every_pair_table(FMT)
     table = nc.EmbeddingTable(weight.view(E4M3), dtype="mxfp8", block_scales=scales,
                               placement=placement)
     for out_code in OUTPUT_CODES:

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import simulator
 from conftest import assert_same, laid_out
+from helpers import every_pair_table, offset_array
 from mapped_table import MappedTable
 
 import ngram_cupy as nc
@@ -55,12 +56,6 @@ def assert_golden(got, case, out_code, message=""):
     np.testing.assert_array_equal(bits[~nan], want[~nan], err_msg=f"{fmt.name} {message}")
 
 
-def every_pair_table():
-    """Row r holds every byte (all 256 pairs of E2M1 codes) under block scale byte r: every
-    (block scale, code) pair, NaN scales 0x7F / 0xFF and E4M3 subnormals included."""
-    weight = np.tile(np.arange(256, dtype=np.uint8), (256, 1))
-    scales = np.repeat(np.arange(256, dtype=np.uint8)[:, None], 512 // 16, axis=1)
-    return weight, scales
 
 
 GLOBAL_SCALES = (1.0, 0.0064059207, 448.0 * 6.0, 1.0e-30, -0.75, 3.0e38)
@@ -96,12 +91,6 @@ def test_numba_gather_equals_the_kernel_vectors(case, parallel):
         assert_golden(out, case, out_code, f"parallel={parallel}")
 
 
-def offset_array(shape, dtype, offset: int) -> np.ndarray:
-    """A zeroed C-contiguous array starting ``offset`` bytes past a 64-byte boundary."""
-    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    backing = np.zeros(nbytes + 128, np.uint8)
-    start = (-backing.ctypes.data) % 64 + offset
-    return backing[start : start + nbytes].view(dtype).reshape(shape)
 
 
 def test_host_built_cuda_gather_equals_the_kernel_vectors(host_gather, case):
@@ -142,7 +131,7 @@ def test_host_built_cuda_gather_of_packed_records_equals_the_kernel_vectors(host
 
 
 def test_every_block_scale_and_code_pair_on_cpu_and_host_built_cuda(host_gather):
-    weight, scales = every_pair_table()
+    weight, scales = every_pair_table(FMT)
     ids = np.arange(256, dtype=np.int64).reshape(64, 4)
     for scale in GLOBAL_SCALES:
         for out_code in OUTPUT_CODES:

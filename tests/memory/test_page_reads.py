@@ -18,7 +18,7 @@ from mapped_table import MappedTable
 
 import ngram_cupy as nc
 from ngram_cupy.codecs.dequant import reference_lookup
-from ngram_cupy.memory import page_reads as page_prefetch
+from ngram_cupy.memory import page_reads
 from ngram_cupy.runtime.backends import DEVICE, HOST
 from ngram_cupy.tables.storage import mapped
 
@@ -81,7 +81,7 @@ def test_page_runs_cover_exactly_the_pages_of_the_rows(row_bytes):
     starts = np.array([0, 40, 100])
     addresses = np.array([7 * 4096 + 123, 1 << 30, (1 << 31) + 4000])
     ids = rng.integers(-5, 130, 60)
-    runs = page_prefetch.page_runs(ids, starts, addresses, row_bytes, 120, 4096)
+    runs = page_reads.page_runs(ids, starts, addresses, row_bytes, 120, 4096)
     covered = [p for address, length in runs
                for p in range(address // 4096, (address + length) // 4096)]
     assert all(address % 4096 == 0 and length % 4096 == 0 for address, length in runs)
@@ -95,7 +95,7 @@ def test_page_runs_cover_exactly_the_pages_of_the_rows(row_bytes):
 def advice(monkeypatch):
     """Every ``madvise`` call, with its thread, recorded instead of made."""
     calls = []
-    monkeypatch.setattr(page_prefetch, "madvise",
+    monkeypatch.setattr(page_reads, "madvise",
                         lambda address, length: calls.append((address, length,
                                                               threading.get_ident())))
     return calls
@@ -103,7 +103,7 @@ def advice(monkeypatch):
 
 def residency(monkeypatch, answer):
     """``mincore`` answers ``answer(count)`` for a sample of ``count`` pages."""
-    monkeypatch.setattr(page_prefetch, "resident_pages", lambda addresses: answer(len(addresses)))
+    monkeypatch.setattr(page_reads, "resident_pages", lambda addresses: answer(len(addresses)))
 
 
 def advised_pages(calls):
@@ -144,8 +144,8 @@ def test_a_lookup_reads_its_pages_itself_only_when_some_are_out_of_memory(
 
 def test_without_mincore_a_lookup_faults_its_pages_in_as_before(table, bf16_layer, advice,
                                                                  monkeypatch):
-    monkeypatch.setattr(page_prefetch, "MINCORE", None)
-    assert page_prefetch.resident_pages([table.storage.pages.addresses[0]]) is None
+    monkeypatch.setattr(page_reads, "MINCORE", None)
+    assert page_reads.resident_pages([table.storage.pages.addresses[0]]) is None
     ids = np.arange(64).reshape(16, 4)
     assert_rows(table.lookup(ids), bf16_layer, ids)
     assert advice == [] and table.storage.pages.cold_reads == 0
@@ -155,8 +155,8 @@ def test_mincore_tells_touched_pages_from_untouched_ones():
     memory = mmap.mmap(-1, 2 * mmap.PAGESIZE)
     memory[0] = 1  # the first page only
     address = ctypes.addressof(ctypes.c_char.from_buffer(memory))
-    assert page_prefetch.resident_pages([address, address + mmap.PAGESIZE]) == [True, False]
-    assert page_prefetch.resident_pages([address + 1]) is None  # unaligned: the call fails
+    assert page_reads.resident_pages([address, address + mmap.PAGESIZE]) == [True, False]
+    assert page_reads.resident_pages([address + 1]) is None  # unaligned: the call fails
 
 
 @pytest.mark.parametrize("count", [1, 255, 256, 4096, 100_000])
@@ -164,8 +164,8 @@ def test_the_residency_sample_grows_with_the_lookup_and_stays_small(table, count
     local = np.random.default_rng(count).integers(0, 64, count)
     pages = table.storage.pages
     sample = pages.sample_pages(local)
-    assert len(sample) == min(page_prefetch.MAX_SAMPLE,
-                              1 + count // page_prefetch.ROWS_PER_SAMPLE)
+    assert len(sample) == min(page_reads.MAX_SAMPLE,
+                              1 + count // page_reads.ROWS_PER_SAMPLE)
     assert {address // mmap.PAGESIZE for address in sample} <= reference_pages(
         local, pages.starts, pages.addresses, pages.row_bytes, pages.num_rows, mmap.PAGESIZE)
 
@@ -234,7 +234,7 @@ def test_a_table_whose_pages_were_dropped_reads_them_once_with_the_same_rows(tmp
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         os.close(fd)
     pages = mapped_table.storage.pages
-    if page_prefetch.resident_pages(pages.sample_pages(ids.reshape(-1))) != [False]:
+    if page_reads.resident_pages(pages.sample_pages(ids.reshape(-1))) != [False]:
         pytest.skip("this file system keeps the file's pages (tmpfs) or mincore is missing")
     assert_rows(mapped_table.lookup(ids), weight, ids)
     assert pages.cold_reads == 1

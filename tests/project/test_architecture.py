@@ -137,3 +137,24 @@ def test_quantize_finds_its_encoder_through_the_registry():
                     for operand in (node.left, *node.comparators)):
                 found.append(f"{where}:{node.lineno}: {ast.unparse(node)}")
     assert not found, "formats dispatched on outside their codecs:\n" + "\n".join(found)
+
+
+def test_one_trainability_rule():
+    """Whether a table trains is asked of ``training.table_rows`` (its format, whether it is
+    closed, and its storage's own ``training_refusal``) by the core and both torch faces alike:
+    no other module defines a trainability check or reads the trainable formats, and none asks
+    a placement (``private``) instead of the table."""
+    rule = "training/table_rows.py"
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        where = path.relative_to(PACKAGE).as_posix()
+        if where == rule:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            defined = (isinstance(node, ast.FunctionDef) and node.name == "check_trainable")
+            named = isinstance(node, ast.Name) and node.id in ("TRAINABLE", "TRAINABLE_NAMES")
+            private = (isinstance(node, ast.Attribute) and node.attr == "private"
+                       and not where.startswith("tables/storage/"))
+            if defined or named or private:
+                found.append(f"{where}:{node.lineno}: {ast.unparse(node).splitlines()[0]}")
+    assert not found, f"trainability decided outside {rule}:\n" + "\n".join(found)

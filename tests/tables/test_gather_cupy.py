@@ -13,6 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import simulator
+from helpers import offset_array
 
 import ngram_cupy as nc
 from ngram_cupy.codecs import dequant
@@ -114,12 +115,6 @@ def test_cuda_dequant_header_equals_the_python_one(host_dequant, fmt):
 # ---------------------------------------------------------------- gather.cu executed on the host
 
 
-def offset_array(shape, dtype, offset: int) -> np.ndarray:
-    """A zeroed C-contiguous array starting ``offset`` bytes past a 64-byte boundary."""
-    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    backing = np.zeros(nbytes + 128, np.uint8)
-    start = (-backing.ctypes.data) % 64 + offset
-    return backing[start : start + nbytes].view(dtype).reshape(shape)
 
 
 def edge_ids(rng, row_start: int, rows: int, shape, dtype) -> np.ndarray:

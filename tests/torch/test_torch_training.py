@@ -126,14 +126,41 @@ def test_copies_and_loads_stay_trainable():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(weight_dtype=torch.float16), "float16 table cannot be trained"),
-    (dict(weight_dtype="float8_e4m3fn"), "float8_e4m3fn table cannot be trained"),
-    (dict(placement="shared"), "trainable=True needs return_stored_rows=False and placement"),
+    (dict(weight_dtype=torch.float16), "float16 tables cannot be trained"),
+    (dict(weight_dtype="float8_e4m3fn"), "float8_e4m3fn tables cannot be trained"),
     (dict(return_stored_rows=True), "trainable=True needs return_stored_rows=False"),
 ])
 def test_untrainable_layers_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         NGramEmbeddingModule(CONFIG, 0, **{"placement": "cpu", **kwargs, "trainable": True})
+
+
+@pytest.mark.parametrize("made", ["before loading", "after loading"])
+def test_a_shared_layer_trains_as_the_core_does(shm_dir, made):
+    """placement="shared" trains (Hogwild, as the core does): once every shard is loaded the
+    parameter is the node segment's writable rows, and a fused SGD step (the optimizer made
+    before or after loading) moves them exactly as it moves a private layer's."""
+    rows = torch.from_numpy(np.random.default_rng(0).normal(
+        size=(LAYOUT.padded_rows, LAYOUT.head_dim)).astype(np.float32))
+    trained = {}
+    for placement in ("cpu", "shared"):
+        module = NGramEmbeddingModule(CONFIG, 0, placement=placement, trainable=True,
+                                      weight_dtype=torch.float32)
+        if made == "before loading":
+            fused_optimizer(module, "sgd", lr=0.5)
+        module.load_weights([("ngram_embedding.weight", rows)])
+        if made == "after loading":
+            fused_optimizer(module, "sgd", lr=0.5)
+        try:
+            assert module.table.placement == placement
+            weight = module.ngram_embedding.weight
+            assert weight.data_ptr() == module.table.host_view.ctypes.data
+            backward_once(module)
+            trained[placement] = module.table.host_view.copy()
+        finally:
+            module.table.close()
+    assert not np.array_equal(trained["cpu"], rows.numpy())
+    np.testing.assert_array_equal(trained["shared"].view(np.uint32), trained["cpu"].view(np.uint32))
 
 
 def test_fused_optimizer_needs_a_trainable_module_and_a_known_name():

@@ -68,6 +68,11 @@ class GpuStorage(Storage):
                 fill(self.device_scales[local_start : local_start + scales.shape[0]], scales,
                      cuda_stream())
 
+    def training_refusal(self) -> str | None:
+        """The rows train in place on the GPU: under torch's optimizers (sparse gradients on the
+        device rows) and the row optimizers (``training.updates_cuda``)."""
+        return None
+
     def training_rows(self):
         """The raw rows (a CuPy array) ``[num_rows, head_dim]`` a row optimizer updates in
         place, on the GPU (``training.updates_cuda``)."""

@@ -10,7 +10,7 @@ read at once (``PagePrefetcher.read_cold``), not faulted in one by one.
 Where the GPU can read pageable host memory (``cudaDevAttrPageableMemoryAccess``: HMM or ATS),
 GPU lookups read the mapped pages too, with the UVA gather kernel (``gather_cupy``): no load, no
 pinned copy, the page cache shared by every process. A prefetch of GPU ids first advises the
-pages of its rows ``MADV_WILLNEED`` on a thread of its own (``page_prefetch``).
+pages of its rows ``MADV_WILLNEED`` on a thread of its own (``memory.page_reads``).
 """
 
 from __future__ import annotations

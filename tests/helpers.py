@@ -1,0 +1,32 @@
+"""Small helpers several test modules share (defined once here; fixtures live in conftest.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def offset_array(shape, dtype, offset: int) -> np.ndarray:
+    """A zeroed C-contiguous array starting ``offset`` bytes past a 64-byte boundary."""
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    backing = np.zeros(nbytes + 128, np.uint8)
+    start = (-backing.ctypes.data) % 64 + offset
+    return backing[start : start + nbytes].view(dtype).reshape(shape)
+
+
+def every_pair_table(fmt) -> tuple[np.ndarray, np.ndarray]:
+    """A block-scaled table whose row r holds every stored byte (all 256) under block scale
+    byte r: every (block scale, stored byte) pair of ``fmt``, NaN scales and subnormals
+    included."""
+    weight = np.tile(np.arange(256, dtype=np.uint8), (256, 1))
+    width = fmt.scale_width(weight.shape[1] * fmt.pack)
+    scales = np.repeat(np.arange(256, dtype=np.uint8)[:, None], width, axis=1)
+    return weight, scales
+
+
+def run_cli(argv: list, capsys) -> tuple[int, str, str]:
+    """Run the ``ngram-cupy`` command line in this process: (exit status, stdout, stderr)."""
+    from ngram_cupy.cli.main import main
+
+    status = main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
