@@ -184,6 +184,11 @@ def names() -> str:
     return ", ".join(fmt.name for fmt in FORMATS)
 
 
+def checkpoint_formats(family: str, *, blocked: bool) -> tuple[Format, ...]:
+    """The formats ``family``'s checkpoints hold, block-scaled ones or the others."""
+    return tuple(fmt for fmt in FORMATS if fmt.checkpoint_names(family) and fmt.blocked == blocked)
+
+
 def encoded_format(to: Any, name: str = "to") -> Format:
     """The format whose encoder ``to`` names (``"fp8"``, ...); a ValueError naming ``name``."""
     fmt = ENCODED.get(to) if isinstance(to, str) else None

@@ -256,7 +256,7 @@ def _from_model(module: Qwen4ExpTextNGramEmbedding, layout: LayerLayout, weight_
     if weight.is_meta:
         raise ValueError("the model's n-gram tables are on the meta device: pass checkpoint=")
     fmt = storage_format(weight_dtype or weight.dtype, "weight_dtype")
-    if fmt.scaled or fmt.blocked:  # quantised chunk by chunk (fp8, NVFP4), scales from the rows
+    if fmt.encoder:  # quantised chunk by chunk (fp8, NVFP4) by its encoder, scales from the rows
         quantized = quantize_table(weight.detach(), quantize_target(fmt, QWEN4EXP))
         return NGramEmbedding(layout, EmbeddingTable(quantized, placement=placement,
                                                      hot_rows=hot_rows))

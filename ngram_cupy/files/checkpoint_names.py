@@ -9,6 +9,7 @@ from ..formats import (
     QWEN4EXP,
     SCALE_FORMATS,
     TensorNames,
+    checkpoint_formats,
 )
 from ..hashing.layout import LayerLayout, split_rows
 
@@ -19,8 +20,9 @@ SHARDS = TensorNames().sharded()
 SCALE_NAMES = tuple(sorted({fmt.layer_names.scale for fmt in FORMATS if fmt.scaled}))
 # The one scale name of plain tables (float8's), and the one block-scaled format Qwen4Exp
 # checkpoints hold, which ``ngram_tensors`` writes (a second would need a dtype argument there).
-(PLAIN_SCALE,) = {fmt.layer_names.scale for fmt in FORMATS if fmt.scaled and not fmt.blocked}
-(BLOCK_SCALED,) = (fmt for fmt in FORMATS if fmt.blocked and fmt.checkpoint_names(QWEN4EXP))
+(PLAIN_SCALE,) = {fmt.layer_names.scale for fmt in checkpoint_formats(QWEN4EXP, blocked=False)
+                  if fmt.scaled}
+(BLOCK_SCALED,) = checkpoint_formats(QWEN4EXP, blocked=True)
 SCALE_DTYPES = tuple(fmt.safetensors for fmt in SCALE_FORMATS)
 BUFFERS = ("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets")
 

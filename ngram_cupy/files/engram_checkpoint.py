@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from ..codecs.scales import block_scale_bits
 from ..embedding import EngramEmbedding
-from ..formats import BY_SAFETENSORS, ENGRAM, FORMATS, Format, storage_format
+from ..formats import BY_SAFETENSORS, ENGRAM, Format, checkpoint_formats, storage_format
 from ..hashing.engram_layout import EngramLayout, check_engram_layout
 from ..runtime.backends import HOST, unwrap_torch
 from ..runtime.checks import check_integer
@@ -20,9 +20,8 @@ from .safetensors_files import Checkpoint, write_checkpoint
 
 # The formats Engram checkpoints hold (``Format.checkpoints``): float tables by their dtype, and
 # the block-scaled one (MXFP8) with its names.
-FLOAT_TABLES = tuple(fmt.safetensors for fmt in FORMATS
-                     if fmt.checkpoint_names(ENGRAM) and not fmt.blocked)
-MX = next(fmt for fmt in FORMATS if fmt.checkpoint_names(ENGRAM) and fmt.blocked)
+FLOAT_TABLES = tuple(fmt.safetensors for fmt in checkpoint_formats(ENGRAM, blocked=False))
+(MX,) = checkpoint_formats(ENGRAM, blocked=True)
 NAMES = MX.checkpoint_names(ENGRAM)
 
 

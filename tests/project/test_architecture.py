@@ -158,3 +158,16 @@ def test_one_trainability_rule():
             if defined or named or private:
                 found.append(f"{where}:{node.lineno}: {ast.unparse(node).splitlines()[0]}")
     assert not found, f"trainability decided outside {rule}:\n" + "\n".join(found)
+
+
+def test_block_scale_branches_live_in_the_codecs():
+    """"Does it carry block scales" is a codec's question: outside the registry, ``codecs/``
+    and the storages, at most 10 places branch on ``.blocked``."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        where = path.relative_to(PACKAGE).as_posix()
+        if where == "formats.py" or where.startswith(("codecs/", "tables/storage/")):
+            continue
+        found += [f"{where}:{node.lineno}" for node in ast.walk(ast.parse(path.read_text()))
+                  if isinstance(node, ast.Attribute) and node.attr == "blocked"]
+    assert len(found) <= 10, "branches on .blocked outside the codecs:\n" + "\n".join(found)
