@@ -29,6 +29,7 @@ from .tables.storage import place_filled, placement_named
 from .tables.table import EmbeddingTable
 from .torch_training import TrainableRows
 from .torch_training import fused_optimizer as fused_optimizer  # nc.torch.fused_optimizer
+from .torch_ops import lookup as lookup_rows, opcheck_samples as opcheck_samples, register
 
 WEIGHT = "ngram_embedding.weight"
 # Value width in bytes -> the NumPy integer type that moves those bits to torch.
@@ -142,6 +143,7 @@ class TableWeights(torch.nn.Module):
     def __init__(self, table: EmbeddingTable, dtype: torch.dtype):
         super().__init__()
         self.table = table
+        self.handle = register(self)  # the key the registered ops reach the table by
         names = table.format.layer_names
         self.register_buffer(names.rows, _storage_view(table, dtype))
         if names.block_scales:
@@ -222,16 +224,9 @@ class TableWeights(torch.nn.Module):
                              f"block_scales=, or decode through a lookup")
         if not fmt.blocked and block_scales is not None:
             raise ValueError(f"block_scales are only for block-scaled tables, not {fmt.name}")
-        flat = rows.detach().reshape(-1, width).contiguous()
-        scales = None if block_scales is None else \
-            block_scales.detach().reshape(flat.shape[0], -1).contiguous()
-        decoder = EmbeddingTable(flat, scale=self.table.scale,
-                                 placement="gpu" if flat.is_cuda else "cpu",
-                                 scale_rounding=self.table.scale_rounding, dtype=fmt.name,
-                                 block_scales=scales)
-        ids = torch.arange(flat.shape[0], device=flat.device).reshape(-1, 1)
-        decoded = decoder.lookup(ids, out_dtype=out_format.name)
-        return decoded.reshape(*rows.shape[:-1], rows.shape[-1] * fmt.pack)
+        return torch.ops.ngram_cupy.dequantize(self.handle, rows.detach(),
+                                               None if block_scales is None else
+                                               block_scales.detach(), out_format.torch_dtype)
 
     def _apply(self, fn, recurse=True):
         """``.to()``, ``.cuda()``, ``.half()`` leave the rows alone: where the table lives and its
@@ -307,6 +302,8 @@ class NGramEmbeddingModule(torch.nn.Module):
         self._lookup_dtype = self.out_dtype if stored is None else stored.torch_dtype
         self._kept_sizes: set[int] = set()
         self.embedding = self._embedding_over(table)
+        self.handle = register(self)  # the key the registered ops reach the layer by
+        self._prefetch_rows: torch.Tensor | None = None  # start_prefetch's, for forward
         self.register_buffer("layer_multipliers", torch.tensor(layout.multipliers))
         self.register_buffer("ngram_heads_vocab_sizes", torch.tensor(layout.head_sizes))
         self.register_buffer("ngram_heads_offsets", torch.tensor(layout.head_offsets))
@@ -446,18 +443,17 @@ class NGramEmbeddingModule(torch.nn.Module):
         again only heads whose ids changed, so a stale prefetch costs time, never correctness.
         """
         self._check_loaded()
-        input_ids, query_start_loc, ngram_context, stream = self._batch(
+        input_ids, query_start_loc, ngram_context, _ = self._batch(
             input_ids, query_start_loc, ngram_context)
-        width = self.layout.num_heads * self.layout.head_dim
-        out = torch.empty((input_ids.shape[0], width), dtype=self._lookup_dtype,
-                          device=input_ids.device)
+        ids = torch.ops.ngram_cupy.ngram_ids(self.handle, input_ids, query_start_loc,
+                                             ngram_context)
+        out, self._prefetch_rows = self._prefetch_rows, None
         if self.trainable_rows is not None:  # autograd, and exact after a prefetch
-            ids = torch.empty((input_ids.shape[0], self.layout.num_heads), dtype=torch.int64,
-                              device=input_ids.device)
-            return self.trainable_rows.lookup(ids, lambda: self.embedding.forward(
-                input_ids, query_start_loc, ngram_context, out=out, stream=stream, ids_out=ids))
-        rows = self.embedding.forward(input_ids, query_start_loc, ngram_context, out=out,
-                                      stream=stream)
+            return self.trainable_rows.lookup(ids, self._lookup_dtype)
+        if out is None or out.shape[0] != ids.shape[0] or out.device != ids.device:
+            width = self.layout.num_heads * self.layout.head_dim
+            out = torch.empty((ids.shape[0], width), dtype=self._lookup_dtype, device=ids.device)
+        rows = lookup_rows(self.handle, ids, out)
         if self._stored_format is not None and rows.dtype != self.table.format.torch_dtype:
             return rows.to(self.table.format.torch_dtype)  # exact: see stored_rows_format
         return rows
@@ -472,12 +468,14 @@ class NGramEmbeddingModule(torch.nn.Module):
         if self.table.storage.device_resident:
             return
         self._check_loaded()
-        input_ids, query_start_loc, ngram_context, stream = self._batch(
+        input_ids, query_start_loc, ngram_context, _ = self._batch(
             input_ids, query_start_loc, ngram_context)
-        if self.trainable_rows is not None:
-            self.trainable_rows.prefetched = True
-        self.embedding.start_prefetch(input_ids, query_start_loc, ngram_context, stream=stream,
-                                      out_dtype=self._lookup_dtype)
+        ids = torch.ops.ngram_cupy.ngram_ids(self.handle, input_ids, query_start_loc,
+                                             ngram_context)
+        rows = torch.empty((ids.shape[0], self.layout.num_heads * self.layout.head_dim),
+                           dtype=self._lookup_dtype, device=ids.device)
+        torch.ops.ngram_cupy.prefetch_(self.handle, ids, rows)
+        self._prefetch_rows = rows
 
     # ---- weights ----
 
