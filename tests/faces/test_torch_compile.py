@@ -7,6 +7,7 @@ dynamo's own counting backends, which stop before Inductor.
 
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
@@ -217,3 +218,46 @@ def test_compiling_does_not_copy_the_table():
     table_bytes, growth = map(int, done.stdout.split()[-2:])
     assert table_bytes > 150 * 2**20
     assert growth < table_bytes / 4
+
+
+@pytest.fixture(scope="module")
+def qwen4exp_pair():
+    """transformers' tiny Qwen4Exp (test_transformers) and a copy using ngram_cupy tables."""
+    pytest.importorskip("transformers")
+    from test_transformers import tiny_model
+
+    from ngram_cupy.transformers import use_ngram_cupy
+
+    reference = tiny_model()
+    patched = copy.deepcopy(reference)
+    use_ngram_cupy(patched, placement="cpu")
+    return reference, patched
+
+
+def test_the_transformers_layer_is_one_graph(qwen4exp_pair):
+    from test_transformers import NAMES, prompts
+    from transformers import DynamicCache
+
+    _, patched = qwen4exp_pair
+    layer = patched.get_submodule(NAMES[1])
+    cache = DynamicCache(config=patched.config)
+    explained = torch._dynamo.explain(layer)(prompts(), cache)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+
+
+def test_the_compiled_transformers_model_equals_eager(qwen4exp_pair):
+    """``torch.compile(model)`` of the patched model: the logits and greedy tokens of the
+    model's own eager run (compiling the plain model changes neither on the CPU), and no graph
+    break of its own (the model's MoE routing breaks graphs by itself: ``nonzero``)."""
+    from test_transformers import generated, prompts
+
+    reference, patched = qwen4exp_pair
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(patched, backend="eager")
+    input_ids = prompts()
+    with torch.no_grad():
+        assert torch.equal(compiled(input_ids).logits, reference(input_ids).logits)
+    want, got = generated(reference, input_ids), generated(compiled, input_ids)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    reasons = " ".join(torch._dynamo.utils.counters["graph_break"])
+    assert "ngram_cupy" not in reasons and "CachedNGramEmbedding" not in reasons
