@@ -14,9 +14,9 @@
 #   versions 5 s | compile the kernel cache: released shapes, sm_90, 16 CPUs: ~40 s (100 s on 2
 #   loaded CPUs here, its slowest kernel 34 s) | gpu tests: ~150 s, each file its own pytest
 #   (their kernels compiled once, then shared through the cache) | graph, misaligned,
-#   fresh-fill: ~10 s each | packed-uva: ~15 s (estimated: 700 MiB of pinned rows made and
-#   filled, 3 x 22 timed gathers and copies) | bench --quick: ~60 s | memcheck, racecheck: ~45 s
-#   each
+#   fresh-fill: ~10 s each | torch-graphs: ~30 s (estimated) | packed-uva: ~15 s (estimated:
+#   700 MiB of pinned rows made and filled, 3 x 22 timed gathers and copies) | bench --quick:
+#   ~60 s | memcheck, racecheck: ~45 s each
 # The simulator, PTX, host-build and CPU tests run in CI, not here.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -123,6 +123,9 @@ done
 step graph 30 python3 scripts/gpu_workload.py graph
 step misaligned 20 python3 scripts/gpu_workload.py misaligned
 step fresh-fill 20 python3 scripts/gpu_workload.py fresh-fill
+# The torch layer compiled with mode="reduce-overhead" and captured with torch.cuda.graph,
+# against eager (scripts/torch_graphs.py; Inductor's compile dominates: ~30 s estimated).
+step torch-graphs 40 python3 scripts/torch_graphs.py
 
 # 4. Packed NVFP4 records over UVA: bytes per token and GB/s of the gather from pinned memory,
 # records vs fp8 rows vs two arrays, beside cudaMemcpy of the same bytes (packed-uva.md).
