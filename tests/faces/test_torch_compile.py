@@ -261,3 +261,16 @@ def test_the_compiled_transformers_model_equals_eager(qwen4exp_pair):
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     reasons = " ".join(torch._dynamo.utils.counters["graph_break"])
     assert "ngram_cupy" not in reasons and "CachedNGramEmbedding" not in reasons
+
+
+def test_torch_export_keeps_the_ops():
+    """``torch.export.export`` of a layer, dynamic in the token and request counts: the ops in
+    its graph (the handle a constant of this process), and eager bits on another batch."""
+    layer = filled("cpu", "float8_e4m3fn", seed=7)
+    tokens, requests = torch.export.Dim("tokens"), torch.export.Dim("requests")
+    exported = torch.export.export(layer, batch(10, requests=2), dynamic_shapes=(
+        {0: tokens}, {0: requests + 1}, {0: requests}))
+    targets = {str(node.target) for node in exported.graph.nodes if node.op == "call_function"}
+    assert {"ngram_cupy.ngram_ids.default", "ngram_cupy.lookup_.default"} <= targets
+    args = batch(33, requests=3, seed=2)
+    assert torch.equal(bits(exported.module()(*args)), bits(layer(*args)))
