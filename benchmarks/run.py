@@ -29,6 +29,7 @@ class Bench:
 
 def sections() -> list[Bench]:
     """Every section in report order (GPU sections import CuPy only when run)."""
+    from . import sections_compile as compiled
     from . import sections_cpu as cpu
     from . import sections_gpu as gpu
     from . import sections_mmap as mapped
@@ -77,6 +78,8 @@ def sections() -> list[Bench]:
         Bench("mmap-cold", "cpu", "cold mapped-table lookups (pages dropped, fresh process per "
               "case): plain, faults only, prefetched, against O_DIRECT reads at queue depth 64",
               mapped.bench_mmap_cold),
+        Bench("torch-compile", "cpu", "torch.compile of the torch layer against eager: decode "
+              "step 256 tokens, prefill 8,192; per-call overhead", compiled.bench_torch_compile),
         Bench("transformers-gpu", "gpu", "transformers Qwen4Exp generate: bf16 table on the GPU "
               "against a pinned fp8 table, prefetch on and off", hf.bench_transformers_gpu),
     ]

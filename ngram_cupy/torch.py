@@ -29,7 +29,8 @@ from .tables.storage import place_filled, placement_named
 from .tables.table import EmbeddingTable
 from .torch_training import TrainableRows
 from .torch_training import fused_optimizer as fused_optimizer  # nc.torch.fused_optimizer
-from .torch_ops import lookup as lookup_rows, opcheck_samples as opcheck_samples, register
+from . import torch_ops
+from .torch_ops import opcheck_samples as opcheck_samples  # nc.torch.opcheck_samples
 
 WEIGHT = "ngram_embedding.weight"
 # Value width in bytes -> the NumPy integer type that moves those bits to torch.
@@ -143,7 +144,7 @@ class TableWeights(torch.nn.Module):
     def __init__(self, table: EmbeddingTable, dtype: torch.dtype):
         super().__init__()
         self.table = table
-        self.handle = register(self)  # the key the registered ops reach the table by
+        self.handle = torch_ops.register(self)  # the key the registered ops reach the table by
         names = table.format.layer_names
         self.register_buffer(names.rows, _storage_view(table, dtype))
         if names.block_scales:
@@ -224,9 +225,9 @@ class TableWeights(torch.nn.Module):
                              f"block_scales=, or decode through a lookup")
         if not fmt.blocked and block_scales is not None:
             raise ValueError(f"block_scales are only for block-scaled tables, not {fmt.name}")
-        return torch.ops.ngram_cupy.dequantize(self.handle, rows.detach(),
-                                               None if block_scales is None else
-                                               block_scales.detach(), out_format.torch_dtype)
+        return torch_ops.decode(self.handle, rows.detach(),
+                                None if block_scales is None else block_scales.detach(),
+                                out_format.torch_dtype)
 
     def _apply(self, fn, recurse=True):
         """``.to()``, ``.cuda()``, ``.half()`` leave the rows alone: where the table lives and its
@@ -302,7 +303,7 @@ class NGramEmbeddingModule(torch.nn.Module):
         self._lookup_dtype = self.out_dtype if stored is None else stored.torch_dtype
         self._kept_sizes: set[int] = set()
         self.embedding = self._embedding_over(table)
-        self.handle = register(self)  # the key the registered ops reach the layer by
+        self.handle = torch_ops.register(self)  # the key the registered ops reach the layer by
         self._prefetch_rows: torch.Tensor | None = None  # start_prefetch's, for forward
         self.register_buffer("layer_multipliers", torch.tensor(layout.multipliers))
         self.register_buffer("ngram_heads_vocab_sizes", torch.tensor(layout.head_sizes))
@@ -445,15 +446,14 @@ class NGramEmbeddingModule(torch.nn.Module):
         self._check_loaded()
         input_ids, query_start_loc, ngram_context, _ = self._batch(
             input_ids, query_start_loc, ngram_context)
-        ids = torch.ops.ngram_cupy.ngram_ids(self.handle, input_ids, query_start_loc,
-                                             ngram_context)
+        ids = torch_ops.ids(self.handle, input_ids, query_start_loc, ngram_context)
         out, self._prefetch_rows = self._prefetch_rows, None
         if self.trainable_rows is not None:  # autograd, and exact after a prefetch
             return self.trainable_rows.lookup(ids, self._lookup_dtype)
         if out is None or out.shape[0] != ids.shape[0] or out.device != ids.device:
             width = self.layout.num_heads * self.layout.head_dim
             out = torch.empty((ids.shape[0], width), dtype=self._lookup_dtype, device=ids.device)
-        rows = lookup_rows(self.handle, ids, out)
+        rows = torch_ops.lookup(self.handle, ids, out)
         if self._stored_format is not None and rows.dtype != self.table.format.torch_dtype:
             return rows.to(self.table.format.torch_dtype)  # exact: see stored_rows_format
         return rows
@@ -470,11 +470,10 @@ class NGramEmbeddingModule(torch.nn.Module):
         self._check_loaded()
         input_ids, query_start_loc, ngram_context, _ = self._batch(
             input_ids, query_start_loc, ngram_context)
-        ids = torch.ops.ngram_cupy.ngram_ids(self.handle, input_ids, query_start_loc,
-                                             ngram_context)
+        ids = torch_ops.ids(self.handle, input_ids, query_start_loc, ngram_context)
         rows = torch.empty((ids.shape[0], self.layout.num_heads * self.layout.head_dim),
                            dtype=self._lookup_dtype, device=ids.device)
-        torch.ops.ngram_cupy.prefetch_(self.handle, ids, rows)
+        torch_ops.prefetch(self.handle, ids, rows)
         self._prefetch_rows = rows
 
     # ---- weights ----

@@ -39,6 +39,10 @@ from .hashing.config import NGramConfig
 from .ids.ngram_ids import compute_ngram_ids
 from .tables.table import EmbeddingTable
 
+# torch dtypes NumPy has no type for -> the integer type of their width.
+_BITS = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8,
+         torch.float8_e8m0fnu: torch.uint8}
+
 # Live layers by handle: anything with ``layout`` and ``embedding`` (``NGramEmbedding``), a
 # ``TableWeights`` (``table``) or a ``TrainableRows``; dropped with the object.
 _LIVE: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
@@ -66,60 +70,56 @@ def _stream(device: torch.device) -> Any:
     return torch.cuda.current_stream(device) if device.type == "cuda" else None
 
 
-@torch.library.custom_op("ngram_cupy::ngram_ids", mutates_args=())
-def ngram_ids(handle: int, input_ids: torch.Tensor, query_start_loc: torch.Tensor | None,
-              ngram_context: torch.Tensor | None) -> torch.Tensor:
-    """``[input_ids.numel(), num_heads]`` int64 ids of a packed batch (or of ``[B, S]`` rows
-    when ``query_start_loc`` is None), on the device of ``input_ids``."""
+def _array(tensor: torch.Tensor | None) -> Any:
+    """A CPU tensor as the NumPy array sharing its memory (types NumPy lacks as same-width
+    integer bits), which the library takes without importing it; a GPU tensor as it is."""
+    if tensor is None or tensor.device.type != "cpu":
+        return tensor
+    if tensor.dtype in _BITS:
+        tensor = tensor.view(_BITS[tensor.dtype])
+    return tensor.numpy()
+
+
+def _rows_into(table: EmbeddingTable, ids: torch.Tensor, out: torch.Tensor,
+               prefetch: bool = False) -> None:
+    """``table.lookup`` (or ``prefetch``) of ``ids`` into ``out``, in ``out``'s dtype."""
+    call = table.prefetch if prefetch else table.lookup
+    call(_array(ids), out=_array(out), out_dtype=output_format(out.dtype).name,
+         stream=_stream(ids.device))
+
+
+def _ngram_ids(handle, input_ids, query_start_loc, ngram_context):
     layout = resolve(handle).layout
     out = torch.empty((input_ids.numel(), layout.num_heads), dtype=torch.int64,
                       device=input_ids.device)
-    if query_start_loc is None:
-        shaped = out.view(*input_ids.shape, layout.num_heads)
-    else:
-        shaped = out
-    compute_ngram_ids(layout, input_ids, query_start_loc, ngram_context, out=shaped,
-                      stream=_stream(input_ids.device))
+    shaped = out.view(*input_ids.shape, layout.num_heads) if query_start_loc is None else out
+    compute_ngram_ids(layout, _array(input_ids), _array(query_start_loc), _array(ngram_context),
+                      out=_array(shaped), stream=_stream(input_ids.device))
     return out
 
 
-@ngram_ids.register_fake
-def _(handle, input_ids, query_start_loc, ngram_context):
+def _ngram_ids_fake(handle, input_ids, query_start_loc, ngram_context):
     heads = resolve(handle).layout.num_heads
     return input_ids.new_empty((input_ids.numel(), heads), dtype=torch.int64)
 
 
-@torch.library.custom_op("ngram_cupy::lookup_", mutates_args=("out",))
-def lookup_(handle: int, ids: torch.Tensor, out: torch.Tensor) -> None:
-    """The rows of ``ids`` ``[T, H]`` into ``out`` ``[T, H * head_dim]`` (of an output dtype)."""
-    resolve(handle).embedding.table.lookup(ids, out=out, stream=_stream(ids.device))
+def _lookup(handle, ids, out):
+    _rows_into(resolve(handle).embedding.table, ids, out)
 
 
-@lookup_.register_fake
-def _(handle, ids, out):
-    return None
-
-
-@torch.library.custom_op("ngram_cupy::prefetch_", mutates_args=("out",))
-def prefetch_(handle: int, ids: torch.Tensor, out: torch.Tensor) -> None:
-    """Start gathering the rows of ``ids`` into ``out``; ``lookup_`` of ``out`` joins it."""
+def _prefetch(handle, ids, out):
     layer = resolve(handle)
     rows = getattr(layer, "trainable_rows", None)
     if rows is not None:
         rows.prefetched = True
-    layer.embedding.table.prefetch(ids, out=out, stream=_stream(ids.device))
+    _rows_into(layer.embedding.table, ids, out, prefetch=True)
 
 
-@prefetch_.register_fake
-def _(handle, ids, out):
+def _nothing(*args):
     return None
 
 
-@torch.library.custom_op("ngram_cupy::dequantize", mutates_args=())
-def dequantize(handle: int, rows: torch.Tensor, block_scales: torch.Tensor | None,
-               dtype: torch.dtype) -> torch.Tensor:
-    """Stored rows ``[..., k * stored row width]`` decoded to ``dtype`` by the table's format and
-    scale, through the table gather itself (``TableWeights.dequantize`` checked them)."""
+def _dequantize(handle, rows, block_scales, dtype):
     table = resolve(handle).table
     fmt = table.format
     width = max(table.head_dim // fmt.pack, 1)
@@ -134,32 +134,25 @@ def dequantize(handle: int, rows: torch.Tensor, block_scales: torch.Tensor | Non
     return decoded.reshape(*rows.shape[:-1], rows.shape[-1] * fmt.pack)
 
 
-@dequantize.register_fake
-def _(handle, rows, block_scales, dtype):
+def _dequantize_fake(handle, rows, block_scales, dtype):
     pack = resolve(handle).table.format.pack
     return rows.new_empty((*rows.shape[:-1], rows.shape[-1] * pack), dtype=dtype)
 
 
-@torch.library.custom_op("ngram_cupy::trainable_lookup", mutates_args=())
-def trainable_lookup(handle: int, weight: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype,
-                     fused: bool) -> torch.Tensor:
-    """The rows of ``ids`` from a trainable layer's table (``weight`` shares them; autograd
-    reaches it through this op), the tokens a prefetch may have read stale gathered again."""
+def _trainable_lookup(handle, weight, ids, dtype, fused):
     rows = resolve(handle)
     out = torch.empty((ids.shape[0], ids.shape[1] * rows.table.head_dim), dtype=dtype,
                       device=ids.device)
-    return rows.fresh(ids, rows.table.lookup(ids, out=out, stream=_stream(ids.device)))
+    _rows_into(rows.table, ids, out)
+    return rows.fresh(ids, out)
 
 
-@trainable_lookup.register_fake
-def _(handle, weight, ids, dtype, fused):
+def _trainable_lookup_fake(handle, weight, ids, dtype, fused):
     head_dim = resolve(handle).table.head_dim
     return ids.new_empty((ids.shape[0], ids.shape[1] * head_dim), dtype=dtype)
 
 
-@torch.library.custom_op("ngram_cupy::row_gradient", mutates_args=())
-def row_gradient(handle: int, ids: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
-    """The weight's sparse COO gradient (rows summed, coalesced) for ``grad_out``."""
+def _row_gradient(handle, ids, grad_out):
     gradient = resolve(handle).backward(ids, grad_out)
     if gradient is None:
         raise RuntimeError("a fused optimizer was attached after this graph was traced: call "
@@ -167,10 +160,9 @@ def row_gradient(handle: int, ids: torch.Tensor, grad_out: torch.Tensor) -> torc
     return gradient
 
 
-@row_gradient.register_fake
-def _(handle, ids, grad_out):
+def _row_gradient_fake(handle, ids, grad_out):
     # The number of distinct rows is data-dependent; a sparse fake with none stands for it
-    # (sparse tensors cannot carry an unbacked size through AOT autograd).
+    # (a sparse tensor cannot carry an unbacked size through AOT autograd).
     weight = resolve(handle).weights.weight
     return torch.sparse_coo_tensor(
         torch.empty((1, 0), dtype=torch.int64, device=grad_out.device),
@@ -178,25 +170,38 @@ def _(handle, ids, grad_out):
         is_coalesced=True, check_invariants=False)
 
 
-@torch.library.custom_op("ngram_cupy::optimizer_step_", mutates_args=("weight",))
-def optimizer_step_(handle: int, ids: torch.Tensor, grad_out: torch.Tensor,
-                    weight: torch.Tensor) -> None:
-    """Step the fused row optimizer on the rows of ``ids`` in the table; a ``weight`` that is
-    not the table's memory (a functional copy that torch.compile writes back) gets the updated
-    rows too, so the write-back keeps the step."""
+def _optimizer_step(handle, ids, grad_out, weight):
     rows = resolve(handle)
     if rows.backward(ids, grad_out) is not None:
         raise RuntimeError("the fused optimizer was detached after this graph was traced: "
                            "call torch.compiler.reset() or compile again")
     table = rows.weights.weight.detach()
-    if weight.data_ptr() != table.data_ptr():
+    if weight.data_ptr() != table.data_ptr():  # a functional copy that compile writes back
         touched = ids.reshape(-1).unique().to(table.device)
         weight[touched.to(weight.device)] = table[touched].to(weight.device)
 
 
-@optimizer_step_.register_fake
-def _(handle, ids, grad_out, weight):
-    return None
+# name: (schema, implementation, fake). Defined with ``torch.library.Library`` rather than
+# ``custom_op``: an eager call then costs ~3 us of dispatch instead of ~100 us.
+OPS = {
+    "ngram_ids": ("(int handle, Tensor input_ids, Tensor? query_start_loc, "
+                  "Tensor? ngram_context) -> Tensor", _ngram_ids, _ngram_ids_fake),
+    "lookup_": ("(int handle, Tensor ids, Tensor(a!) out) -> ()", _lookup, _nothing),
+    "prefetch_": ("(int handle, Tensor ids, Tensor(a!) out) -> ()", _prefetch, _nothing),
+    "dequantize": ("(int handle, Tensor rows, Tensor? block_scales, ScalarType dtype) -> Tensor",
+                   _dequantize, _dequantize_fake),
+    "trainable_lookup": ("(int handle, Tensor weight, Tensor ids, ScalarType dtype, bool fused) "
+                         "-> Tensor", _trainable_lookup, _trainable_lookup_fake),
+    "row_gradient": ("(int handle, Tensor ids, Tensor grad_out) -> Tensor", _row_gradient,
+                     _row_gradient_fake),
+    "optimizer_step_": ("(int handle, Tensor ids, Tensor grad_out, Tensor(a!) weight) -> ()",
+                        _optimizer_step, _nothing),
+}
+_LIBRARY = torch.library.Library("ngram_cupy", "DEF")  # the ops live as long as this module
+for _name, (_schema, _impl, _fake) in OPS.items():
+    _LIBRARY.define(_name + _schema)
+    _LIBRARY.impl(_name, _impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"ngram_cupy::{_name}", _fake, lib=_LIBRARY)
 
 
 def _save_lookup(ctx, inputs, output) -> None:
@@ -216,13 +221,34 @@ def _lookup_backward(ctx, grad_out):
     return None, torch.ops.ngram_cupy.row_gradient(ctx.handle, ids, grad_out), None, None, None
 
 
-trainable_lookup.register_autograd(_lookup_backward, setup_context=_save_lookup)
+torch.library.register_autograd("ngram_cupy::trainable_lookup", _lookup_backward,
+                                setup_context=_save_lookup, lib=_LIBRARY)
+
+
+def ids(handle: int, input_ids: torch.Tensor, query_start_loc: torch.Tensor | None,
+        ngram_context: torch.Tensor | None) -> torch.Tensor:
+    """``ngram_ids``: ``[input_ids.numel(), num_heads]`` int64 ids of a packed batch (of
+    ``[B, S]`` rows when ``query_start_loc`` is None) on the device of ``input_ids``."""
+    return torch.ops.ngram_cupy.ngram_ids(handle, input_ids, query_start_loc, ngram_context)
 
 
 def lookup(handle: int, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``lookup_`` into ``out``, returning ``out``."""
+    """``lookup_``: the rows of ``ids`` ``[T, H]`` into ``out`` ``[T, H * head_dim]``, returned."""
     torch.ops.ngram_cupy.lookup_(handle, ids, out)
     return out
+
+
+def prefetch(handle: int, ids: torch.Tensor, out: torch.Tensor) -> None:
+    """``prefetch_``: start gathering the rows of ``ids`` into ``out``; ``lookup`` of ``out``
+    joins it."""
+    torch.ops.ngram_cupy.prefetch_(handle, ids, out)
+
+
+def decode(handle: int, rows: torch.Tensor, block_scales: torch.Tensor | None,
+           dtype: torch.dtype) -> torch.Tensor:
+    """``dequantize``: stored rows decoded to ``dtype`` by the table's format and scale, through
+    the table gather itself (``TableWeights.dequantize`` checked them)."""
+    return torch.ops.ngram_cupy.dequantize(handle, rows, block_scales, dtype)
 
 
 @functools.cache
@@ -269,7 +295,7 @@ def opcheck_samples() -> Iterator[tuple[Any, tuple, dict]]:
     grad = torch.ones((6, width), dtype=torch.float32)
     yield ops.row_gradient.default, (rows.handle, ids, grad), {}
     yield ops.optimizer_step_.default, (fused.trainable_rows.handle, ids, grad,
-                                        fused.ngram_embedding.weight), {}
+                                        fused.ngram_embedding.weight.detach()), {}
     stored = packed.ngram_embedding.weight[:3]
     scales = packed.ngram_embedding.weight_scale[:3].view(torch.uint8)  # opcheck compares
     yield ops.dequantize.default, (packed.ngram_embedding.handle, stored, scales,

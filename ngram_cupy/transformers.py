@@ -45,7 +45,7 @@ from .tables.quantize import quantize_table, quantize_target
 from .tables.storage import RowsSource, find_placement, place, placement_named
 from .tables.table import EmbeddingTable
 from .torch import TableWeights
-from .torch_ops import lookup as lookup_rows, register
+from . import torch_ops
 from .torch_training import OPTIMIZERS, TrainableRows, check_trainable, fused_optimizer
 
 # The oldest and newest transformers releases (major, minor) the integration is tested with.
@@ -101,7 +101,7 @@ class CachedNGramEmbedding(torch.nn.Module):
         self.layer_idx = layer_idx
         self.context_len = layout.ngram_size - 1
         self.prefetch = prefetch
-        self.handle = register(self)  # the key the registered ops reach the layer by
+        self.handle = torch_ops.register(self)  # the key the registered ops reach the layer by
         self._host_ids = not table.storage.reads(DEVICE)  # CUDA batches go to the CPU
         self.register_buffer("layer_multipliers", torch.tensor(layout.multipliers))
         self.register_buffer("ngram_heads_vocab_sizes", torch.tensor(layout.head_sizes))
@@ -140,7 +140,7 @@ class CachedNGramEmbedding(torch.nn.Module):
         if input_ids.is_cuda and self._host_ids:
             input_ids = input_ids.cpu()
             context = None if context is None else context.cpu()
-        return torch.ops.ngram_cupy.ngram_ids(self.handle, input_ids, None, context)
+        return torch_ops.ids(self.handle, input_ids, None, context)
 
     def _empty_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """A fresh ``[T, H * head_dim]`` output in the model dtype, beside the ids."""
@@ -152,7 +152,7 @@ class CachedNGramEmbedding(torch.nn.Module):
         next ``forward`` finds them; a stale prefetch costs time, never correctness."""
         ids = self._ids(input_ids.long(), self._context(cache))
         self._prefetched = self._empty_rows(ids)
-        torch.ops.ngram_cupy.prefetch_(self.handle, ids, self._prefetched)
+        torch_ops.prefetch(self.handle, ids, self._prefetched)
 
     def forward(self, input_ids: torch.Tensor, cache=None, *, past_key_values=None,
                 **kwargs) -> torch.Tensor:
@@ -180,7 +180,7 @@ class CachedNGramEmbedding(torch.nn.Module):
         if self.trainable_rows is not None and torch.is_grad_enabled():
             rows = self.trainable_rows.lookup(ids, out.dtype)
         else:
-            rows = lookup_rows(self.handle, ids, out)
+            rows = torch_ops.lookup(self.handle, ids, out)
         return rows.to(input_ids.device).view(batch, length, -1)
 
     def extra_repr(self) -> str:
