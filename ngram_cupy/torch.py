@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import torch_ops
 from .embedding import NGramEmbedding
 from .files.checkpoint import BUFFERS, check_scale
 from .formats import FORMATS, Format, default_output, output_format
@@ -27,10 +28,9 @@ from .hashing.config import NGramConfig
 from .hashing.layout import layer_layout, split_rows
 from .tables.storage import place_filled, placement_named
 from .tables.table import EmbeddingTable
+from .torch_ops import opcheck_samples as opcheck_samples  # nc.torch.opcheck_samples
 from .torch_training import TrainableRows
 from .torch_training import fused_optimizer as fused_optimizer  # nc.torch.fused_optimizer
-from . import torch_ops
-from .torch_ops import opcheck_samples as opcheck_samples  # nc.torch.opcheck_samples
 
 WEIGHT = "ngram_embedding.weight"
 # Value width in bytes -> the NumPy integer type that moves those bits to torch.

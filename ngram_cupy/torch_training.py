@@ -14,9 +14,9 @@ import torch
 
 from .tables.storage import find_placement
 from .tables.table import EmbeddingTable
+from .torch_ops import register
 from .training import optimizers
 from .training.backward import embedding_backward
-from .torch_ops import register
 from .training.table_rows import TRAINABLE, TRAINABLE_NAMES
 
 # Names ``fused_optimizer`` takes -> the row optimizer class in ``training.optimizers``.

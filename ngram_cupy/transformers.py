@@ -27,6 +27,7 @@ except ImportError as error:  # a release that renamed or dropped the layer this
                       "for ngram_cupy.transformers to replace; it is tested with transformers "
                       "5.23 to 5.25") from error
 
+from . import torch_ops
 from .embedding import NGramEmbedding
 from .files.checkpoint import (
     find_prefix,
@@ -45,7 +46,6 @@ from .tables.quantize import quantize_table, quantize_target
 from .tables.storage import RowsSource, find_placement, place, placement_named
 from .tables.table import EmbeddingTable
 from .torch import TableWeights
-from . import torch_ops
 from .torch_training import OPTIMIZERS, TrainableRows, check_trainable, fused_optimizer
 
 # The oldest and newest transformers releases (major, minor) the integration is tested with.

@@ -32,8 +32,8 @@ from ..runtime.checks import (
     check_out,
     check_scale,
 )
-from .dequant import check_scale_rounding, rounded_scale
 from .captured_ids import CapturedIds
+from .dequant import check_scale_rounding, rounded_scale
 from .hot_rows import check_hot_rows
 from .prefetch import Prefetcher
 from .quantize import QuantizedTable
