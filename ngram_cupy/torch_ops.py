@@ -253,21 +253,20 @@ def decode(handle: int, rows: torch.Tensor, block_scales: torch.Tensor | None,
 
 @functools.cache
 def _sample_layers() -> tuple:
-    """Small live layers for ``opcheck_samples``: a float32 trainable one (SGD, and sparse
-    gradients) and an NVFP4 one (block-scaled ``dequantize``), kept for the process."""
+    """Small live layers for ``opcheck_samples``: two trainable float32 ones (sparse gradients;
+    an SGD fused optimizer) and an NVFP4 one (block-scaled ``dequantize``), kept for the
+    process."""
     from .torch import NGramEmbeddingModule, fused_optimizer
 
     config = NGramConfig(vocab_size=40, ngram_size=3, heads_per_ngram=1, ngram_vocab_size_base=30,
                          eos_token_id=1, embedding_dim=32, seed=5, split_ngram_parts=1)
-    layers = []
-    for dtype, trainable in (("float32", True), ("float32", True), ("nvfp4", False)):
-        layer = NGramEmbeddingModule(config, 0, placement="cpu", weight_dtype=dtype,
-                                     trainable=trainable)
-        if dtype == "float32":
-            layer.ngram_embedding.weight.data.normal_(generator=torch.Generator().manual_seed(0))
-        layers.append(layer)
-    fused_optimizer(layers[1], "sgd", lr=0.0)  # opcheck calls it twice: same rows
-    return tuple(layers)
+    trainable = [NGramEmbeddingModule(config, 0, placement="cpu", weight_dtype=torch.float32,
+                                      trainable=True) for _ in range(2)]
+    for layer in trainable:
+        layer.ngram_embedding.weight.data.normal_(generator=torch.Generator().manual_seed(0))
+    fused_optimizer(trainable[1], "sgd", lr=0.0)  # opcheck calls it twice: same rows
+    packed = NGramEmbeddingModule(config, 0, placement="cpu", weight_dtype="nvfp4")
+    return (*trainable, packed)
 
 
 def opcheck_samples() -> Iterator[tuple[Any, tuple, dict]]:
