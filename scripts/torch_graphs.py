@@ -15,11 +15,10 @@ failed.
 from __future__ import annotations
 
 import sys
-import time
-import traceback
 from pathlib import Path
 
 import torch
+from gpu_workload import main  # the same runner: one line per case, exit 1 if any failed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout, not installed
 
@@ -118,18 +117,5 @@ CASES = {"reduce-overhead": case_reduce_overhead, "cuda-graph": case_cuda_graph,
          "captured-bad-id": case_captured_bad_id}
 
 
-def main() -> int:
-    failed = 0
-    for name, case in CASES.items():
-        start = time.perf_counter()
-        try:
-            case()
-            print(f"{name}: ok ({time.perf_counter() - start:.1f} s)", flush=True)
-        except Exception:
-            failed += 1
-            print(f"{name}: FAILED\n{traceback.format_exc()}", flush=True)
-    return 1 if failed else 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(list(CASES), CASES))
