@@ -3,11 +3,12 @@
 A GPU lookup outside a capture notes the first id outside ``[0, total_rows)`` in a fresh word
 and reads it after the launch (``row_ids``); inside a capture that read would synchronise the
 capturing stream, which breaks the capture. Captured gathers instead note into one persistent
-word per table and GPU (``CapturedIds.word``), allocated and cleared outside any capture (the
-first lookup outside a capture does it; a word first needed inside a capture is cleared by the
-graph itself, at each replay). The word is read, and cleared, by the table's next GPU lookup
-outside a capture on that GPU, or by ``EmbeddingTable.check_errors()``: that is when the
-IndexError of a replayed graph surfaces.
+word per table and GPU (``CapturedIds.word``), allocated and cleared outside any capture, by
+the table's first GPU lookup there (graph users warm up before capturing). A table with no word
+yet leaves captured ids unchecked: a word made inside a capture would be cleared by every replay,
+and outlive a table made for one call (``dequantize``'s decoder). The word is read, and cleared,
+by the table's next GPU lookup outside a capture on that GPU, or by
+``EmbeddingTable.check_errors()``: that is when the IndexError of a replayed graph surfaces.
 """
 
 from __future__ import annotations

@@ -206,8 +206,9 @@ def gather_rows(table, code: int, row_start: int, scale, ids, out, out_code: int
     Runs on ``stream`` (default: CuPy's current stream); no host sync, except with
     ``total_rows``: the kernel notes the first id outside ``[0, total_rows)`` in a word that is
     read after the launch (waiting for the stream) and raised on (``row_ids``); while the stream
-    captures a CUDA graph the kernel notes into ``captured``'s persistent word (``CapturedIds``;
-    None: ids are not checked), read at the next gather outside a capture.
+    captures a CUDA graph the kernel notes into ``captured``'s persistent word (``CapturedIds``,
+    made by an earlier gather outside a capture; without one ids are not checked), read at the
+    next gather outside a capture.
     """
     cupy = cupy_module()
     stream = stream if stream is not None else cupy.cuda.get_current_stream()
@@ -215,7 +216,7 @@ def gather_rows(table, code: int, row_start: int, scale, ids, out, out_code: int
     bad = None
     capturing = stream.is_capturing()
     if total_rows is not None and capturing:
-        bad = None if captured is None else captured.word(device, stream)
+        bad = None if captured is None else captured.words.get(device)  # made outside
     elif total_rows is not None:
         with cupy.cuda.Device(device), stream:
             bad = cupy.full(1, NO_BAD_WORD, np.uint64)
