@@ -28,6 +28,13 @@ LAYERS = [("cpu", "float32", None), ("cpu", "bfloat16", None), ("cpu", "float8_e
           ("shared", "float8_e4m3fn", None), ("cpu", "float8_e4m3fn", [0, 3, 5, 9, 40])]
 
 
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test compiles from scratch: the code compiled for earlier tests' layers (other
+    handles) would count against dynamo's recompile limit and could leave a layer eager."""
+    torch._dynamo.reset()
+
+
 def filled(placement="cpu", weight_dtype="float32", hot_rows=None, seed=0, **options):
     """A layer whose rows (and block scales, and scale) are random bits, loaded through
     ``load_state_dict`` so that a shared layer moves them into its node segment."""
