@@ -32,6 +32,7 @@ def sections() -> list[Bench]:
     from . import sections_compile as compiled
     from . import sections_cpu as cpu
     from . import sections_gpu as gpu
+    from . import sections_jax as jax
     from . import sections_mmap as mapped
     from . import sections_packed as packed
     from . import sections_quantize as quantize
@@ -80,6 +81,8 @@ def sections() -> list[Bench]:
               mapped.bench_mmap_cold),
         Bench("torch-compile", "cpu", "torch.compile of the torch layer against eager: decode "
               "step 256 tokens, prefill 8,192; per-call overhead", compiled.bench_torch_compile),
+        Bench("jax", "cpu", "ngram_cupy.jax under jax.jit against eager NumPy calls: lookups and a "
+              "train step of 8,192 x 16 x 160; per-call overhead", jax.bench_jax_cpu),
         Bench("transformers-gpu", "gpu", "transformers Qwen4Exp generate: bf16 table on the GPU "
               "against a pinned fp8 table, prefetch on and off", hf.bench_transformers_gpu),
     ]

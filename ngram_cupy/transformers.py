@@ -2,7 +2,7 @@
 
 transformers (>= 5.23) keeps each PLE table as an ``nn.Embedding`` in the model dtype. This
 replaces every ``Qwen4ExpTextNGramEmbedding`` by :class:`CachedNGramEmbedding`: the same call
-(``forward(input_ids[B, S], past_key_values)`` giving ``[B, S, H * head_dim]`` in the model
+(``forward(input_ids[B, S], cache)`` giving ``[B, S, H * head_dim]`` in the model
 dtype) and the same n-gram context in the cache (conv state ``CONTEXT_STATE`` of the layer), but
 the rows in an ``EmbeddingTable`` (float8, bfloat16, ...; pinned host memory the GPU reads, GPU
 or CPU memory, or the mapped checkpoint) read by this library's exact ids and gathers.
@@ -10,50 +10,31 @@ or CPU memory, or the mapped checkpoint) read by this library's exact ids and ga
 
 from __future__ import annotations
 
-import functools
-import inspect
 import os
-import warnings
 from collections.abc import Mapping, Sequence
 
 import torch
 import transformers
-from packaging.version import Version
-
-try:
-    from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextNGramEmbedding
-except ImportError as error:  # a release that renamed or dropped the layer this replaces
-    raise ImportError(f"transformers {transformers.__version__} has no Qwen4ExpTextNGramEmbedding "
-                      "for ngram_cupy.transformers to replace; it is tested with transformers "
-                      "5.23 to 5.25") from error
 
 from . import torch_ops
+from .codecs.dequant import check_scale_rounding
+from .codecs.quantize import quantize_table, quantize_target
 from .embedding import NGramEmbedding
-from .files.checkpoint import (
-    find_prefix,
-    load_ngram_embedding,
-    read_scale,
-    shard_key,
-    verify_buffers,
-)
+from .files.checkpoint import load_ngram_embedding
+from .files.checkpoint_discovery import find_prefix
+from .files.checkpoint_names import shard_key
+from .files.checkpoint_reading import read_scale, verify_buffers
 from .files.safetensors_files import DTYPES, Checkpoint
 from .formats import QWEN4EXP, find_format, output_format, storage_format
 from .hashing.config import NGramConfig
 from .hashing.layout import LayerLayout, layer_layout, split_rows
 from .runtime.backends import DEVICE
-from .tables.dequant import check_scale_rounding
-from .tables.quantize import quantize_table, quantize_target
 from .tables.storage import RowsSource, find_placement, place, placement_named
 from .tables.table import EmbeddingTable
-from .torch import TableWeights
-from .torch_training import OPTIMIZERS, TrainableRows, check_trainable, fused_optimizer
+from .torch.autograd import OPTIMIZERS, TrainableRows, check_trainable, fused_optimizer
+from .torch.weights import TableWeights
+from .transformers_releases import Qwen4ExpTextNGramEmbedding, check_layers, check_release
 
-# The oldest and newest transformers releases (major, minor) the integration is tested with.
-TESTED_RELEASES = ((5, 23), (5, 25))
-# What this module reads of transformers' layer: its attributes and its call's leading arguments.
-LAYER_ATTRIBUTES = ("layer_idx", "ple_layer_index", "ngram_embedding", "layer_multipliers",
-                    "ngram_heads_vocab_sizes", "ngram_heads_offsets")
-CACHE_NAMES = ("cache", "past_key_values")
 # The cache's conv state that holds each PLE layer's last n-1 tokens (transformers' layout).
 CONTEXT_STATE = 2
 SINGLE_WEIGHT = "ngram_embedding.weight"
@@ -209,34 +190,6 @@ def _one_cache(cache, past_key_values):
     if cache is not None and past_key_values is not None and cache is not past_key_values:
         raise TypeError("pass the cache once, as cache= or past_key_values=, not both")
     return past_key_values if cache is None else cache
-
-
-def tested_range() -> str:
-    """The tested transformers releases, as messages name them ("5.23 to 5.25")."""
-    (low_major, low_minor), (high_major, high_minor) = TESTED_RELEASES
-    return f"{low_major}.{low_minor} to {high_major}.{high_minor}"
-
-
-@functools.cache
-def check_release(version: str) -> None:
-    """Warn once per release newer than the tested range; refuse one whose n-gram layer no
-    longer has the attributes and call this module replaces (naming the release)."""
-    release = Version(version).release[:2]
-    if release > TESTED_RELEASES[1]:
-        warnings.warn(f"transformers {version} is newer than the releases ngram_cupy's "
-                      f"Qwen4Exp integration is tested with ({tested_range()}); the layers are "
-                      "checked before they are replaced, but compare the logits with the "
-                      "model's own once", UserWarning, stacklevel=3)
-    leading = list(inspect.signature(Qwen4ExpTextNGramEmbedding.forward).parameters)[1:3]
-    if len(leading) < 2 or leading[1] not in CACHE_NAMES:
-        unlike_tested(f"its forward takes ({', '.join(leading)})")
-
-
-def unlike_tested(found: str):
-    """Refuse a transformers release whose n-gram layer differs from the tested ones."""
-    raise RuntimeError(f"transformers {transformers.__version__}'s Qwen4ExpTextNGramEmbedding is "
-                       f"not the layer ngram_cupy replaces ({found}); use_ngram_cupy is tested "
-                       f"with transformers {tested_range()}")
 
 
 def _named_dtype(config: NGramConfig) -> str | None:
@@ -403,22 +356,7 @@ def use_ngram_cupy(model: torch.nn.Module, *, placement: str = "pinned",
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     check_release(transformers.__version__)
-    targets = [(name, module) for name, module in model.named_modules()
-               if isinstance(module, Qwen4ExpTextNGramEmbedding)]
-    done = [name for name, module in model.named_modules()
-            if isinstance(module, CachedNGramEmbedding)]
-    if done and not targets:
-        raise ValueError(f"use_ngram_cupy was already applied to this {type(model).__name__} "
-                         f"({done[0]} is ngram_cupy's): its layers are replaced once; to change "
-                         "placement or weight_dtype, load the model again and call it once")
-    if not targets:
-        raise ValueError(f"{type(model).__name__} has no Qwen4ExpTextNGramEmbedding: "
-                         "use_ngram_cupy replaces the n-gram embeddings of transformers' "
-                         "Qwen4Exp models with PLE layers")
-    for name, module in targets:
-        missing = [attribute for attribute in LAYER_ATTRIBUTES if not hasattr(module, attribute)]
-        if missing:
-            unlike_tested(f"{name} lacks {', '.join(missing)}")
+    targets = _embeddings_of(model)
     if placement_named(placement, mapped=True).mapped and checkpoint is None:
         raise ValueError(f"placement {placement!r} serves a checkpoint's rows: pass checkpoint=")
     config = ngram_config(model.config.get_text_config())
@@ -431,26 +369,12 @@ def use_ngram_cupy(model: torch.nn.Module, *, placement: str = "pinned",
         fmt = storage_format(weight_dtype, "weight_dtype")
         _check_named(config, fmt.name, f"weight_dtype={weight_dtype}")
         weight_dtype = fmt.name  # NVFP4's torch dtype (uint8) would name no format
-    layouts = []
-    for name, module in targets:
-        layout = layer_layout(config, module.ple_layer_index)
-        _check_module(name, module, layout)
-        output_format(module.ngram_embedding.weight.dtype, f"{name} model dtype")
-        layouts.append(layout)
+    layouts = _layouts(config, targets)
     prefixes = []
     if checkpoint is not None:
         opened = Checkpoint.open(checkpoint,
                                  random_access=placement_named(placement, mapped=True).mapped)
-        for (name, _), layout in zip(targets, layouts, strict=True):
-            prefix = name if f"{name}.layer_multipliers" in opened else \
-                find_prefix(opened.tensors, config, layout.layer)
-            dtype = _checkpoint_dtype(opened, prefix)
-            _check_named(config, dtype, f"the table of {prefix}")
-            if weight_dtype is not None and dtype is not None \
-                    and dtype != storage_format(weight_dtype).name:
-                raise ValueError(f"weight_dtype={asked} but {prefix} stores {dtype}: "
-                                 "checkpoint tables load in their own dtype")
-            prefixes.append(prefix)
+        prefixes = _checkpoint_prefixes(opened, names, layouts, weight_dtype, asked)
     elif weight_dtype is None and _named_dtype(config) is not None:
         weight_dtype = storage_format(config.ple_embedding_dtype).name
     embeddings = []
@@ -466,6 +390,65 @@ def use_ngram_cupy(model: torch.nn.Module, *, placement: str = "pinned",
             embeddings.append(load_ngram_embedding(
                 checkpoint, config, layout.layer, prefix=prefixes[index], placement=placement,
                 progress=table_options.get("progress"), hot_rows=rows))
+    _replace(model, targets, embeddings, table_options, trainable,
+             (optimizer, optimizer_options))
+    return names
+
+
+def _embeddings_of(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The model's ``Qwen4ExpTextNGramEmbedding`` modules and their names, in model order; a
+    ValueError for a model that has none, or whose were replaced already."""
+    targets = [(name, module) for name, module in model.named_modules()
+               if isinstance(module, Qwen4ExpTextNGramEmbedding)]
+    done = [name for name, module in model.named_modules()
+            if isinstance(module, CachedNGramEmbedding)]
+    if done and not targets:
+        raise ValueError(f"use_ngram_cupy was already applied to this {type(model).__name__} "
+                         f"({done[0]} is ngram_cupy's): its layers are replaced once; to change "
+                         "placement or weight_dtype, load the model again and call it once")
+    if not targets:
+        raise ValueError(f"{type(model).__name__} has no Qwen4ExpTextNGramEmbedding: "
+                         "use_ngram_cupy replaces the n-gram embeddings of transformers' "
+                         "Qwen4Exp models with PLE layers")
+    check_layers(targets)
+    return targets
+
+
+def _layouts(config: NGramConfig, targets: list) -> list[LayerLayout]:
+    """Each module's layer layout, checked against the module's buffers and dtype."""
+    layouts = []
+    for name, module in targets:
+        layout = layer_layout(config, module.ple_layer_index)
+        _check_module(name, module, layout)
+        output_format(module.ngram_embedding.weight.dtype, f"{name} model dtype")
+        layouts.append(layout)
+    return layouts
+
+
+def _checkpoint_prefixes(opened: Checkpoint, names: list[str], layouts: list[LayerLayout],
+                         weight_dtype: str | None, asked) -> list[str]:
+    """Each module's prefix in the checkpoint (its own name when the checkpoint uses it), its
+    table's dtype checked against the config and ``weight_dtype`` (``asked``: as spelt)."""
+    prefixes = []
+    for name, layout in zip(names, layouts, strict=True):
+        config = layout.config
+        prefix = name if f"{name}.layer_multipliers" in opened else \
+            find_prefix(opened.tensors, config, layout.layer)
+        dtype = _checkpoint_dtype(opened, prefix)
+        _check_named(config, dtype, f"the table of {prefix}")
+        if weight_dtype is not None and dtype is not None \
+                and dtype != storage_format(weight_dtype).name:
+            raise ValueError(f"weight_dtype={asked} but {prefix} stores {dtype}: "
+                             "checkpoint tables load in their own dtype")
+        prefixes.append(prefix)
+    return prefixes
+
+
+def _replace(model: torch.nn.Module, targets: list, embeddings: list, table_options: Mapping,
+             trainable: bool, optimizer: tuple) -> None:
+    """Put a ``CachedNGramEmbedding`` over each embedding in its module's place (with the
+    ``(name, options)`` optimizer, when named), and hook the layer before it for prefetch."""
+    name_of_optimizer, optimizer_options = optimizer
     replacements = []
     for (_, module), embedding in zip(targets, embeddings, strict=True):
         embedding.table.dedup = bool(table_options.get("dedup", False))
@@ -473,13 +456,12 @@ def use_ngram_cupy(model: torch.nn.Module, *, placement: str = "pinned",
         replacements.append(CachedNGramEmbedding(embedding, module.layer_idx,
                                                  module.ngram_embedding.weight.dtype,
                                                  table_options.get("prefetch"), trainable))
-        if optimizer is not None:
-            fused_optimizer(replacements[-1], optimizer, **dict(optimizer_options))
+        if name_of_optimizer is not None:
+            fused_optimizer(replacements[-1], name_of_optimizer, **dict(optimizer_options))
     for (name, _), replacement in zip(targets, replacements, strict=True):
         parent, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent), leaf, replacement)
         _hook_previous_layer(model, name, replacement)
-    return names
 
 
 def _check_training(trainable: bool, optimizer, optimizer_options, placement: str) -> None:

@@ -12,10 +12,10 @@ import math
 import numpy as np
 
 from ..runtime.backends import HOST, bind
-from . import backward_numba, updates_numba
+from . import backward_numba, gpu_steps, updates_numba
 from .inputs import check_finite, check_ids_inside, flat_inputs
 from .sparse_rows import SparseRows
-from .table_rows import refresh_hot, state_array, writable_rows
+from .table_rows import copy_into, host_copy, refresh_hot, state_array, writable_rows
 
 
 def finite_number(name: str, value, low: float = 0.0, high: float = math.inf,
@@ -31,6 +31,48 @@ def finite_number(name: str, value, low: float = 0.0, high: float = math.inf,
     return value
 
 
+WEIGHT_DECAY_MODES = ("l2", "decoupled")
+
+
+def hyper_array(lr: float, eps: float = 0.0, decay: float = 0.0,
+                adam: tuple[float, float, float] = (0.0, 0.0, 0.0), max_norm: float | None = None,
+                decoupled: bool = False) -> np.ndarray:
+    """The float32 hyper-parameters ``update_rows`` reads, in its slot order."""
+    hyper = np.zeros(updates_numba.HYPER_SIZE, np.float32)
+    hyper[[updates_numba.LR, updates_numba.EPS, updates_numba.DECAY]] = lr, eps, decay
+    hyper[[updates_numba.ONE_MINUS_BETA1, updates_numba.ONE_MINUS_BETA2,
+           updates_numba.STEP_SIZE]] = adam
+    hyper[updates_numba.MAX_NORM] = 0.0 if max_norm is None else max_norm
+    hyper[updates_numba.DECOUPLED] = float(decoupled)
+    return hyper
+
+
+class DecayRules:
+    """FBGEMM's row-wise rules: weight decay added to the gradient (``"l2"``) or applied to the
+    row beside the update (``"decoupled"``), and rows scaled down to ``max_norm`` after it."""
+
+    def set_rules(self, weight_decay, weight_decay_mode: str, max_norm) -> None:
+        """Check and keep the three settings (errors name the argument)."""
+        self.weight_decay = finite_number("weight_decay", weight_decay)
+        if weight_decay_mode not in WEIGHT_DECAY_MODES:
+            raise ValueError(f"weight_decay_mode must be one of {WEIGHT_DECAY_MODES}, got "
+                             f"{weight_decay_mode!r}")
+        self.weight_decay_mode = weight_decay_mode
+        self.max_norm = None if max_norm is None else finite_number("max_norm", max_norm)
+        if self.max_norm is not None and not np.float32(self.max_norm) > 0:
+            raise ValueError(f"max_norm must be positive (None: no clamp), got {max_norm}")
+
+    def rules_hyper(self, eps: float = 0.0) -> np.ndarray:
+        """``hyper_array`` with the learning rate, ``eps`` and the three rules."""
+        return hyper_array(self.lr, eps, self.weight_decay, max_norm=self.max_norm,
+                           decoupled=self.weight_decay_mode == "decoupled")
+
+    def rules_settings(self) -> dict:
+        """The rules as a state dict records them."""
+        return {"weight_decay": self.weight_decay, "weight_decay_mode": self.weight_decay_mode,
+                "max_norm": self.max_norm}
+
+
 class RowOptimizer:
     """The common part: the table's writable rows, named float32 state arrays, a step count."""
 
@@ -42,6 +84,7 @@ class RowOptimizer:
         self.table = table
         self.lr = finite_number("lr", lr)
         self.rows = writable_rows(table)
+        self.on_gpu = table.storage.cold.device_resident  # rows and state in GPU memory
         self.code = table.format.code  # the row format the kernel loads and stores
         self.stochastic_rounding = bool(stochastic_rounding)
         self.seed = int(seed) & ((1 << 64) - 1)
@@ -63,17 +106,19 @@ class RowOptimizer:
 
     def hyper(self, step: int) -> np.ndarray:
         """The float32 hyper-parameters of step ``step`` (see ``updates_numba``)."""
-        return np.array([self.lr, 0, 0, 0, 0, 0], np.float32)
+        return hyper_array(self.lr)
 
     # ---- steps ----
 
     def step(self, grads: SparseRows) -> None:
         """Update the rows of ``grads`` (global, sorted unique ``indices``, float32 ``values``
         ``[U, head_dim]``)."""
+        if self.on_gpu:
+            gpu_steps.step(self, grads)
+            return
+        grads = gpu_steps.host_sparse_rows(grads)  # GPU gradients of a host table: copied over
         call = bind(indices=grads.indices, values=grads.values)
         indices, values = call["indices"], call["values"]
-        if call.side is not HOST:
-            raise ValueError("grads must be on the CPU for a table in host memory")
         if indices.ndim != 1 or indices.dtype.kind not in "iu":
             raise TypeError(f"grads.indices must be a 1-D integer array, got {indices.dtype} "
                             f"{tuple(indices.shape)}")
@@ -92,9 +137,13 @@ class RowOptimizer:
     def step_from_output_grad(self, ids, grad_out) -> None:
         """Backward and update in one pass: ``ids`` ``[N]`` / ``[T, H]`` (global rows) and the
         lookup's output gradient ``grad_out`` (as ``embedding_backward`` takes them)."""
+        if self.on_gpu:
+            gpu_steps.step_from_output_grad(self, ids, grad_out)
+            return
         call = bind(ids=ids, grad_out=grad_out)
-        if call.side is not HOST:
-            raise ValueError("ids and grad_out must be on the CPU for a table in host memory")
+        if call.side is not HOST:  # summed on the GPU, the distinct rows applied here
+            self.step(gpu_steps.host_rows_of_device_grad(self, call))
+            return
         flat, grad = flat_inputs(call["ids"], call["grad_out"], call.formats.get("grad_out"))
         if grad.shape[1] != self.table.head_dim:
             raise ValueError(f"grad_out has {grad.shape[1]} values per head, the table "
@@ -136,7 +185,7 @@ class RowOptimizer:
         return {"optimizer": self.name, "steps": self.steps,
                 "shape": [self.table.num_rows, self.table.head_dim],
                 "settings": self.settings(),
-                "state": {key: array.copy() for key, array in self.state.items()}}
+                "state": {key: host_copy(array) for key, array in self.state.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore ``state_dict()``'s state (copied in place); a ValueError for another
@@ -155,36 +204,51 @@ class RowOptimizer:
                 raise ValueError(f"state[{key!r}] must have shape {array.shape}, got "
                                  f"{given.shape}")
         for key, array in self.state.items():
-            array[...] = np.asarray(arrays[key], np.float32)
+            copy_into(array, np.asarray(arrays[key], np.float32))
         self.steps = int(state["steps"])
 
 
-class SGD(RowOptimizer):
-    """``w -= lr * g`` (float32)."""
+class SGD(DecayRules, RowOptimizer):
+    """``w -= lr * g`` (float32); optional weight decay (``"l2"``: ``g += weight_decay * w``
+    first; ``"decoupled"``: ``w = (1 - lr * weight_decay) * w - lr * g``) and ``max_norm``."""
 
     kind = updates_numba.SGD
     name = "sgd"
 
+    def __init__(self, table, lr: float, weight_decay: float = 0.0, *,
+                 weight_decay_mode: str = "l2", max_norm: float | None = None,
+                 stochastic_rounding: bool = False, seed: int = 0):
+        self.set_rules(weight_decay, weight_decay_mode, max_norm)
+        super().__init__(table, lr, stochastic_rounding=stochastic_rounding, seed=seed)
 
-class RowwiseAdagrad(RowOptimizer):
+    def hyper(self, step: int) -> np.ndarray:
+        return self.rules_hyper()
+
+    def settings(self) -> dict:
+        return {"lr": self.lr, **self.rules_settings()}
+
+
+class RowwiseAdagrad(DecayRules, RowOptimizer):
     """One float32 per row: ``s += mean(g * g)`` (the mean summed in float64), ``w -= lr /
-    (sqrt(s) + eps) * g``; L2 ``weight_decay * w`` added to ``g`` first."""
+    (sqrt(s) + eps) * g``; weight decay ``"l2"`` (``weight_decay * w`` added to ``g`` first)
+    or ``"decoupled"`` (``w = (1 - lr * weight_decay) * w - m * g``), and ``max_norm``."""
 
     kind = updates_numba.ROWWISE_ADAGRAD
     name = "rowwise_adagrad"
     state_widths = (("sum", True),)
 
     def __init__(self, table, lr: float, eps: float = 1e-8, weight_decay: float = 0.0, *,
+                 weight_decay_mode: str = "l2", max_norm: float | None = None,
                  stochastic_rounding: bool = False, seed: int = 0):
         self.eps = finite_number("eps", eps)
-        self.weight_decay = finite_number("weight_decay", weight_decay)
+        self.set_rules(weight_decay, weight_decay_mode, max_norm)
         super().__init__(table, lr, stochastic_rounding=stochastic_rounding, seed=seed)
 
     def hyper(self, step: int) -> np.ndarray:
-        return np.array([self.lr, self.eps, self.weight_decay, 0, 0, 0], np.float32)
+        return self.rules_hyper(self.eps)
 
     def settings(self) -> dict:
-        return {"lr": self.lr, "eps": self.eps, "weight_decay": self.weight_decay}
+        return {"lr": self.lr, "eps": self.eps, **self.rules_settings()}
 
 
 class Adam(RowOptimizer):
@@ -209,7 +273,7 @@ class Adam(RowOptimizer):
     def hyper(self, step: int) -> np.ndarray:
         beta1, beta2 = self.betas
         step_size = self.lr * math.sqrt(1 - beta2**step) / (1 - beta1**step)
-        return np.array([self.lr, self.eps, 0, 1 - beta1, 1 - beta2, step_size], np.float32)
+        return hyper_array(self.lr, self.eps, adam=(1 - beta1, 1 - beta2, step_size))
 
     def settings(self) -> dict:
         return {"lr": self.lr, "betas": list(self.betas), "eps": self.eps,

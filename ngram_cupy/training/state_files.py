@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 
 import numpy as np
 
 from ..runtime.atomic import atomic_file
+from .reshard import SHARD, load_resharded, shard_metadata
+from .table_rows import copy_into, on_host
 
 ROWS = "rows"
 FORMAT = "ngram_cupy.training/1"
@@ -20,20 +23,30 @@ def save_training_state(path: str | os.PathLike, optimizer) -> str:
     from safetensors.numpy import save_file
 
     state = optimizer.state_dict()
-    tensors = {ROWS: np.ascontiguousarray(optimizer.rows)}
+    tensors = {ROWS: np.ascontiguousarray(on_host(optimizer.rows))}
     tensors.update({f"state.{key}": np.ascontiguousarray(value)
                     for key, value in state["state"].items()})
     metadata = {"format": FORMAT, "table_dtype": optimizer.table.format.name,
                 "header": json.dumps({key: state[key] for key in
-                                      ("optimizer", "steps", "shape", "settings")})}
+                                      ("optimizer", "steps", "shape", "settings")}),
+                SHARD: shard_metadata(optimizer.table)}
     with atomic_file(path) as temporary:
         save_file(tensors, temporary, metadata=metadata)
     return os.fspath(path)
 
 
-def load_training_state(path: str | os.PathLike, optimizer) -> None:
+def load_training_state(path: str | os.PathLike | Sequence[str | os.PathLike], optimizer, *,
+                        rank: int | None = None, world_size: int | None = None) -> None:
     """Restore rows and state saved by ``save_training_state`` into ``optimizer`` and its table;
-    a ValueError (nothing changed) for a file of another optimizer, dtype or table shape."""
+    a ValueError (nothing changed) for a file of another optimizer, dtype or table shape.
+
+    Resharding: ``path`` may list the files every rank saved (any rank count), and ``rank`` /
+    ``world_size`` (as ``load_ngram_embedding`` takes them) then name the table's rows; this
+    rank's rows and state are read from the files holding them (``reshard``)."""
+    if not isinstance(path, (str, os.PathLike)) or rank is not None or world_size is not None:
+        paths = [path] if isinstance(path, (str, os.PathLike)) else list(path)
+        load_resharded(paths, optimizer, rank, world_size)
+        return
     from safetensors import safe_open
 
     with safe_open(os.fspath(path), "np") as file:
@@ -51,5 +64,5 @@ def load_training_state(path: str | os.PathLike, optimizer) -> None:
         raise ValueError(f"{path} holds rows of shape {list(rows.shape)}, the table "
                          f"{list(optimizer.rows.shape)}")
     optimizer.load_state_dict(state)  # checks the state before anything changes
-    optimizer.rows[...] = rows.view(optimizer.rows.dtype)
+    copy_into(optimizer.rows, rows)
     optimizer.table.refresh_hot_rows()

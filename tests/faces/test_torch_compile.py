@@ -15,7 +15,7 @@ import torch
 from torch._dynamo.testing import CompileCounter
 
 import ngram_cupy as nc
-from ngram_cupy.tables import shared_memory
+from ngram_cupy.memory import shared as shared_memory
 from ngram_cupy.torch import NGramEmbeddingModule, fused_optimizer, opcheck_samples
 
 # Heads 2 x 2 of head_dim 32: every format's blocks (NVFP4 16 values, MXFP8 32) fit a row.

@@ -28,10 +28,10 @@ from transformers import (  # noqa: E402
 )
 
 import ngram_cupy as nc  # noqa: E402
-from ngram_cupy.files.checkpoint import ngram_tensors  # noqa: E402
+from ngram_cupy.codecs.dequant import reference_block_lookup  # noqa: E402
+from ngram_cupy.files.checkpoint_writing import ngram_tensors  # noqa: E402
 from ngram_cupy.files.safetensors_files import write_checkpoint  # noqa: E402
 from ngram_cupy.formats import FORMATS, NVFP4  # noqa: E402
-from ngram_cupy.tables.dequant import reference_block_lookup  # noqa: E402
 from ngram_cupy.transformers import CachedNGramEmbedding, ngram_config, use_ngram_cupy  # noqa: E402
 
 EOS, PAD, VOCAB = 2, 0, 512
@@ -341,7 +341,7 @@ def test_shared_placement(tmp_path, monkeypatch, float32_pair, source):
     import os
     import tempfile
 
-    from ngram_cupy.tables import shared_memory
+    from ngram_cupy.memory import shared as shared_memory
 
     folder = tempfile.mkdtemp(prefix="ngram_cupy-test-",
                               dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
@@ -573,6 +573,12 @@ def test_releases_outside_the_tested_range(monkeypatch, float32_pair):
     with pytest.warns(UserWarning), pytest.raises(
             RuntimeError, match=r"transformers 6\.0\.0's Qwen4ExpTextNGramEmbedding .*"
                                 r"\(hidden_states, position_ids\).*5\.23 to 5\.25"):
+        use_ngram_cupy(model)
+    assert unchanged(model)
+    monkeypatch.undo()
+    monkeypatch.setattr(integration.transformers, "__version__", "5.17.0")
+    integration.check_release.cache_clear()
+    with pytest.raises(RuntimeError, match=r"transformers 5\.17\.0 is older .*5\.23 to 5\.25"):
         use_ngram_cupy(model)
     assert unchanged(model)
     monkeypatch.undo()

@@ -1,0 +1,87 @@
+"""Row-sharded training across ranks (``torch.distributed``): each rank's row optimizer updates
+the rows it owns, from the output gradient of a :class:`ShardedLookup`.
+
+Tensor parallel (every rank the same batch and output gradient): each rank keeps the terms of
+its own rows. Data parallel (each rank its own batch): every term is sent to its row's owner
+with all-to-alls of uneven splits (``all_to_all_single``, which Gloo has in torch 2.13 where its
+list form needs equal sizes: counts first, then ids, then gradient rows), and
+the owner sums what it receives in rank order, so each row's sum has exactly the terms, in the
+order, of one process stepping on the batches concatenated in rank order: the same bits.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..hashing.layout import split_rows
+from .lookup import ShardedLookup
+
+__all__ = ["ShardedOptimizer"]
+
+
+def _ranks(group) -> list[int]:
+    """The global ranks of ``group`` (None: the world group)."""
+    return dist.get_process_group_ranks(dist.group.WORLD if group is None else group)
+
+
+class ShardedOptimizer:
+    """Steps ``optimizer`` (``SGD``, ``RowwiseAdagrad`` or ``Adam`` over this rank's shard, the
+    table of ``lookup``) with the output gradient of ``lookup``'s rows.
+
+    Data parallel needs ``lookup.dp_group`` to be its table group (every rank owns a shard and
+    has a batch). Every rank of the group calls :meth:`step_from_output_grad` once per step,
+    in the same order (a collective in data parallel).
+    """
+
+    def __init__(self, lookup: ShardedLookup, optimizer):
+        if not isinstance(lookup, ShardedLookup):
+            raise TypeError(f"lookup must be a ShardedLookup, got {type(lookup).__name__}")
+        self.lookup, self.optimizer = lookup, optimizer  # the lookup checked the group
+        self.data_parallel = lookup.dp_group is not None
+        if self.data_parallel and _ranks(lookup.dp_group) != _ranks(lookup.group):
+            raise ValueError("data-parallel training needs dp_group to be the table group "
+                             "(every rank owns a shard and has its own batch)")
+
+    @property
+    def table(self):
+        """This rank's shard."""
+        return self.lookup.table
+
+    def step_from_output_grad(self, ids, grad_out) -> None:
+        """One step from ``grad_out`` ``[T, H * D]`` (float32 or bfloat16) of this rank's
+        lookup of ``ids`` ``[T, H]`` (NumPy or torch; CUDA tensors with NCCL)."""
+        ids = torch.as_tensor(ids).reshape(-1).to(torch.int64)
+        grad_out = torch.as_tensor(grad_out)
+        head_dim, total = self.table.head_dim, self.table.total_rows
+        if grad_out.ndim == 0 or grad_out.numel() != ids.numel() * head_dim:
+            raise ValueError(f"grad_out must hold {ids.numel()} rows of head_dim={head_dim} "
+                             f"(one per id), got shape {tuple(grad_out.shape)}")
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= total):
+            raise IndexError(f"ids must lie in [0, {total}), the table's rows")
+        grad_out = grad_out.reshape(ids.numel(), head_dim)
+        if self.data_parallel:
+            ids, grad_out = self._route(ids, grad_out)
+        else:
+            start = self.table.row_start
+            mine = (ids >= start) & (ids < start + self.table.num_rows)
+            ids, grad_out = ids[mine], grad_out[mine].contiguous()
+        self.optimizer.step_from_output_grad(ids, grad_out)
+
+    def _route(self, ids: torch.Tensor, grad_out: torch.Tensor):
+        """Every term sent to its row's owner; the terms received, in source rank order."""
+        group = self.lookup.group
+        size = dist.get_world_size(group)
+        starts = [split_rows(self.table.total_rows, size, rank)[0] for rank in range(1, size)]
+        owner = torch.bucketize(ids, torch.tensor(starts, dtype=torch.int64,
+                                                 device=ids.device), right=True)
+        order = torch.argsort(owner, stable=True)
+        sent = torch.bincount(owner, minlength=size)
+        got = torch.empty_like(sent)
+        dist.all_to_all_single(got, sent, group=group)
+        sent, got = sent.tolist(), got.tolist()
+        ids_in = torch.empty(sum(got), dtype=torch.int64, device=ids.device)
+        dist.all_to_all_single(ids_in, ids[order], got, sent, group=group)
+        grads_in = grad_out.new_empty((sum(got), grad_out.shape[1]))
+        dist.all_to_all_single(grads_in, grad_out[order].contiguous(), got, sent, group=group)
+        return ids_in, grads_in
