@@ -29,6 +29,7 @@ class Bench:
 
 def sections() -> list[Bench]:
     """Every section in report order (GPU sections import CuPy only when run)."""
+    from . import sections_compile as compiled
     from . import sections_cpu as cpu
     from . import sections_gpu as gpu
     from . import sections_jax as jax
@@ -78,6 +79,8 @@ def sections() -> list[Bench]:
         Bench("mmap-cold", "cpu", "cold mapped-table lookups (pages dropped, fresh process per "
               "case): plain, faults only, prefetched, against O_DIRECT reads at queue depth 64",
               mapped.bench_mmap_cold),
+        Bench("torch-compile", "cpu", "torch.compile of the torch layer against eager: decode "
+              "step 256 tokens, prefill 8,192; per-call overhead", compiled.bench_torch_compile),
         Bench("jax", "cpu", "ngram_cupy.jax under jax.jit against eager NumPy calls: lookups and a "
               "train step of 8,192 x 16 x 160; per-call overhead", jax.bench_jax_cpu),
         Bench("transformers-gpu", "gpu", "transformers Qwen4Exp generate: bf16 table on the GPU "

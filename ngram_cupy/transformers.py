@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 import torch
 import transformers
 
+from . import torch_ops
 from .codecs.dequant import check_scale_rounding
 from .codecs.quantize import quantize_table, quantize_target
 from .embedding import NGramEmbedding
@@ -27,7 +28,6 @@ from .files.safetensors_files import DTYPES, Checkpoint
 from .formats import QWEN4EXP, find_format, output_format, storage_format
 from .hashing.config import NGramConfig
 from .hashing.layout import LayerLayout, layer_layout, split_rows
-from .ids.ngram_ids import compute_ngram_ids
 from .runtime.backends import DEVICE
 from .tables.storage import RowsSource, place, placement_named
 from .tables.table import EmbeddingTable
@@ -84,6 +84,8 @@ class CachedNGramEmbedding(torch.nn.Module):
         self.layer_idx = layer_idx
         self.context_len = layout.ngram_size - 1
         self.prefetch = prefetch
+        self.handle = torch_ops.register(self)  # the key the registered ops reach the layer by
+        self._host_ids = not table.storage.reads(DEVICE)  # CUDA batches go to the CPU
         self.register_buffer("layer_multipliers", torch.tensor(layout.multipliers))
         self.register_buffer("ngram_heads_vocab_sizes", torch.tensor(layout.head_sizes))
         self.register_buffer("ngram_heads_offsets", torch.tensor(layout.head_offsets))
@@ -119,11 +121,10 @@ class CachedNGramEmbedding(torch.nn.Module):
 
     def _ids(self, input_ids: torch.Tensor, context: torch.Tensor | None) -> torch.Tensor:
         """``[B * S, H]`` ids, on the GPU when the table is readable there, else on the CPU."""
-        if input_ids.is_cuda and not self.table.storage.reads(DEVICE):
+        if input_ids.is_cuda and self._host_ids:
             input_ids = input_ids.cpu()
             context = None if context is None else context.cpu()
-        ids = compute_ngram_ids(self.layout, input_ids, None, context)
-        return ids.view(-1, self.layout.num_heads)
+        return torch_ops.ids(self.handle, input_ids, None, context)
 
     def _empty_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """A fresh ``[T, H * head_dim]`` output in the model dtype, beside the ids."""
@@ -135,7 +136,7 @@ class CachedNGramEmbedding(torch.nn.Module):
         next ``forward`` finds them; a stale prefetch costs time, never correctness."""
         ids = self._ids(input_ids.long(), self._context(cache))
         self._prefetched = self._empty_rows(ids)
-        self.table.prefetch(ids, out=self._prefetched)
+        torch_ops.prefetch(self.handle, ids, self._prefetched)
 
     def forward(self, input_ids: torch.Tensor, cache=None, *, past_key_values=None,
                 **kwargs) -> torch.Tensor:
@@ -161,9 +162,9 @@ class CachedNGramEmbedding(torch.nn.Module):
         if out is None or out.shape[0] != ids.shape[0] or out.device != ids.device:
             out = self._empty_rows(ids)
         if self.trainable_rows is not None and torch.is_grad_enabled():
-            rows = self.trainable_rows.lookup(ids, lambda: self.table.lookup(ids, out=out))
+            rows = self.trainable_rows.lookup(ids, out.dtype)
         else:
-            rows = self.table.lookup(ids, out=out)
+            rows = torch_ops.lookup(self.handle, ids, out)
         return rows.to(input_ids.device).view(batch, length, -1)
 
     def extra_repr(self) -> str:

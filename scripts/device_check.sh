@@ -14,10 +14,10 @@
 #   versions 5 s | compile the kernel cache: released shapes, sm_90, 16 CPUs: ~40 s (100 s on 2
 #   loaded CPUs here, its slowest kernel 34 s) | gpu tests: ~150 s, each file its own pytest
 #   (their kernels compiled once, then shared through the cache) | graph, misaligned,
-#   fresh-fill: ~10 s each | train: ~30 s (estimated) | packed-uva: ~15 s (estimated: 700 MiB
-#   of pinned rows made and filled, 3 x 22 timed gathers and copies) | jax-gpu: ~15 s
-#   (estimated: jax's start and five small tables; not yet run on a device) | bench --quick:
-#   ~60 s | memcheck, racecheck: ~45 s each
+#   fresh-fill: ~10 s each | torch-graphs: ~30 s (estimated) | train: ~30 s (estimated) |
+#   packed-uva: ~15 s (estimated: 700 MiB of pinned rows made and filled, 3 x 22 timed gathers
+#   and copies) | jax-gpu: ~15 s (estimated: jax's start and five small tables; not yet run on
+#   a device) | bench --quick: ~60 s | memcheck, racecheck: ~45 s each
 # The simulator, PTX, host-build and CPU tests run in CI, not here.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -131,6 +131,9 @@ done
 step graph 30 python3 scripts/gpu_workload.py graph
 step misaligned 20 python3 scripts/gpu_workload.py misaligned
 step fresh-fill 20 python3 scripts/gpu_workload.py fresh-fill
+# The torch layer compiled with mode="reduce-overhead" and captured with torch.cuda.graph,
+# against eager (scripts/torch_graphs.py; Inductor's compile dominates: ~30 s estimated).
+step torch-graphs 40 python3 scripts/torch_graphs.py
 
 # 3b. GPU-trained tables: 20 steps of every row optimizer against the CPU's bits (~30 s estimated,
 # most of it first compiles: the CPU update kernel twice, the GPU one twice; never run yet).

@@ -186,7 +186,7 @@ def launch_plan(table, code: int, row_start: int, scale, ids, out, out_code: int
 
 def gather_rows(table, code: int, row_start: int, scale, ids, out, out_code: int,
                 expected=None, stream=None, hot=None, counts=None, scales=None,
-                hot_scales=None, total_rows=None):
+                hot_scales=None, total_rows=None, captured=None):
     """Launch the gather: raw rows ``table[ids - row_start]`` dequantised into raw ``out``.
 
     ``table`` is a CuPy ``[rows, head_dim]`` array of raw bits (device memory or mapped host
@@ -200,15 +200,22 @@ def gather_rows(table, code: int, row_start: int, scale, ids, out, out_code: int
     Runs on ``stream`` (default: CuPy's current stream); no host sync, except with
     ``total_rows``: the kernel notes the first id outside ``[0, total_rows)`` in a word that is
     read after the launch (waiting for the stream) and raised on (``row_ids``); while the stream
-    captures a CUDA graph the word cannot be read and ids are not checked.
+    captures a CUDA graph the kernel notes into ``captured``'s persistent word (``CapturedIds``,
+    made by an earlier gather outside a capture; without one ids are not checked), read at the
+    next gather outside a capture.
     """
     cupy = cupy_module()
     stream = stream if stream is not None else cupy.cuda.get_current_stream()
     device = ids.device.id
     bad = None
-    if total_rows is not None and not stream.is_capturing():
+    capturing = stream.is_capturing()
+    if total_rows is not None and capturing:
+        bad = None if captured is None else captured.words.get(device)  # made outside
+    elif total_rows is not None:
         with cupy.cuda.Device(device), stream:
             bad = cupy.full(1, NO_BAD_WORD, np.uint64)
+        if captured is not None:
+            captured.word(device, stream)  # allocated and cleared outside any capture
     plan = launch_plan(table, code, row_start, scale, ids, out, out_code, expected, hot, counts,
                        scales, hot_scales, total_rows, bad)
     if plan is None:
@@ -216,8 +223,10 @@ def gather_rows(table, code: int, row_start: int, scale, ids, out, out_code: int
     kernel = _kernel(plan.name, device)
     with cupy.cuda.Device(device):  # the module's context is the arrays' device's
         kernel((plan.grid,), (plan.block,), plan.args, stream=stream)
-        if bad is not None:
+        if bad is not None and not capturing:
             raise_recorded(ids, bad.get(stream=stream), total_rows)
+            if captured is not None:
+                captured.check(device, stream, total_rows)
     return out
 
 

@@ -34,6 +34,7 @@ from ..runtime.checks import (
     check_integer,
     check_out,
 )
+from .captured_ids import CapturedIds
 from .hot_rows import check_hot_rows
 from .prefetch import Prefetcher
 from .storage import (
@@ -210,6 +211,7 @@ class EmbeddingTable:
         self.nbytes = self.num_rows * self.format.row_bytes(self.head_dim)
         self.dedup = bool(dedup)
         self.prefetcher = Prefetcher()
+        self.captured_ids = CapturedIds()
         self.closed = False
         weakref.finalize(self, self.prefetcher.close, False)  # never joins the worker
 
@@ -374,7 +376,14 @@ class EmbeddingTable:
             request.side, ids, out.view(request.out_format.raw), request.out_format.code,
             self.row_start, self.lookup_scale(request.out_format), expected,
             worker, self.dedup, cuda_stream() if request.side is DEVICE else None,
-            self.total_rows))
+            self.total_rows, self.captured_ids))
+
+    def check_errors(self) -> None:
+        """Raise the IndexError of an id outside ``[0, total_rows)`` that a GPU lookup captured
+        in a CUDA graph met in a replay (``captured_ids``; read on each GPU's current stream,
+        so call it after the replays there). The table's next GPU lookup outside a capture
+        checks the same."""
+        self.captured_ids.check_all(self.total_rows)
 
     def lookup_scale(self, out_format: Format) -> np.float32:
         """The float32 scale lookups to ``out_format`` multiply by (``scale_rounding``; a
@@ -400,7 +409,8 @@ class EmbeddingTable:
         buffer is reused by the next prefetch of the same shape. Ids of other shards (in
         ``[0, total_rows)``) give zero rows; an id outside ``[0, total_rows)`` is an IndexError
         naming the first (``row_ids``; a GPU lookup then waits for its stream to read the
-        kernel's error word, except during a CUDA graph capture, where ids are not checked).
+        kernel's error word; a lookup captured in a CUDA graph notes it in a persistent word
+        instead, raised at the next GPU lookup outside a capture or by ``check_errors``).
         """
         request = self._request(ids, out, out_dtype, stream)
         with request.call.on():

@@ -10,11 +10,10 @@ again, so prefetching stays exact in training.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from ..tables.table import EmbeddingTable
+from ..torch_ops import register
 from ..training.backward import embedding_backward
 from ..training.optimizers import OPTIMIZERS
 from ..training.table_rows import check_trainable
@@ -42,6 +41,7 @@ class TrainableRows:
         weight = trainable_weight(weights.table, weights.weight)
         del weights._buffers["weight"]
         weights.weight = torch.nn.Parameter(weight, requires_grad=True)
+        self.handle = register(self)  # the key the registered ops reach these rows by
 
     @property
     def table(self) -> EmbeddingTable:
@@ -58,13 +58,14 @@ class TrainableRows:
             kind, lr, options = self.optimizer_arguments
             self.optimizer = kind(table, lr=lr, **options)
 
-    def lookup(self, ids: torch.Tensor, gather: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """``gather()`` (the rows of ``ids`` ``[T, H]``, which it may fill) recorded for
-        autograd; tokens a prefetch may have read before an update are gathered again."""
-        return RowLookup.apply(self.weights.weight, ids, lambda: self._fresh(ids, gather()),
-                               self)
+    def lookup(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The rows of ``ids`` ``[T, H]`` in ``dtype``, recorded for autograd (the registered
+        op ``trainable_lookup``); tokens a prefetch may have read before an update are gathered
+        again."""
+        return torch.ops.ngram_cupy.trainable_lookup(self.handle, self.weights.weight, ids, dtype,
+                                                     self.optimizer is not None)
 
-    def _fresh(self, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def fresh(self, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """``rows`` with the tokens that touch rows updated since the prefetch began gathered
         again from the table."""
         touched, self._touched = self._touched, []
@@ -91,23 +92,6 @@ class TrainableRows:
         values = torch.as_tensor(grads.values, device=weight.device).to(weight.dtype)
         return torch.sparse_coo_tensor(indices, values, tuple(weight.shape),
                                        is_coalesced=True, check_invariants=False)
-
-
-class RowLookup(torch.autograd.Function):
-    """A gather whose backward is ``TrainableRows.backward`` (the weight is its input only so
-    that autograd reaches it; the rows come from the table)."""
-
-    @staticmethod
-    def forward(ctx, weight, ids, gather, rows):
-        out = gather()
-        ctx.save_for_backward(ids)
-        ctx.rows = rows
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        (ids,) = ctx.saved_tensors
-        return ctx.rows.backward(ids, grad_out), None, None, None
 
 
 def fused_optimizer(module: torch.nn.Module, name: str, lr: float, **options):

@@ -17,6 +17,7 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
+from .. import torch_ops
 from ..embedding import NGramEmbedding
 from ..files.checkpoint_names import BUFFERS
 from ..formats import FORMATS, default_output, output_format
@@ -111,6 +112,8 @@ class NGramEmbeddingModule(torch.nn.Module):
         self._lookup_dtype = self.out_dtype if stored is None else stored.torch_dtype
         self._kept_sizes: set[int] = set()
         self.embedding = self._embedding_over(table)
+        self.handle = torch_ops.register(self)  # the key the registered ops reach the layer by
+        self._prefetch_rows: torch.Tensor | None = None  # start_prefetch's, for forward
         self.register_buffer("layer_multipliers", torch.tensor(layout.multipliers))
         self.register_buffer("ngram_heads_vocab_sizes", torch.tensor(layout.head_sizes))
         self.register_buffer("ngram_heads_offsets", torch.tensor(layout.head_offsets))
@@ -249,18 +252,16 @@ class NGramEmbeddingModule(torch.nn.Module):
         again only heads whose ids changed, so a stale prefetch costs time, never correctness.
         """
         self._check_loaded()
-        input_ids, query_start_loc, ngram_context, stream = self._batch(
+        input_ids, query_start_loc, ngram_context, _ = self._batch(
             input_ids, query_start_loc, ngram_context)
-        width = self.layout.num_heads * self.layout.head_dim
-        out = torch.empty((input_ids.shape[0], width), dtype=self._lookup_dtype,
-                          device=input_ids.device)
+        ids = torch_ops.ids(self.handle, input_ids, query_start_loc, ngram_context)
+        out, self._prefetch_rows = self._prefetch_rows, None
         if self.trainable_rows is not None:  # autograd, and exact after a prefetch
-            ids = torch.empty((input_ids.shape[0], self.layout.num_heads), dtype=torch.int64,
-                              device=input_ids.device)
-            return self.trainable_rows.lookup(ids, lambda: self.embedding.forward(
-                input_ids, query_start_loc, ngram_context, out=out, stream=stream, ids_out=ids))
-        rows = self.embedding.forward(input_ids, query_start_loc, ngram_context, out=out,
-                                      stream=stream)
+            return self.trainable_rows.lookup(ids, self._lookup_dtype)
+        if out is None or out.shape[0] != ids.shape[0] or out.device != ids.device:
+            width = self.layout.num_heads * self.layout.head_dim
+            out = torch.empty((ids.shape[0], width), dtype=self._lookup_dtype, device=ids.device)
+        rows = torch_ops.lookup(self.handle, ids, out)
         if self._stored_format is not None and rows.dtype != self.table.format.torch_dtype:
             return rows.to(self.table.format.torch_dtype)  # exact: see stored_rows_format
         return rows
@@ -275,12 +276,13 @@ class NGramEmbeddingModule(torch.nn.Module):
         if self.table.storage.device_resident:
             return
         self._check_loaded()
-        input_ids, query_start_loc, ngram_context, stream = self._batch(
+        input_ids, query_start_loc, ngram_context, _ = self._batch(
             input_ids, query_start_loc, ngram_context)
-        if self.trainable_rows is not None:
-            self.trainable_rows.prefetched = True
-        self.embedding.start_prefetch(input_ids, query_start_loc, ngram_context, stream=stream,
-                                      out_dtype=self._lookup_dtype)
+        ids = torch_ops.ids(self.handle, input_ids, query_start_loc, ngram_context)
+        rows = torch.empty((ids.shape[0], self.layout.num_heads * self.layout.head_dim),
+                           dtype=self._lookup_dtype, device=ids.device)
+        torch_ops.prefetch(self.handle, ids, rows)
+        self._prefetch_rows = rows
 
     # ---- weights ----
 

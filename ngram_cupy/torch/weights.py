@@ -8,6 +8,7 @@ import warnings
 import numpy as np
 import torch
 
+from .. import torch_ops
 from ..codecs.scales import check_stored_block_scales
 from ..formats import FORMATS, Format, default_output, output_format
 from ..runtime.checks import check_scale
@@ -59,6 +60,7 @@ class TableWeights(torch.nn.Module):
     def __init__(self, table: EmbeddingTable, dtype: torch.dtype):
         super().__init__()
         self.table = table
+        self.handle = torch_ops.register(self)  # the key the registered ops reach the table by
         names = table.format.layer_names
         self.register_buffer(names.rows, storage_view(table, dtype))
         if names.block_scales:
@@ -134,16 +136,9 @@ class TableWeights(torch.nn.Module):
                              f"{head_dim} ({width} stored values), got shape "
                              f"{tuple(rows.shape)}")
         check_stored_block_scales(fmt, block_scales)
-        flat = rows.detach().reshape(-1, width).contiguous()
-        scales = None if block_scales is None else \
-            block_scales.detach().reshape(flat.shape[0], -1).contiguous()
-        decoder = EmbeddingTable(flat, scale=self.table.scale,
-                                 placement="gpu" if flat.is_cuda else "cpu",
-                                 scale_rounding=self.table.scale_rounding, dtype=fmt.name,
-                                 block_scales=scales)
-        ids = torch.arange(flat.shape[0], device=flat.device).reshape(-1, 1)
-        decoded = decoder.lookup(ids, out_dtype=out_format.name)
-        return decoded.reshape(*rows.shape[:-1], rows.shape[-1] * fmt.pack)
+        return torch_ops.decode(self.handle, rows.detach(),
+                                None if block_scales is None else block_scales.detach(),
+                                out_format.torch_dtype)
 
     def _apply(self, fn, recurse=True):
         """``.to()``, ``.cuda()``, ``.half()`` leave the rows alone: where the table lives and its

@@ -42,6 +42,7 @@ class Gather:
     dedup: bool = False
     stream: Any = None
     total_rows: int | None = None
+    captured: Any = None  # the table's CapturedIds: GPU ids checked in CUDA graphs
 
 
 class Storage:

@@ -215,7 +215,8 @@ class TieredStorage(Storage):
                                 job.scale, job.ids, job.out, job.out_code, job.expected,
                                 stream=job.stream, hot=(self.device_map, self.device_hot),
                                 counts=self.device_counts, scales=self.cold.device_scales,
-                                hot_scales=self.device_hot_scales, total_rows=job.total_rows)
+                                hot_scales=self.device_hot_scales, total_rows=job.total_rows,
+                                captured=job.captured)
 
     @property
     def counters(self) -> dict[str, int]:

@@ -1,0 +1,279 @@
+"""torch.compile over the registered ops: one graph, eager bits, no table copy, opcheck.
+
+Compiling dominates the time here, so one model holds a layer of every placement and format and
+is compiled once (Inductor) for the whole module; token-count and graph-break checks use
+dynamo's own counting backends, which stop before Inductor.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounter
+
+import ngram_cupy as nc
+from ngram_cupy.memory import shared as shared_memory
+from ngram_cupy.torch import NGramEmbeddingModule, fused_optimizer, opcheck_samples
+
+# Heads 2 x 2 of head_dim 32: every format's blocks (NVFP4 16 values, MXFP8 32) fit a row.
+CONFIG = nc.NGramConfig(vocab_size=60, ngram_size=3, heads_per_ngram=2, ngram_vocab_size_base=50,
+                        eos_token_id=1, embedding_dim=128, seed=11,
+                        make_ngram_vocab_size_divisible_by=4, split_ngram_parts=2)
+# (placement, weight_dtype, hot_rows): every placement on float8, every format on the CPU.
+LAYERS = [("cpu", "float32", None), ("cpu", "bfloat16", None), ("cpu", "float8_e4m3fn", None),
+          ("cpu", "nvfp4", None), ("cpu", "mxfp8", None), ("pinned", "float8_e4m3fn", None),
+          ("shared", "float8_e4m3fn", None), ("cpu", "float8_e4m3fn", [0, 3, 5, 9, 40])]
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test compiles from scratch: the code compiled for earlier tests' layers (other
+    handles) would count against dynamo's recompile limit and could leave a layer eager."""
+    torch._dynamo.reset()
+
+
+def filled(placement="cpu", weight_dtype="float32", hot_rows=None, seed=0, **options):
+    """A layer whose rows (and block scales, and scale) are random bits, loaded through
+    ``load_state_dict`` so that a shared layer moves them into its node segment."""
+    layer = NGramEmbeddingModule(CONFIG, 0, placement=placement, weight_dtype=weight_dtype,
+                                 hot_rows=hot_rows, **options)
+    generator = torch.Generator().manual_seed(seed)
+    state = layer.state_dict()
+    for name, value in state.items():
+        if name.endswith("weight") or name.endswith("weight_scale") and value.ndim == 2:
+            bits = torch.randint(0, 120, value.shape, dtype=torch.uint8, generator=generator)
+            if value.element_size() == 1:
+                state[name] = bits.view(value.dtype)
+            else:
+                state[name] = torch.randn(value.shape, generator=generator).to(value.dtype)
+    if layer.scale_name is not None:
+        state[layer.scale_name] = torch.tensor(0.375)
+    layer.load_state_dict(state)
+    return layer
+
+
+def batch(num_tokens, requests=2, seed=0):
+    """A packed batch of ``num_tokens`` tokens in ``requests`` requests."""
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, CONFIG.vocab_size, (num_tokens,), generator=generator)
+    requests = min(requests, num_tokens)
+    starts = torch.linspace(0, num_tokens, requests + 1).round().long()
+    context = torch.randint(0, CONFIG.vocab_size, (requests, 2), generator=generator)
+    return input_ids, starts, context
+
+
+def bits(tensor):
+    """A tensor's bits as integers (NaN payloads compare too)."""
+    return tensor.detach().view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[
+        tensor.element_size()])
+
+
+class EveryLayer(torch.nn.Module):
+    """A layer of each placement and format, a prefetching one and a stored-rows one whose
+    rows ``dequantize`` decodes, all called on one batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(filled(*spec, seed=i) for i, spec in enumerate(LAYERS))
+        self.prefetching = filled("pinned", "bfloat16", seed=20)
+        self.stored = filled("cpu", "float8_e4m3fn", seed=21, return_stored_rows=True)
+
+    def forward(self, input_ids, query_start_loc, ngram_context):
+        outs = [layer(input_ids, query_start_loc, ngram_context) for layer in self.layers]
+        self.prefetching.start_prefetch(input_ids, query_start_loc, ngram_context)
+        outs.append(self.prefetching(input_ids, query_start_loc, ngram_context))
+        outs.append(self.stored.dequantize(self.stored(input_ids, query_start_loc,
+                                                       ngram_context), torch.bfloat16))
+        return outs
+
+
+@pytest.fixture(scope="module")
+def every_layer(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("shm"))
+    previous = os.environ.get(shared_memory.SHM_DIR_ENV)
+    os.environ[shared_memory.SHM_DIR_ENV] = folder
+    try:
+        model = EveryLayer()
+    finally:
+        if previous is None:
+            del os.environ[shared_memory.SHM_DIR_ENV]
+        else:
+            os.environ[shared_memory.SHM_DIR_ENV] = previous
+    assert model.layers[6].table.placement == "shared"
+    yield model
+
+
+def test_one_graph_without_breaks(every_layer):
+    explained = torch._dynamo.explain(every_layer)(*batch(9))
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+    called = " ".join(str(node.target) for graph in explained.graphs
+                      for node in graph.graph.nodes if node.op == "call_function")
+    for op in ("ngram_ids", "lookup_", "prefetch_", "dequantize"):
+        assert f"ngram_cupy.{op}" in called
+
+
+def test_inductor_equals_eager_bit_for_bit(every_layer):
+    compiled = torch.compile(every_layer, fullgraph=True)
+    for num_tokens in (5, 37):
+        args = batch(num_tokens, requests=3, seed=num_tokens)
+        with torch.no_grad():
+            want = every_layer(*args)
+            got = compiled(*args)
+        assert len(got) == len(want) == len(LAYERS) + 2
+        for index, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert g.dtype == w.dtype and torch.equal(bits(g), bits(w)), index
+
+
+def test_token_counts_compile_at_most_twice():
+    layer = filled("cpu", "bfloat16")
+    counter = CompileCounter()
+    compiled = torch.compile(layer, backend=counter, fullgraph=True)
+    for num_tokens in (1, 16, 64, 256, 8192):  # decode steps, then a prefill
+        args = batch(num_tokens, requests=2, seed=num_tokens)
+        assert torch.equal(bits(compiled(*args)), bits(layer(*args)))
+    assert counter.frame_count <= 2
+
+
+def trained(fused: bool):
+    """A trainable float32 layer, with the SGD fused optimizer or sparse gradients."""
+    layer = filled("cpu", "float32", seed=3, trainable=True)
+    if fused:
+        fused_optimizer(layer, "sgd", lr=0.25)
+    return layer
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["sparse_gradient", "fused_optimizer"])
+def test_training_under_compile_equals_eager(fused):
+    eager, compiled_layer = trained(fused), trained(fused)
+    compiled = torch.compile(compiled_layer, backend="aot_eager", fullgraph=True)
+    args = batch(11, requests=2, seed=4)
+    weights = torch.randn(11, CONFIG.embedding_dim, generator=torch.Generator().manual_seed(1))
+    for call in (eager, compiled):
+        (call(*args) * weights).sum().backward()
+    eager_weight = eager.ngram_embedding.weight
+    compiled_weight = compiled_layer.ngram_embedding.weight
+    if fused:
+        assert eager_weight.grad is None and compiled_weight.grad is None
+        assert torch.equal(compiled_weight.detach(), eager_weight.detach())
+        untrained = trained(False).ngram_embedding.weight.detach()
+        assert not torch.equal(eager_weight.detach(), untrained)  # the step changed rows
+    else:
+        got, want = compiled_weight.grad, eager_weight.grad
+        assert got.is_sparse and want.is_sparse
+        got, want = got.coalesce(), want.coalesce()  # both are: this only sets the flag
+        assert torch.equal(got.indices(), want.indices())
+        assert torch.equal(got.values(), want.values())
+
+
+@pytest.mark.parametrize("sample", list(opcheck_samples()),
+                         ids=lambda sample: str(sample[0]) if isinstance(sample, tuple) else "")
+def test_opcheck(sample):
+    op, args, kwargs = sample
+    torch.library.opcheck(op, args, kwargs)
+
+
+def test_every_op_has_a_sample():
+    ops = {str(op).split(".")[1] for op, _, _ in opcheck_samples()}
+    assert ops == {name for name in dir(torch.ops.ngram_cupy)
+                   if isinstance(getattr(torch.ops.ngram_cupy, name), torch._ops.OpOverloadPacket)}
+
+
+def test_a_dead_handle_is_a_clear_error():
+    layer = filled()
+    handle = layer.handle
+    del layer
+    import gc
+
+    gc.collect()
+    with pytest.raises(RuntimeError, match=f"handle {handle} names no live layer"):
+        torch.ops.ngram_cupy.ngram_ids(handle, *batch(3))
+
+
+def peak_bytes() -> int:
+    """This process's peak resident set (VmHWM)."""
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+
+
+def test_compiling_does_not_copy_the_table():
+    """Peak RSS across an Inductor compile of a layer over a ~200 MB table grows by far less
+    than the table (a copy, as Inductor makes of a weight it inlines, would double it)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")  # resets VmHWM to the resident set now
+    except OSError:
+        pytest.skip("no /proc/self/clear_refs to reset the peak resident set")
+    config = nc.NGramConfig(vocab_size=1000, ngram_size=3, heads_per_ngram=2,
+                            ngram_vocab_size_base=400_000, eos_token_id=1, embedding_dim=512,
+                            seed=1, split_ngram_parts=1)
+    layer = NGramEmbeddingModule(config, 0, placement="cpu", weight_dtype="float32")
+    layer.ngram_embedding.weight.data.fill_(0.5)
+    args = (torch.arange(64) % 1000, torch.tensor([0, 64]), torch.tensor([[1, 1]]))
+    assert layer.table.nbytes > 150 * 2**20
+    layer(*args)
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")
+    before = peak_bytes()
+    out = torch.compile(layer, fullgraph=True)(*args)
+    assert bool((out == 0.5).all())
+    assert peak_bytes() - before < layer.table.nbytes / 4
+
+
+@pytest.fixture(scope="module")
+def qwen4exp_pair():
+    """transformers' tiny Qwen4Exp (test_transformers) and a copy using ngram_cupy tables."""
+    pytest.importorskip("transformers")
+    from test_transformers import tiny_model
+
+    from ngram_cupy.transformers import use_ngram_cupy
+
+    reference = tiny_model()
+    patched = copy.deepcopy(reference)
+    use_ngram_cupy(patched, placement="cpu")
+    return reference, patched
+
+
+def test_the_transformers_layer_is_one_graph(qwen4exp_pair):
+    from test_transformers import NAMES, prompts
+    from transformers import DynamicCache
+
+    _, patched = qwen4exp_pair
+    layer = patched.get_submodule(NAMES[1])
+    cache = DynamicCache(config=patched.config)
+    explained = torch._dynamo.explain(layer)(prompts(), cache)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+
+
+def test_the_compiled_transformers_model_equals_eager(qwen4exp_pair):
+    """``torch.compile(model)`` of the patched model: the logits and greedy tokens of the
+    model's own eager run (compiling the plain model changes neither on the CPU), and no graph
+    break of its own (the model's MoE routing breaks graphs by itself: ``nonzero``)."""
+    from test_transformers import generated, prompts
+
+    reference, patched = qwen4exp_pair
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(patched, backend="eager")
+    input_ids = prompts()
+    with torch.no_grad():
+        assert torch.equal(compiled(input_ids).logits, reference(input_ids).logits)
+    want, got = generated(reference, input_ids), generated(compiled, input_ids)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    reasons = " ".join(torch._dynamo.utils.counters["graph_break"])
+    assert "ngram_cupy" not in reasons and "CachedNGramEmbedding" not in reasons
+
+
+def test_torch_export_keeps_the_ops():
+    """``torch.export.export`` of a layer, dynamic in the token and request counts: the ops in
+    its graph (the handle a constant of this process), and eager bits on another batch."""
+    layer = filled("cpu", "float8_e4m3fn", seed=7)
+    tokens, requests = torch.export.Dim("tokens"), torch.export.Dim("requests")
+    exported = torch.export.export(layer, batch(10, requests=2), dynamic_shapes=(
+        {0: tokens}, {0: requests + 1}, {0: requests}))
+    targets = {str(node.target) for node in exported.graph.nodes if node.op == "call_function"}
+    assert {"ngram_cupy.ngram_ids.default", "ngram_cupy.lookup_.default"} <= targets
+    args = batch(33, requests=3, seed=2)
+    assert torch.equal(bits(exported.module()(*args)), bits(layer(*args)))
