@@ -475,7 +475,7 @@ class NGramEmbeddingModule(torch.nn.Module):
         input_ids, query_start_loc, ngram_context, stream = self._batch(
             input_ids, query_start_loc, ngram_context)
         if self.trainable_rows is not None:
-            self.trainable_rows.prefetched = True
+            self.trainable_rows.prefetch_started()
         self.embedding.start_prefetch(input_ids, query_start_loc, ngram_context, stream=stream,
                                       out_dtype=self._lookup_dtype)
 

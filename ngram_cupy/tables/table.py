@@ -362,6 +362,8 @@ class EmbeddingTable:
 
     def _request(self, ids, out, out_dtype, stream) -> _Request:
         """Check and convert one lookup's arguments; errors name the argument."""
+        if self.closed:
+            raise ValueError("the table is closed: it serves no more lookups")
         check_destination("out", out)
         call = bind(stream, ids=ids, out=out)
         check_index_array("ids", call["ids"], 2)

@@ -13,22 +13,68 @@ import numpy as np
 
 from ..runtime.backends import HOST, bind
 from . import backward_numba, updates_numba
-from .inputs import check_finite, check_ids_inside, flat_inputs
+from .inputs import check_finite, check_ids_inside, check_row_sums, flat_inputs
 from .sparse_rows import SparseRows
-from .table_rows import refresh_hot, state_array, writable_rows
+from .table_rows import check_trainable, refresh_hot, state_array, writable_rows
 
 
 def finite_number(name: str, value, low: float = 0.0, high: float = math.inf,
-                  closed_high: bool = False) -> float:
-    """``value`` as a float in ``[low, high)`` (``]`` when ``closed_high``); errors name it."""
+                  closed_high: bool = False, open_low: bool = False) -> float:
+    """``value`` as a float in ``[low, high)`` (``(`` when ``open_low``, ``]`` when
+    ``closed_high``), finite in float32 too (the updates' arithmetic); errors name it."""
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise TypeError(f"{name} must be a number, got {value!r}")
     value = float(value)
-    inside = low <= value <= high if closed_high else low <= value < high
+    above = low < value if open_low else low <= value
+    inside = above and (value <= high if closed_high else value < high)
     if not math.isfinite(value) or not inside:
-        raise ValueError(f"{name} must be finite and in [{low}, {high}{']' if closed_high else ')'}"
-                         f", got {value}")
+        raise ValueError(f"{name} must be finite and in {'(' if open_low else '['}{low}, {high}"
+                         f"{']' if closed_high else ')'}, got {value}")
+    with np.errstate(over="ignore"):
+        if not np.isfinite(np.float32(value)):
+            raise ValueError(f"{name} must be finite in float32 (the updates' arithmetic), got "
+                             f"{value}")
     return value
+
+
+def check_betas(betas) -> tuple[float, float]:
+    """Adam's ``(beta1, beta2)``, each in ``[0, 1)``."""
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"betas must be a pair, got {betas!r}")
+    return (finite_number("betas[0]", betas[0], 0.0, 1.0),
+            finite_number("betas[1]", betas[1], 0.0, 1.0))
+
+
+def check_flag(name: str, value) -> bool:
+    """A bool setting (a state dict's ``stochastic_rounding``, ``rowwise``)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return bool(value)
+
+
+def check_seed(value) -> int:
+    """A stochastic-rounding seed: an integer, kept modulo 2**64."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"seed must be an integer, got {value!r}")
+    return int(value) & ((1 << 64) - 1)
+
+
+def float32_hyper(*values: float) -> np.ndarray:
+    """A step's hyper-parameters rounded to float32 (an overflow is +-inf, refused by ``apply``)."""
+    with np.errstate(over="ignore"):
+        return np.array(values, np.float32)
+
+
+# How each setting a state dict records is checked (as the constructors check it).
+SETTINGS = {"lr": lambda value: finite_number("lr", value),
+            "eps": lambda value: finite_number("eps", value, open_low=True),
+            "weight_decay": lambda value: finite_number("weight_decay", value),
+            "betas": check_betas,
+            "rowwise": lambda value: check_flag("rowwise", value),
+            "stochastic_rounding": lambda value: check_flag("stochastic_rounding", value),
+            "seed": check_seed}
+# State arrays that are sums of squares: a negative value would give NaN rows.
+SQUARES = ("sum", "exp_avg_sq")
 
 
 class RowOptimizer:
@@ -44,7 +90,7 @@ class RowOptimizer:
         self.rows = writable_rows(table)
         self.code = table.format.code  # the row format the kernel loads and stores
         self.stochastic_rounding = bool(stochastic_rounding)
-        self.seed = int(seed) & ((1 << 64) - 1)
+        self.seed = check_seed(seed)
         self.steps = 0
         self.state: dict[str, np.ndarray] = {}
         self.segments = []  # shared state segments, attached while the optimizer lives
@@ -63,7 +109,7 @@ class RowOptimizer:
 
     def hyper(self, step: int) -> np.ndarray:
         """The float32 hyper-parameters of step ``step`` (see ``updates_numba``)."""
-        return np.array([self.lr, 0, 0, 0, 0, 0], np.float32)
+        return float32_hyper(self.lr, 0, 0, 0, 0, 0)
 
     # ---- steps ----
 
@@ -104,18 +150,28 @@ class RowOptimizer:
         check_finite(grad)
         order, unique, starts = backward_numba.sorted_order(flat.astype(np.int64, copy=False),
                                                             start, rows)
+        check_row_sums(grad, order, starts)
         self.apply(unique - start, order, starts, np.ascontiguousarray(grad))
 
     def apply(self, local, order, starts, grad) -> None:
-        """Run the update kernel on checked inputs, then refresh hot copies."""
+        """Run the update kernel on checked inputs, then refresh hot copies (an empty batch is
+        a step that changes no row: the count still advances, as for one process stepping on
+        every rank's batch)."""
+        check_trainable(self.table)  # closed since (a ValueError), before anything changes
         step = self.steps + 1
+        hyper = self.hyper(step)
+        if not np.isfinite(hyper).all():
+            raise ValueError(f"step {step}'s hyper-parameters overflow float32 ({self.settings()}"
+                             "): the step is refused and no row changed")
         empty = np.zeros((0, 1), np.float32)
         first = self.state.get(self.state_widths[0][0], empty) if self.state_widths else empty
         second = self.state.get(self.state_widths[1][0], empty) if len(self.state_widths) > 1 \
             else empty
-        updates_numba.update_rows(self.kind, self.rows, self.code, local, order, starts, grad,
-                                  first, second, self.hyper(step), self.stochastic_rounding,
-                                  np.uint64(self.seed), np.uint64(step))
+        self.table.storage.cold.will_write()
+        updates_numba.update_rows(self.kind, self.rows, self.code, self.table.row_start, local,
+                                  order, starts, grad, first, second, hyper,
+                                  self.stochastic_rounding, np.uint64(self.seed),
+                                  np.uint64(step))
         self.steps = step
         refresh_hot(self.table, local)
 
@@ -128,8 +184,9 @@ class RowOptimizer:
     # ---- state ----
 
     def settings(self) -> dict:
-        """The hyper-parameters a state dict records."""
-        return {"lr": self.lr}
+        """The hyper-parameters a state dict records (``load_state_dict`` restores them)."""
+        return {"lr": self.lr, "stochastic_rounding": self.stochastic_rounding,
+                "seed": self.seed}
 
     def state_dict(self) -> dict:
         """Copies of the state arrays, the step count and the hyper-parameters."""
@@ -139,8 +196,10 @@ class RowOptimizer:
                 "state": {key: array.copy() for key, array in self.state.items()}}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore ``state_dict()``'s state (copied in place); a ValueError for another
-        optimizer or table shape, before anything changes."""
+        """Restore ``state_dict()``'s state arrays, step count and settings (as torch's
+        optimizers restore theirs: a resumed run continues with the same bits); every part is
+        checked first, so a ValueError (another optimizer, table shape or version, a missing or
+        bad part) changes nothing."""
         if not isinstance(state, dict) or state.get("optimizer") != self.name:
             got = state.get("optimizer") if isinstance(state, dict) else type(state).__name__
             raise ValueError(f"state is not a {self.name} state dict (got {got!r})")
@@ -148,15 +207,34 @@ class RowOptimizer:
         if list(state.get("shape", ())) != shape:
             raise ValueError(f"state is for a table of shape {state.get('shape')}, this one "
                              f"is {shape}")
+        steps = state.get("steps")
+        if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 0:
+            raise ValueError(f"state['steps'] must be a step count (an integer >= 0), got "
+                             f"{steps!r}")
+        settings = state.get("settings")
+        if not isinstance(settings, dict) or set(settings) != set(self.settings()):
+            raise ValueError(f"state['settings'] must hold {sorted(self.settings())} (a state "
+                             f"of another version?), got {settings!r}")
+        checked = {key: SETTINGS[key](value) for key, value in settings.items()}
+        if "rowwise" in checked and checked["rowwise"] != self.rowwise:
+            raise ValueError(f"state['settings'] has rowwise={checked['rowwise']}, this "
+                             f"optimizer {self.rowwise}")
         arrays = state.get("state", {})
+        given = {}
         for key, array in self.state.items():
-            given = np.asarray(arrays.get(key))
-            if given.shape != array.shape:
+            value = np.asarray(arrays.get(key), np.float32)
+            if value.shape != array.shape:
                 raise ValueError(f"state[{key!r}] must have shape {array.shape}, got "
-                                 f"{given.shape}")
+                                 f"{value.shape}")
+            if not np.isfinite(value).all() or (key in SQUARES and (value < 0).any()):
+                raise ValueError(f"state[{key!r}] holds NaN, infinite"
+                                 f"{' or negative' if key in SQUARES else ''} values")
+            given[key] = value
         for key, array in self.state.items():
-            array[...] = np.asarray(arrays[key], np.float32)
-        self.steps = int(state["steps"])
+            array[...] = given[key]
+        for key, value in checked.items():
+            setattr(self, key, value)
+        self.steps = int(steps)
 
 
 class SGD(RowOptimizer):
@@ -176,15 +254,15 @@ class RowwiseAdagrad(RowOptimizer):
 
     def __init__(self, table, lr: float, eps: float = 1e-8, weight_decay: float = 0.0, *,
                  stochastic_rounding: bool = False, seed: int = 0):
-        self.eps = finite_number("eps", eps)
+        self.eps = SETTINGS["eps"](eps)
         self.weight_decay = finite_number("weight_decay", weight_decay)
         super().__init__(table, lr, stochastic_rounding=stochastic_rounding, seed=seed)
 
     def hyper(self, step: int) -> np.ndarray:
-        return np.array([self.lr, self.eps, self.weight_decay, 0, 0, 0], np.float32)
+        return float32_hyper(self.lr, self.eps, self.weight_decay, 0, 0, 0)
 
     def settings(self) -> dict:
-        return {"lr": self.lr, "eps": self.eps, "weight_decay": self.weight_decay}
+        return {**super().settings(), "eps": self.eps, "weight_decay": self.weight_decay}
 
 
 class Adam(RowOptimizer):
@@ -195,11 +273,8 @@ class Adam(RowOptimizer):
 
     def __init__(self, table, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  rowwise: bool = False, *, stochastic_rounding: bool = False, seed: int = 0):
-        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-            raise ValueError(f"betas must be a pair, got {betas!r}")
-        self.betas = (finite_number("betas[0]", betas[0], 0.0, 1.0),
-                      finite_number("betas[1]", betas[1], 0.0, 1.0))
-        self.eps = finite_number("eps", eps)
+        self.betas = check_betas(betas)
+        self.eps = SETTINGS["eps"](eps)
         self.rowwise = bool(rowwise)
         self.kind = updates_numba.ROWWISE_ADAM if self.rowwise else updates_numba.ADAM
         self.name = "rowwise_adam" if self.rowwise else "adam"
@@ -209,8 +284,8 @@ class Adam(RowOptimizer):
     def hyper(self, step: int) -> np.ndarray:
         beta1, beta2 = self.betas
         step_size = self.lr * math.sqrt(1 - beta2**step) / (1 - beta1**step)
-        return np.array([self.lr, self.eps, 0, 1 - beta1, 1 - beta2, step_size], np.float32)
+        return float32_hyper(self.lr, self.eps, 0, 1 - beta1, 1 - beta2, step_size)
 
     def settings(self) -> dict:
-        return {"lr": self.lr, "betas": list(self.betas), "eps": self.eps,
+        return {**super().settings(), "betas": list(self.betas), "eps": self.eps,
                 "rowwise": self.rowwise}

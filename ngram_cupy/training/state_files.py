@@ -15,25 +15,34 @@ FORMAT = "ngram_cupy.training/1"
 
 
 def save_training_state(path: str | os.PathLike, optimizer) -> str:
-    """Write the optimizer's table rows (their stored bits), state arrays, step count and
-    settings to ``path`` (one safetensors file, replaced in one rename); return the path."""
+    """Write the optimizer's table rows (their stored bits), their range of the whole table,
+    state arrays, step count and settings to ``path`` (one safetensors file, replaced in one
+    rename); return the path."""
     from safetensors.numpy import save_file
 
     state = optimizer.state_dict()
     tensors = {ROWS: np.ascontiguousarray(optimizer.rows)}
     tensors.update({f"state.{key}": np.ascontiguousarray(value)
                     for key, value in state["state"].items()})
+    header = {key: state[key] for key in ("optimizer", "steps", "shape", "settings")}
+    header["rows"] = table_rows(optimizer.table)
     metadata = {"format": FORMAT, "table_dtype": optimizer.table.format.name,
-                "header": json.dumps({key: state[key] for key in
-                                      ("optimizer", "steps", "shape", "settings")})}
+                "header": json.dumps(header)}
     with atomic_file(path) as temporary:
         save_file(tensors, temporary, metadata=metadata)
     return os.fspath(path)
 
 
+def table_rows(table) -> dict:
+    """The rows a table holds of the whole one: ``row_start``, ``num_rows``, ``total_rows``."""
+    return {"row_start": table.row_start, "num_rows": table.num_rows,
+            "total_rows": table.total_rows}
+
+
 def load_training_state(path: str | os.PathLike, optimizer) -> None:
     """Restore rows and state saved by ``save_training_state`` into ``optimizer`` and its table;
-    a ValueError (nothing changed) for a file of another optimizer, dtype or table shape."""
+    a ValueError (nothing changed) for a file of another optimizer, dtype, table shape or
+    shard (its row range and total rows are recorded)."""
     from safetensors import safe_open
 
     with safe_open(os.fspath(path), "np") as file:
@@ -44,6 +53,10 @@ def load_training_state(path: str | os.PathLike, optimizer) -> None:
             raise ValueError(f"{path} holds a {metadata.get('table_dtype')} table, this one is "
                              f"{optimizer.table.format.name}")
         header = json.loads(metadata["header"])
+        if header.get("rows") != table_rows(optimizer.table):
+            raise ValueError(f"{path} holds rows {header.get('rows')} of a table, this one "
+                             f"{table_rows(optimizer.table)}: another shard's (or an older "
+                             "version's) file")
         rows = file.get_tensor(ROWS)
         state = dict(header, state={key.removeprefix("state."): file.get_tensor(key)
                                     for key in file.keys() if key.startswith("state.")})
@@ -51,5 +64,6 @@ def load_training_state(path: str | os.PathLike, optimizer) -> None:
         raise ValueError(f"{path} holds rows of shape {list(rows.shape)}, the table "
                          f"{list(optimizer.rows.shape)}")
     optimizer.load_state_dict(state)  # checks the state before anything changes
+    optimizer.table.storage.cold.will_write()
     optimizer.rows[...] = rows.view(optimizer.rows.dtype)
     optimizer.table.refresh_hot_rows()

@@ -59,21 +59,24 @@ def load(rows, r, d, code):
 
 
 @njit(inline="always")
-def store(rows, r, d, value, code, stochastic, seed, step):
-    """Write float32 ``value`` to row ``r``'s value ``d`` in the table's format ``code``."""
+def store(rows, r, d, value, code, stochastic, seed, step, row_start):
+    """Write float32 ``value`` to local row ``r``'s value ``d`` in the table's format ``code``
+    (the rounding noise hashes the global row, ``row_start + r``: a shard rounds as the whole
+    table does)."""
     if code == BFLOAT16:
-        noise = noise16(seed, step, r * rows.shape[1] + d) if stochastic else np.uint32(0)
+        position = (row_start + r) * rows.shape[1] + d
+        noise = noise16(seed, step, position) if stochastic else np.uint32(0)
         rows[r, d] = bfloat16_bits(value, noise, stochastic)
     else:
         rows[r, d] = float32_to_bits(value)
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def update_rows(kind, rows, code, local, order, starts, grad, first, second, hyper,
+def update_rows(kind, rows, code, row_start, local, order, starts, grad, first, second, hyper,
                 stochastic, seed, step):
-    """Apply optimizer ``kind`` to local rows ``local[u]``, whose gradient is the float64 sum of
-    ``grad[order[starts[u]:starts[u + 1]]]`` rounded to float32; state in ``first`` /
-    ``second`` (float32 ``[rows, D]`` or ``[rows, 1]``)."""
+    """Apply optimizer ``kind`` to local rows ``local[u]`` (global ``row_start + local[u]``),
+    whose gradient is the float64 sum of ``grad[order[starts[u]:starts[u + 1]]]`` rounded to
+    float32; state in ``first`` / ``second`` (float32 ``[rows, D]`` or ``[rows, 1]``)."""
     count, width = local.shape[0], grad.shape[1]
     lr, eps, decay = hyper[LR], hyper[EPS], hyper[DECAY]
     b1, b2, step_size = hyper[ONE_MINUS_BETA1], hyper[ONE_MINUS_BETA2], hyper[STEP_SIZE]
@@ -92,7 +95,7 @@ def update_rows(kind, rows, code, local, order, starts, grad, first, second, hyp
             if kind == SGD:
                 for d in range(width):
                     store(rows, r, d, load(rows, r, d, code) - lr * g[d], code, stochastic,
-                          seed, step)
+                          seed, step, row_start)
             elif kind == ROWWISE_ADAGRAD:
                 if decay != 0:
                     for d in range(width):
@@ -105,7 +108,7 @@ def update_rows(kind, rows, code, local, order, starts, grad, first, second, hyp
                 scale = lr / (np.sqrt(total) + eps)
                 for d in range(width):
                     store(rows, r, d, load(rows, r, d, code) - scale * g[d], code, stochastic,
-                          seed, step)
+                          seed, step, row_start)
             elif kind == ADAM:
                 for d in range(width):
                     m_old, v_old = first[r, d], second[r, d]
@@ -115,7 +118,7 @@ def update_rows(kind, rows, code, local, order, starts, grad, first, second, hyp
                     second[r, d] = v_old + v_change
                     ratio = (m_change + m_old) / (np.sqrt(v_change + v_old) + eps)
                     store(rows, r, d, load(rows, r, d, code) + (-step_size) * ratio, code,
-                          stochastic, seed, step)
+                          stochastic, seed, step, row_start)
             else:  # ROWWISE_ADAM
                 sums, squares = 0.0, 0.0
                 for d in range(width):
@@ -130,4 +133,4 @@ def update_rows(kind, rows, code, local, order, starts, grad, first, second, hyp
                 for d in range(width):
                     change = step_size * (((g[d] - mean) + m) / denom)
                     store(rows, r, d, load(rows, r, d, code) - change, code, stochastic, seed,
-                          step)
+                          step, row_start)

@@ -127,5 +127,8 @@ class Storage:
         """The raw rows ``[num_rows, head_dim]`` a row optimizer updates in place."""
         return self.host_view.view(self.format.raw)
 
+    def will_write(self) -> None:
+        """A row optimizer is about to write ``training_rows``: nothing to note by default."""
+
     def close(self) -> None:
         """Nothing to release by default."""
