@@ -92,6 +92,7 @@ class RowOptimizer:
         self.stochastic_rounding = bool(stochastic_rounding)
         self.seed = check_seed(seed)
         self.steps = 0
+        self.closed = False
         self.state: dict[str, np.ndarray] = {}
         self.segments = []  # shared state segments, attached while the optimizer lives
         for key, rowwise in self.state_widths:
@@ -157,7 +158,7 @@ class RowOptimizer:
         """Run the update kernel on checked inputs, then refresh hot copies (an empty batch is
         a step that changes no row: the count still advances, as for one process stepping on
         every rank's batch)."""
-        check_trainable(self.table)  # closed since (a ValueError), before anything changes
+        self.check_open()
         step = self.steps + 1
         hyper = self.hyper(step)
         if not np.isfinite(hyper).all():
@@ -174,12 +175,21 @@ class RowOptimizer:
                                   np.uint64(step))
         self.steps = step
         refresh_hot(self.table, local)
+        self.table.rows_written(local + self.table.row_start)
+
+    def check_open(self) -> None:
+        """A ValueError, before anything changes, once the optimizer or its table was closed."""
+        if self.closed:
+            raise ValueError("the optimizer is closed: it steps and loads no more")
+        check_trainable(self.table)
 
     def close(self) -> None:
-        """Detach the shared state segments (the last process to detach removes them)."""
+        """Detach the shared state segments (the last process to detach removes them); later
+        steps and loads are refused."""
         for segment in self.segments:
             segment.close()
         self.segments = []
+        self.closed = True
 
     # ---- state ----
 
@@ -199,7 +209,8 @@ class RowOptimizer:
         """Restore ``state_dict()``'s state arrays, step count and settings (as torch's
         optimizers restore theirs: a resumed run continues with the same bits); every part is
         checked first, so a ValueError (another optimizer, table shape or version, a missing or
-        bad part) changes nothing."""
+        bad part, a closed optimizer or table) changes nothing."""
+        self.check_open()
         if not isinstance(state, dict) or state.get("optimizer") != self.name:
             got = state.get("optimizer") if isinstance(state, dict) else type(state).__name__
             raise ValueError(f"state is not a {self.name} state dict (got {got!r})")

@@ -173,6 +173,38 @@ def test_a_step_after_close_is_refused():
     assert optimizer.steps == 0
 
 
+def test_a_closed_optimizer_or_table_steps_and_loads_no_more(tmp_path):
+    optimizer = nc.RowwiseAdagrad(nc.EmbeddingTable(weight(8)), 0.1)
+    path = nc.save_training_state(tmp_path / "s.safetensors", optimizer)
+    optimizer.close()
+    with pytest.raises(ValueError, match="the optimizer is closed"):
+        optimizer.step_from_output_grad(*batch(0))
+    with pytest.raises(ValueError, match="the optimizer is closed"):
+        nc.load_training_state(path, optimizer)
+    table = nc.EmbeddingTable(weight(8) + 1)
+    loader = nc.RowwiseAdagrad(table, 0.1)
+    table.close()
+    with pytest.raises(ValueError, match="closed"):
+        nc.load_training_state(path, loader)
+    assert table.host_view.tobytes() == (weight(8) + 1).tobytes()
+
+
+@pytest.mark.parametrize("write", ["step", "write_rows"])
+def test_a_prefetch_before_a_write_reads_the_written_rows(write):
+    table = nc.EmbeddingTable(weight(12))
+    optimizer = nc.SGD(table, 0.5)
+    ids, grad = batch(0, tokens=6)
+    table.prefetch(ids)
+    table.prefetcher.threads.wait()  # gathered before the write, surely
+    if write == "step":
+        optimizer.step_from_output_grad(ids, grad)
+    else:
+        table.write_rows(int(ids[0, 0]), np.full((1, DIM), 9.0, np.float32))
+    rows = table.lookup(ids)
+    assert rows.tobytes() == table.host_view[ids.reshape(-1)].reshape(rows.shape).tobytes()
+    assert rows.tobytes() != weight(12)[ids.reshape(-1)].tobytes()
+
+
 @pytest.mark.usefixtures("shm_dir")
 def test_lookups_after_close_are_refused(tmp_path):
     ids = np.array([[1, 2]])
@@ -183,13 +215,16 @@ def test_lookups_after_close_are_refused(tmp_path):
     nc.save_ngram_embedding(tmp_path / "c", layout,
                             weight(9, layout.padded_rows, layout.head_dim))
     mapped = nc.load_ngram_embedding(tmp_path / "c", config, 0, placement="mmap").table
-    for table in (shared, mapped, nc.EmbeddingTable(weight(9))):
+    for table in (shared, mapped):
         table.lookup(ids)
         table.close()
-        with pytest.raises(ValueError, match="the table is closed"):
+        with pytest.raises(ValueError, match=f"the table is closed: a '{table.placement}'"):
             table.lookup(ids)
         with pytest.raises(ValueError, match="the table is closed"):
             table.prefetch(ids)
+    private = nc.EmbeddingTable(weight(9))
+    private.close()  # its rows are this process's memory: they still serve
+    assert private.lookup(ids).tobytes() == weight(9)[[1, 2]].reshape(1, -1).tobytes()
 
 
 # --- shared tables written by training ---------------------------------------------------------

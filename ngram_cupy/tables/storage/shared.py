@@ -54,6 +54,7 @@ class SharedStorage(Storage):
 
     placement = "shared"
     writable = False
+    serves_after_close = False  # detached / unmapped: a closed table refuses lookups
 
     def __init__(self, key: str, num_rows: int, head_dim: int, fmt: Format,
                  fill: Callable[[np.ndarray], None], *, huge_pages: bool | None = None,
