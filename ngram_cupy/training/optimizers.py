@@ -168,7 +168,8 @@ class RowOptimizer:
         first = self.state.get(self.state_widths[0][0], empty) if self.state_widths else empty
         second = self.state.get(self.state_widths[1][0], empty) if len(self.state_widths) > 1 \
             else empty
-        self.table.storage.cold.will_write()
+        if local.size:  # an empty step writes nothing
+            self.table.storage.cold.will_write()
         updates_numba.update_rows(self.kind, self.rows, self.code, self.table.row_start, local,
                                   order, starts, grad, first, second, hyper,
                                   self.stochastic_rounding, np.uint64(self.seed),
