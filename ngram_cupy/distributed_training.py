@@ -54,23 +54,43 @@ class ShardedOptimizer:
         """One step from ``grad_out`` ``[T, H * D]`` (float32, bfloat16 or float16) of this
         rank's lookup of ``ids`` ``[T, H]`` (NumPy or torch; CUDA tensors with NCCL); no ids is a
         step that changes no row. A step refused on one rank (bad ids or ``grad_out``, NaN or
-        infinite gradients) is refused on every rank before any row changes: in data parallel
-        the ranks agree in the first collective (the others raise a ValueError naming it)."""
+        infinite gradients, a row's terms summing past float32, a closed optimizer) is refused
+        on every rank before any row changes: the refusing rank raises its own error, the others
+        a ValueError naming it, and no rank is left waiting in a collective."""
         device = ids.device if isinstance(ids, torch.Tensor) else torch.device("cpu")
-        refusal = None
+        refusal = update = None
         try:
+            self.optimizer.check_open()
             ids, grad_out = self._checked(ids, grad_out)
         except (TypeError, ValueError, IndexError) as error:
-            if not self.data_parallel:
-                raise
             refusal = error  # raised once every rank knows
         if self.data_parallel:
             ids, grad_out = self._route(ids, grad_out, device, refusal)
-        else:
+        elif refusal is None:
             start = self.table.row_start
             mine = (ids >= start) & (ids < start + self.table.num_rows)
             ids, grad_out = ids[mine], grad_out[mine].contiguous()
-        self.optimizer.step_from_output_grad(ids, grad_out)
+        if refusal is None:  # the owner's checks of its rows' terms
+            try:
+                update = self.optimizer.checked_step(ids, grad_out)
+            except (TypeError, ValueError, IndexError) as error:
+                refusal = error
+        self._agree(refusal, device)
+        update()
+
+    def _agree(self, refusal: Exception | None, device) -> None:
+        """Raise ``refusal`` here, and a ValueError naming the refusing ranks on the others,
+        when any rank of the group refused (one all-reduce of a flag per rank)."""
+        group = self.lookup.group
+        flags = torch.zeros(dist.get_world_size(group), dtype=torch.int64, device=device)
+        flags[dist.get_rank(group)] = int(refusal is not None)
+        dist.all_reduce(flags, group=group)
+        if refusal is not None:
+            raise refusal
+        refused = torch.nonzero(flags).flatten().tolist()
+        if refused:
+            raise ValueError(f"rank(s) {refused} of the group refused this step: it is refused "
+                             "on every rank and no row changed")
 
     def _checked(self, ids, grad_out) -> tuple[torch.Tensor, torch.Tensor]:
         """``(ids [N] int64, grad_out [N, head_dim] float32)``, checked (float32 holds every
@@ -115,8 +135,8 @@ class ShardedOptimizer:
             raise refusal
         refused = [rank for rank, flag in enumerate(got[:, 1].tolist()) if flag]
         if refused:
-            raise ValueError(f"rank(s) {refused} of the group refused this step (their ids or "
-                             "grad_out): it is refused on every rank and no row changed")
+            raise ValueError(f"rank(s) {refused} of the group refused this step: it is refused "
+                             "on every rank and no row changed")
         sent, got = sent.tolist(), got[:, 0].tolist()
         ids_in = torch.empty(sum(got), dtype=torch.int64, device=device)
         dist.all_to_all_single(ids_in, ids[order], got, sent, group=group)

@@ -8,6 +8,7 @@ Every check runs before any row changes: a refused step leaves rows and state as
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 
@@ -139,6 +140,13 @@ class RowOptimizer:
     def step_from_output_grad(self, ids, grad_out) -> None:
         """Backward and update in one pass: ``ids`` ``[N]`` / ``[T, H]`` (global rows) and the
         lookup's output gradient ``grad_out`` (as ``embedding_backward`` takes them)."""
+        self.checked_step(ids, grad_out)()
+
+    def checked_step(self, ids, grad_out) -> Callable[[], None]:
+        """Every check of ``step_from_output_grad(ids, grad_out)`` (errors raised here, nothing
+        changed), then the update to run: ranks that must all step or all refuse check first."""
+        self.check_open()
+        self.step_hyper()
         call = bind(ids=ids, grad_out=grad_out)
         if call.side is not HOST:
             raise ValueError("ids and grad_out must be on the CPU for a table in host memory")
@@ -152,7 +160,7 @@ class RowOptimizer:
         order, unique, starts = backward_numba.sorted_order(flat.astype(np.int64, copy=False),
                                                             start, rows)
         check_row_sums(grad, order, starts)
-        self.apply(unique - start, order, starts, np.ascontiguousarray(grad))
+        return lambda: self.apply(unique - start, order, starts, np.ascontiguousarray(grad))
 
     def apply(self, local, order, starts, grad) -> None:
         """Run the update kernel on checked inputs, then refresh hot copies (an empty batch is
@@ -160,10 +168,7 @@ class RowOptimizer:
         every rank's batch)."""
         self.check_open()
         step = self.steps + 1
-        hyper = self.hyper(step)
-        if not np.isfinite(hyper).all():
-            raise ValueError(f"step {step}'s hyper-parameters overflow float32 ({self.settings()}"
-                             "): the step is refused and no row changed")
+        hyper = self.step_hyper()
         empty = np.zeros((0, 1), np.float32)
         first = self.state.get(self.state_widths[0][0], empty) if self.state_widths else empty
         second = self.state.get(self.state_widths[1][0], empty) if len(self.state_widths) > 1 \
@@ -177,6 +182,15 @@ class RowOptimizer:
         self.steps = step
         refresh_hot(self.table, local)
         self.table.rows_written(local + self.table.row_start)
+
+    def step_hyper(self) -> np.ndarray:
+        """The next step's float32 hyper-parameters; a ValueError when one overflows."""
+        step = self.steps + 1
+        hyper = self.hyper(step)
+        if not np.isfinite(hyper).all():
+            raise ValueError(f"step {step}'s hyper-parameters overflow float32 ({self.settings()}"
+                             "): the step is refused and no row changed")
+        return hyper
 
     def check_open(self) -> None:
         """A ValueError, before anything changes, once the optimizer or its table was closed."""

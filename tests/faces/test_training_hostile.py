@@ -1,6 +1,7 @@
 """Training across ranks and micro-steps under hostile input (issue 43): two real Gloo ranks
 agree on every step (mixed gradient dtypes, NaN in a term another rank owns, a rank without
-ids, refused dtypes and ids), and a prefetch during gradient accumulation reads updated rows."""
+ids, refused dtypes and ids, terms of two ranks whose sum overflows at the owner), and a
+prefetch during gradient accumulation reads updated rows."""
 
 from __future__ import annotations
 
@@ -30,7 +31,9 @@ STEPS = [("dp", "f32", "bf16"),  # 0: mixed dtypes: both step, as one process
          ("dp", "f32", "f32"),  # 4: an id outside the table on rank 1: refused by both
          ("dp", "f32", "f32"),  # 5: both step
          ("tp", "f32", "f32"),  # 6: NaN in a term of rank 1's rows: refused by both
-         ("tp", "f32", "f32")]  # 7: both step
+         ("tp", "f32", "f32"),  # 7: both step
+         ("dp", "f32", "f32")]  # 8: finite terms from both ranks whose sum for a row of rank 1
+#                                 overflows: refused by rank 1 when it has them, then by both
 STEPPED = {"dp": (0, 2, 5), "tp": (7,)}
 
 
@@ -51,6 +54,9 @@ def step_inputs(rng) -> dict[str, np.ndarray]:
                 grad[2, dim + 3] = np.nan
             if key == "4_1":
                 ids[1, 0] = rows
+            if key in ("8_0", "8_1"):
+                ids[0, 0] = owned_by_1 + 2
+                grad[0, :dim] = 2e38
             inputs[f"ids_{key}"], inputs[f"grad_{key}"] = ids, grad
     return inputs
 
@@ -93,6 +99,8 @@ def test_data_parallel_ranks_agree_on_every_step(tmp_path):
     assert first[4].startswith("ValueError: rank(s) [1]")
     assert second[4].startswith("IndexError: ids must lie in")
     assert first[6] == second[6] and first[6].startswith("ValueError: grad_out holds NaN")
+    assert first[8].startswith("ValueError: rank(s) [1]")
+    assert second[8].startswith("ValueError: grad_out's terms for one row sum past")
 
 
 def test_gradient_accumulation_with_prefetch_reads_updated_rows():
