@@ -31,6 +31,7 @@ def sections() -> list[Bench]:
     """Every section in report order (GPU sections import CuPy only when run)."""
     from . import sections_cpu as cpu
     from . import sections_gpu as gpu
+    from . import sections_jax as jax
     from . import sections_mmap as mapped
     from . import sections_packed as packed
     from . import sections_quantize as quantize
@@ -77,6 +78,8 @@ def sections() -> list[Bench]:
         Bench("mmap-cold", "cpu", "cold mapped-table lookups (pages dropped, fresh process per "
               "case): plain, faults only, prefetched, against O_DIRECT reads at queue depth 64",
               mapped.bench_mmap_cold),
+        Bench("jax", "cpu", "ngram_cupy.jax under jax.jit against eager NumPy calls: lookups and a "
+              "train step of 8,192 x 16 x 160; per-call overhead", jax.bench_jax_cpu),
         Bench("transformers-gpu", "gpu", "transformers Qwen4Exp generate: bf16 table on the GPU "
               "against a pinned fp8 table, prefetch on and off", hf.bench_transformers_gpu),
     ]

@@ -203,7 +203,7 @@ def bench_parquet_e2e(quick: bool) -> Section:
     writing the same output table (the floor), timed in alternation; and the ids kernel alone."""
     import pyarrow.parquet as pq
 
-    from ngram_cupy.cli import main as cli_main
+    from ngram_cupy.cli.main import main as cli_main
     from ngram_cupy.files.pipeline import writer_options
 
     corpus = str(CORPUS)

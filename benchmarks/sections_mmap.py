@@ -30,7 +30,7 @@ import ml_dtypes
 import numpy as np
 
 import ngram_cupy as nc
-from ngram_cupy.tables.page_prefetch import page_runs, resident_pages
+from ngram_cupy.memory.page_reads import page_runs, resident_pages
 
 from .conditions import busy_processes, idle
 from .data import RELEASED, RELEASED_HEAD_DIM, released_batch

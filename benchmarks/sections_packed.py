@@ -11,8 +11,8 @@ import ml_dtypes
 import numpy as np
 
 import ngram_cupy as nc
+from ngram_cupy.codecs.records import record_bytes
 from ngram_cupy.formats import storage_format
-from ngram_cupy.tables.packed import record_bytes
 from ngram_cupy.tables.storage.cpu import CpuStorage
 
 from .conditions import busy_processes, idle

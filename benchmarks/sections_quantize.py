@@ -8,7 +8,7 @@ import ml_dtypes
 import numpy as np
 
 import ngram_cupy as nc
-from ngram_cupy.tables.quantize import chunk_rows_for
+from ngram_cupy.codecs.quantize import chunk_rows_for
 
 from .data import RELEASED_HEAD_DIM
 from .report import Row, Section

@@ -23,8 +23,8 @@ import ml_dtypes
 import numpy as np
 
 import ngram_cupy as nc
-from ngram_cupy.tables import shared_memory
-from ngram_cupy.tables.host_memory import HUGE_PAGES_ENV
+from ngram_cupy.memory import shared as shared_memory
+from ngram_cupy.memory.anonymous import HUGE_PAGES_ENV
 
 from .data import RELEASED_HEAD_DIM, RELEASED_HEADS, random_fp8_rows, rotating
 from .report import Row, Section

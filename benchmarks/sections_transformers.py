@@ -70,7 +70,7 @@ def write_checkpoints(hf_config, folder: str) -> int:
     """The big layer's table in fp8 (with a scale), bf16 and NVFP4 (vLLM's names), as three
     checkpoints in ``folder``; returns the table's rows."""
     import ngram_cupy as nc
-    from ngram_cupy.files.checkpoint import ngram_tensors
+    from ngram_cupy.files.checkpoint_writing import ngram_tensors
     from ngram_cupy.files.safetensors_files import write_checkpoint
     from ngram_cupy.transformers import ngram_config
 

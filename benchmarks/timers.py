@@ -103,15 +103,6 @@ def graph_seconds(fn: Callable[[], object], calls: int = 20) -> float:
         return gpu_timeit(graph.launch) / calls
 
 
-def best_gpu_seconds(fn: Callable[[], object]) -> float:
-    """GPU seconds per call from a CUDA graph replay, or by events when ``fn`` cannot be
-    captured (a cuBLAS call, say)."""
-    try:
-        return graph_seconds(fn)
-    except Exception:
-        return gpu_timeit(fn)
-
-
 def device_copy_seconds(nbytes: int) -> float:
     """Seconds to copy ``nbytes`` between two device buffers (cudaMemcpyAsync), by CUDA events."""
     import cupy

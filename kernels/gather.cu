@@ -15,7 +15,7 @@
 // Block-scaled formats (NVFP4, MXFP8) pack one or more values per byte: a thread's VEC bytes give
 // VEC * PACK values, each multiplied by the block scale byte its block has in `scales` (row r's
 // scales start at scales + r * scale_stride; a hot tier has its own in `hot_scales`, with the
-// same strides). Packed records (tables/packed.py) pass `scales` pointing into the first record,
+// same strides). Packed records (codecs/records.py) pass `scales` pointing into the first record,
 // just past its values, and scale_stride = stride: consecutive threads read a record's values in
 // VEC-byte pieces, whole 32-byte sectors, and its scale bytes follow them in the same record (in
 // the sector of its last values, or the next one), so a row costs its record's sectors and no

@@ -21,14 +21,14 @@ _EXPORTS = {
     "LayerLayout": "hashing.layout",
     "NGramConfig": "hashing.config",
     "NGramEmbedding": "embedding",
-    "PlacementPlan": "placement",
+    "PlacementPlan": "tables.plan",
     "RowwiseAdagrad": "training.optimizers",
     "SGD": "training.optimizers",
-    "QuantizedTable": "tables.quantize",
-    "ShardedLookup": "distributed",
-    "SharedMemoryFallbackWarning": "tables.shared_memory",
+    "QuantizedTable": "codecs.quantize",
+    "ShardedLookup": "distributed.lookup",
+    "SharedMemoryFallbackWarning": "memory.shared",
     "SparseRows": "training.sparse_rows",
-    "ShardedOptimizer": "distributed_training",
+    "ShardedOptimizer": "distributed.optimizer",
     "advance_context": "ids.ngram_ids",
     "advance_engram_lookback": "ids.engram_ids",
     "compute_engram_ids": "ids.engram_ids",
@@ -40,10 +40,10 @@ _EXPORTS = {
     "load_engram_embedding": "files.engram_checkpoint",
     "load_ngram_embedding": "files.checkpoint",
     "load_training_state": "training.state_files",
-    "plan_placement": "placement",
-    "quantize_table": "tables.quantize",
+    "plan_placement": "tables.plan",
+    "quantize_table": "codecs.quantize",
     "save_engram_embedding": "files.engram_checkpoint",
-    "save_ngram_embedding": "files.checkpoint",
+    "save_ngram_embedding": "files.checkpoint_writing",
     "save_training_state": "training.state_files",
 }
 
@@ -84,10 +84,12 @@ __all__ = [
 
 
 if TYPE_CHECKING:
-    from .distributed import ShardedLookup
-    from .distributed_training import ShardedOptimizer
+    from .codecs.quantize import QuantizedTable, quantize_table
+    from .distributed.lookup import ShardedLookup
+    from .distributed.optimizer import ShardedOptimizer
     from .embedding import EngramEmbedding, NGramEmbedding
-    from .files.checkpoint import load_ngram_embedding, save_ngram_embedding
+    from .files.checkpoint import load_ngram_embedding
+    from .files.checkpoint_writing import save_ngram_embedding
     from .files.engram_checkpoint import load_engram_embedding, save_engram_embedding
     from .hashing.config import NGramConfig
     from .hashing.engram_config import EngramConfig
@@ -96,9 +98,8 @@ if TYPE_CHECKING:
     from .hashing.token_map import engram_token_map
     from .ids.engram_ids import advance_engram_lookback, compute_engram_ids
     from .ids.ngram_ids import advance_context, compute_ngram_ids
-    from .placement import PlacementPlan, plan_placement
-    from .tables.quantize import QuantizedTable, quantize_table
-    from .tables.shared_memory import SharedMemoryFallbackWarning
+    from .memory.shared import SharedMemoryFallbackWarning
+    from .tables.plan import PlacementPlan, plan_placement
     from .tables.table import EmbeddingTable
     from .training.backward import embedding_backward
     from .training.optimizers import SGD, Adam, RowwiseAdagrad

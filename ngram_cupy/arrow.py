@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -31,6 +30,7 @@ except ImportError:  # as the text extra's hint: say which extra brings it
                               ) from None
 
 from ._version import package_version
+from .files.token_files import open_tokens as open_tokens  # ngram_cupy.arrow.open_tokens
 from .hashing.config import NGramConfig
 from .hashing.layout import LayerLayout
 from .ids.ngram_ids import advance_context, compute_ngram_ids
@@ -451,91 +451,3 @@ def ngram_ids_batches(batches: Iterable[pa.RecordBatch],
                       tokenizer=tokenizer)
     for batch in batches:
         yield mapper(batch)
-
-
-@dataclass
-class TokenSource:
-    """A Parquet file or dataset folder, or an Arrow IPC file or stream, read in record batches."""
-
-    path: str
-    schema: pa.Schema
-    num_rows: int | None  # None for an IPC stream
-    batches: Callable[[], Iterator[pa.RecordBatch]]  # fresh iterator of batches of bounded size
-    # Every file read and its own schema (a folder's files may differ from one another).
-    files: list[tuple[str, pa.Schema]] = field(default_factory=list)
-
-
-def slices(batches: Iterable[pa.RecordBatch], rows: int) -> Iterator[pa.RecordBatch]:
-    """Zero-copy slices of at most ``rows`` rows of each batch."""
-    for batch in batches:
-        for start in range(0, batch.num_rows, rows):
-            yield batch.slice(start, rows)
-
-
-def token_slices(batches: Iterable[pa.RecordBatch], column: str,
-                 max_tokens: int) -> Iterator[pa.RecordBatch]:
-    """Zero-copy slices of whole rows holding at most ``max_tokens`` tokens of ``column`` (a
-    longer row alone): bounds the ids one call computes. Batches without the column (text not
-    yet tokenized) pass whole."""
-    for batch in batches:
-        if batch.num_rows == 0 or batch.schema.get_field_index(column) < 0:
-            yield batch
-            continue
-        offsets = batch.column(column).offsets.to_numpy().astype(np.int64)  # no int32 overflow
-        start = 0
-        while start < batch.num_rows:
-            end = int(np.searchsorted(offsets, offsets[start] + max_tokens, side="right")) - 1
-            end = min(max(end, start + 1), batch.num_rows)
-            yield batch.slice(start, end - start)
-            start = end
-
-
-def open_tokens(path: str | os.PathLike, batch_rows: int = 256) -> TokenSource:
-    """Open a Parquet file or folder, or an Arrow IPC file or stream, for streaming in batches of
-    at most ``batch_rows`` rows; the kind is read from the file's magic bytes."""
-    import pyarrow.dataset as ds
-    import pyarrow.parquet as pq
-
-    path = os.fspath(path)
-    if isinstance(batch_rows, bool) or not isinstance(batch_rows, int) or batch_rows < 1:
-        raise ValueError(f"batch_rows must be a positive integer, got {batch_rows!r}")
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"input not found: {path}")
-    if not (os.path.isdir(path) or os.path.isfile(path)):
-        raise ValueError(f"input is not a regular file or folder (a FIFO or device cannot be "
-                         f"read twice): {path}")
-    if os.path.isdir(path):
-        dataset = ds.dataset(path, format="parquet")
-        files = [(f.path, f.physical_schema) for f in dataset.get_fragments()]
-        if not files:
-            raise ValueError(f"no Parquet files in the input folder {path}")
-        try:  # every file's columns, int32 tokens widened where another file has int64
-            schema = pa.unify_schemas([s for _, s in files], promote_options="permissive")
-        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
-            schema = dataset.schema  # checking each file's schema names the one that does not fit
-        dataset = ds.dataset([f for f, _ in files], schema=schema, format="parquet")
-        return TokenSource(path, schema, dataset.count_rows(),
-                           lambda: dataset.to_batches(batch_size=batch_rows), files)
-    with open(path, "rb") as f:
-        magic = f.read(6)
-    if magic.startswith(b"PAR1"):
-        parquet = pq.ParquetFile(path)
-        return TokenSource(path, parquet.schema_arrow, parquet.metadata.num_rows,
-                           lambda: parquet.iter_batches(batch_size=batch_rows),
-                           [(path, parquet.schema_arrow)])
-    if magic == b"ARROW1":
-        reader = pa.ipc.open_file(pa.memory_map(path))
-        num_rows = sum(reader.get_batch(i).num_rows for i in range(reader.num_record_batches))
-        return TokenSource(
-            path, reader.schema, num_rows,
-            lambda: slices((reader.get_batch(i) for i in range(reader.num_record_batches)),
-                           batch_rows),
-            [(path, reader.schema)],
-        )
-    try:
-        schema = pa.ipc.open_stream(pa.memory_map(path)).schema
-    except pa.ArrowInvalid:
-        raise ValueError(f"{path} is neither a Parquet nor an Arrow IPC file") from None
-    return TokenSource(path, schema, None,
-                       lambda: slices(pa.ipc.open_stream(pa.memory_map(path)), batch_rows),
-                       [(path, schema)])

@@ -10,8 +10,8 @@ Qwen4Exp parameter names), and the checkpoints of each family that hold it. The 
 transformers adapter and the checkpoint loaders ask these entries; none of them names a format.
 
 Adding a format is one entry here plus its decoding: ``dequant.py`` (the plain NumPy definition
-every path is tested against), the Numba row decoder in ``gather_numba.py`` and
-``kernels/dequant.cuh``; ``tests/tables/test_decoders.py`` checks every entry's decoders against
+every path is tested against), the Numba row decoder in ``codecs/row_decoders.py`` and
+``kernels/dequant.cuh``; ``tests/codecs/test_decoders.py`` checks every entry's decoders against
 each other, and docs/tables.md says the same.
 
 A block-scaled format (NVFP4 and MXFP8, docs/tables.md) packs ``pack`` values per stored byte
@@ -79,6 +79,11 @@ class Format:
     # The output format that holds every stored value exactly (a lookup of the stored rows
     # gathers in it and casts back); None where stored values are not values by themselves.
     exact_output: int | None = None
+    # The name ``quantize_table`` (and ``ngram-cupy quantize --to``) takes for encoding float
+    # tables into this format, which names its encoder in ``codecs/``; "" where none encodes.
+    encoder: str = ""
+    # Other names of the format (``find_format``): the one table of spellings.
+    aliases: tuple[str, ...] = ()
 
     def checkpoint_names(self, family: str) -> TensorNames | None:
         """The names ``family``'s checkpoints give this format's tensors; None when its
@@ -141,26 +146,27 @@ FLOAT_CHECKPOINTS = ((QWEN4EXP, PLAIN_NAMES.sharded()), (ENGRAM, PLAIN_NAMES))
 
 FORMATS = (
     Format(FLOAT32, np.dtype(np.float32), np.dtype(np.uint32), "float32", "F32", True,
-           checkpoints=FLOAT_CHECKPOINTS, exact_output=FLOAT32),
+           checkpoints=FLOAT_CHECKPOINTS, exact_output=FLOAT32, aliases=("f32",)),
     Format(FLOAT16, np.dtype(np.float16), np.dtype(np.uint16), "float16", "F16", True,
-           checkpoints=FLOAT_CHECKPOINTS, exact_output=FLOAT16),
+           checkpoints=FLOAT_CHECKPOINTS, exact_output=FLOAT16, aliases=("f16", "half")),
     Format(BFLOAT16, np.dtype(ml_dtypes.bfloat16), np.dtype(np.uint16), "bfloat16", "BF16", True,
-           checkpoints=FLOAT_CHECKPOINTS, exact_output=BFLOAT16),
+           checkpoints=FLOAT_CHECKPOINTS, exact_output=BFLOAT16, aliases=("bf16",)),
     # bfloat16 holds every E4M3 value exactly (a NaN keeps no sign).
     Format(FLOAT8_E4M3, np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(np.uint8), "float8_e4m3fn",
            "F8_E4M3", False, layer_names=FP8_NAMES,
-           checkpoints=((QWEN4EXP, FP8_NAMES.sharded()),), exact_output=BFLOAT16),
+           checkpoints=((QWEN4EXP, FP8_NAMES.sharded()),), exact_output=BFLOAT16, encoder="fp8",
+           aliases=("f8_e4m3", "float8_e4m3", "fp8")),
     # Two E2M1 codes a byte (low nibble first), an E4M3 scale per 16 values, a float32 global.
     Format(NVFP4, np.dtype(np.uint8), np.dtype(np.uint8), "uint8", "U8", False,
            label="nvfp4", pack=2, block=16, block_scale=np.dtype(ml_dtypes.float8_e4m3fn),
            block_scale_safetensors="F8_E4M3", layer_names=NVFP4_NAMES,
-           checkpoints=((QWEN4EXP, NVFP4_NAMES.sharded()),)),
+           checkpoints=((QWEN4EXP, NVFP4_NAMES.sharded()),), encoder="nvfp4"),
     # OCP MXFP8 (docs/engram.md): E4M3 values, a UE8M0 scale byte per 32 values, no global scale.
     # Qwen4Exp layers hold it in memory; their checkpoints of it are not read yet.
     Format(MXFP8, np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(np.uint8), "float8_e4m3fn",
            "F8_E4M3", False, label="mxfp8", block=32,
            block_scale=np.dtype(ml_dtypes.float8_e8m0fnu), block_scale_safetensors="F8_E8M0",
-           layer_names=MXFP8_NAMES, checkpoints=((ENGRAM, ENGRAM_BLOCK_NAMES),)),
+           layer_names=MXFP8_NAMES, checkpoints=((ENGRAM, ENGRAM_BLOCK_NAMES),), encoder="mxfp8"),
 )
 OUTPUT_CODES = tuple(fmt.code for fmt in FORMATS if fmt.output)
 # Formats a float8 table's scale may be stored in.
@@ -168,13 +174,22 @@ SCALE_FORMATS = tuple(fmt for fmt in FORMATS if fmt.output)
 # Formats a dtype or a safetensors code names by itself (not the block-scaled ones).
 PLAIN_FORMATS = tuple(fmt for fmt in FORMATS if not fmt.blocked)
 BY_SAFETENSORS = {fmt.safetensors: fmt for fmt in PLAIN_FORMATS}
-_ALIASES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16", "f8_e4m3": "float8_e4m3fn",
-            "float8_e4m3": "float8_e4m3fn", "fp8": "float8_e4m3fn", "half": "float16"}
+_ALIASES = {alias: fmt.name for fmt in FORMATS for alias in fmt.aliases}
+# Formats float tables are quantised to, by their encoders' names (``quantize_table``'s ``to``).
+ENCODED = {fmt.encoder: fmt for fmt in FORMATS if fmt.encoder}
 
 
 def names() -> str:
     """Every format's name, for error messages."""
     return ", ".join(fmt.name for fmt in FORMATS)
+
+
+def encoded_format(to: Any, name: str = "to") -> Format:
+    """The format whose encoder ``to`` names (``"fp8"``, ...); a ValueError naming ``name``."""
+    fmt = ENCODED.get(to) if isinstance(to, str) else None
+    if fmt is None:
+        raise ValueError(f"{name} must be one of {', '.join(ENCODED)}, got {to!r}")
+    return fmt
 
 
 def find_format(dtype: Any) -> Format | None:

@@ -2,7 +2,7 @@
 
 transformers (>= 5.23) keeps each PLE table as an ``nn.Embedding`` in the model dtype. This
 replaces every ``Qwen4ExpTextNGramEmbedding`` by :class:`CachedNGramEmbedding`: the same call
-(``forward(input_ids[B, S], past_key_values)`` giving ``[B, S, H * head_dim]`` in the model
+(``forward(input_ids[B, S], cache)`` giving ``[B, S, H * head_dim]`` in the model
 dtype) and the same n-gram context in the cache (conv state ``CONTEXT_STATE`` of the layer), but
 the rows in an ``EmbeddingTable`` (float8, bfloat16, ...; pinned host memory the GPU reads, GPU
 or CPU memory, or the mapped checkpoint) read by this library's exact ids and gathers.
@@ -14,28 +14,26 @@ import os
 from collections.abc import Mapping, Sequence
 
 import torch
-from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextNGramEmbedding
+import transformers
 
+from .codecs.dequant import check_scale_rounding
+from .codecs.quantize import quantize_table, quantize_target
 from .embedding import NGramEmbedding
-from .files.checkpoint import (
-    find_prefix,
-    load_ngram_embedding,
-    read_scale,
-    shard_key,
-    verify_buffers,
-)
+from .files.checkpoint import load_ngram_embedding
+from .files.checkpoint_discovery import find_prefix
+from .files.checkpoint_names import shard_key
+from .files.checkpoint_reading import read_scale, verify_buffers
 from .files.safetensors_files import DTYPES, Checkpoint
 from .formats import QWEN4EXP, find_format, output_format, storage_format
 from .hashing.config import NGramConfig
 from .hashing.layout import LayerLayout, layer_layout, split_rows
 from .ids.ngram_ids import compute_ngram_ids
 from .runtime.backends import DEVICE
-from .tables.dequant import check_scale_rounding
-from .tables.quantize import quantize_table, quantize_target
 from .tables.storage import RowsSource, find_placement, place, placement_named
 from .tables.table import EmbeddingTable
-from .torch import TableWeights
-from .torch_training import OPTIMIZERS, TrainableRows, check_trainable, fused_optimizer
+from .torch.autograd import OPTIMIZERS, TrainableRows, check_trainable, fused_optimizer
+from .torch.weights import TableWeights
+from .transformers_releases import Qwen4ExpTextNGramEmbedding, check_layers, check_release
 
 # The cache's conv state that holds each PLE layer's last n-1 tokens (transformers' layout).
 CONTEXT_STATE = 2
@@ -129,15 +127,22 @@ class CachedNGramEmbedding(torch.nn.Module):
         width = self.layout.num_heads * self.table.head_dim
         return torch.empty((ids.shape[0], width), dtype=self.out_like.dtype, device=ids.device)
 
-    def start_prefetch(self, input_ids: torch.Tensor, past_key_values) -> None:
+    def start_prefetch(self, input_ids: torch.Tensor, cache=None) -> None:
         """Start gathering this batch's rows (side CUDA stream, or a CPU worker) so that the
         next ``forward`` finds them; a stale prefetch costs time, never correctness."""
-        ids = self._ids(input_ids.long(), self._context(past_key_values))
+        ids = self._ids(input_ids.long(), self._context(cache))
         self._prefetched = self._empty_rows(ids)
         self.table.prefetch(ids, out=self._prefetched)
 
-    def forward(self, input_ids: torch.Tensor, past_key_values=None) -> torch.Tensor:
-        """``[B, S, H * head_dim]`` embeddings; rolls the cache's context on by this batch."""
+    def forward(self, input_ids: torch.Tensor, cache=None, *, past_key_values=None,
+                **kwargs) -> torch.Tensor:
+        """``[B, S, H * head_dim]`` embeddings; rolls the cache's context on by this batch.
+
+        The cache comes as transformers passes it (second argument, ``cache=`` from 5.25,
+        ``past_key_values=`` before); the model's other keyword arguments
+        (``output_router_logits``, attention settings, ...) are accepted and unused, as
+        transformers' own layer does."""
+        past_key_values = _one_cache(cache, past_key_values)
         input_ids = input_ids.long()
         batch, length = input_ids.shape
         context = self._context(past_key_values)
@@ -173,8 +178,17 @@ def _prefetch_hook(target: CachedNGramEmbedding):
         if target.prefetch is False or target.prefetch is None and not (
                 input_ids.is_cuda and not target.table.storage.device_resident):
             return
-        target.start_prefetch(input_ids, kwargs.get("past_key_values"))
+        target.start_prefetch(input_ids, _one_cache(kwargs.get("cache"),
+                                                    kwargs.get("past_key_values")))
     return hook
+
+
+def _one_cache(cache, past_key_values):
+    """The cache under either of its names (``cache`` from transformers 5.25 on,
+    ``past_key_values`` before); both at once is ambiguous."""
+    if cache is not None and past_key_values is not None and cache is not past_key_values:
+        raise TypeError("pass the cache once, as cache= or past_key_values=, not both")
+    return past_key_values if cache is None else cache
 
 
 def _named_dtype(config: NGramConfig) -> str | None:
@@ -340,18 +354,8 @@ def use_ngram_cupy(model: torch.nn.Module, *, placement: str = "pinned",
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    targets = [(name, module) for name, module in model.named_modules()
-               if isinstance(module, Qwen4ExpTextNGramEmbedding)]
-    done = [name for name, module in model.named_modules()
-            if isinstance(module, CachedNGramEmbedding)]
-    if done and not targets:
-        raise ValueError(f"use_ngram_cupy was already applied to this {type(model).__name__} "
-                         f"({done[0]} is ngram_cupy's): its layers are replaced once; to change "
-                         "placement or weight_dtype, load the model again and call it once")
-    if not targets:
-        raise ValueError(f"{type(model).__name__} has no Qwen4ExpTextNGramEmbedding: "
-                         "use_ngram_cupy replaces the n-gram embeddings of transformers' "
-                         "Qwen4Exp models with PLE layers")
+    check_release(transformers.__version__)
+    targets = _embeddings_of(model)
     if placement_named(placement, mapped=True).mapped and checkpoint is None:
         raise ValueError(f"placement {placement!r} serves a checkpoint's rows: pass checkpoint=")
     config = ngram_config(model.config.get_text_config())
@@ -364,26 +368,12 @@ def use_ngram_cupy(model: torch.nn.Module, *, placement: str = "pinned",
         fmt = storage_format(weight_dtype, "weight_dtype")
         _check_named(config, fmt.name, f"weight_dtype={weight_dtype}")
         weight_dtype = fmt.name  # NVFP4's torch dtype (uint8) would name no format
-    layouts = []
-    for name, module in targets:
-        layout = layer_layout(config, module.ple_layer_index)
-        _check_module(name, module, layout)
-        output_format(module.ngram_embedding.weight.dtype, f"{name} model dtype")
-        layouts.append(layout)
+    layouts = _layouts(config, targets)
     prefixes = []
     if checkpoint is not None:
         opened = Checkpoint.open(checkpoint,
                                  random_access=placement_named(placement, mapped=True).mapped)
-        for (name, _), layout in zip(targets, layouts, strict=True):
-            prefix = name if f"{name}.layer_multipliers" in opened else \
-                find_prefix(opened.tensors, config, layout.layer)
-            dtype = _checkpoint_dtype(opened, prefix)
-            _check_named(config, dtype, f"the table of {prefix}")
-            if weight_dtype is not None and dtype is not None \
-                    and dtype != storage_format(weight_dtype).name:
-                raise ValueError(f"weight_dtype={asked} but {prefix} stores {dtype}: "
-                                 "checkpoint tables load in their own dtype")
-            prefixes.append(prefix)
+        prefixes = _checkpoint_prefixes(opened, names, layouts, weight_dtype, asked)
     elif weight_dtype is None and _named_dtype(config) is not None:
         weight_dtype = storage_format(config.ple_embedding_dtype).name
     embeddings = []
@@ -399,6 +389,65 @@ def use_ngram_cupy(model: torch.nn.Module, *, placement: str = "pinned",
             embeddings.append(load_ngram_embedding(
                 checkpoint, config, layout.layer, prefix=prefixes[index], placement=placement,
                 progress=table_options.get("progress"), hot_rows=rows))
+    _replace(model, targets, embeddings, table_options, trainable,
+             (optimizer, optimizer_options))
+    return names
+
+
+def _embeddings_of(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The model's ``Qwen4ExpTextNGramEmbedding`` modules and their names, in model order; a
+    ValueError for a model that has none, or whose were replaced already."""
+    targets = [(name, module) for name, module in model.named_modules()
+               if isinstance(module, Qwen4ExpTextNGramEmbedding)]
+    done = [name for name, module in model.named_modules()
+            if isinstance(module, CachedNGramEmbedding)]
+    if done and not targets:
+        raise ValueError(f"use_ngram_cupy was already applied to this {type(model).__name__} "
+                         f"({done[0]} is ngram_cupy's): its layers are replaced once; to change "
+                         "placement or weight_dtype, load the model again and call it once")
+    if not targets:
+        raise ValueError(f"{type(model).__name__} has no Qwen4ExpTextNGramEmbedding: "
+                         "use_ngram_cupy replaces the n-gram embeddings of transformers' "
+                         "Qwen4Exp models with PLE layers")
+    check_layers(targets)
+    return targets
+
+
+def _layouts(config: NGramConfig, targets: list) -> list[LayerLayout]:
+    """Each module's layer layout, checked against the module's buffers and dtype."""
+    layouts = []
+    for name, module in targets:
+        layout = layer_layout(config, module.ple_layer_index)
+        _check_module(name, module, layout)
+        output_format(module.ngram_embedding.weight.dtype, f"{name} model dtype")
+        layouts.append(layout)
+    return layouts
+
+
+def _checkpoint_prefixes(opened: Checkpoint, names: list[str], layouts: list[LayerLayout],
+                         weight_dtype: str | None, asked) -> list[str]:
+    """Each module's prefix in the checkpoint (its own name when the checkpoint uses it), its
+    table's dtype checked against the config and ``weight_dtype`` (``asked``: as spelt)."""
+    prefixes = []
+    for name, layout in zip(names, layouts, strict=True):
+        config = layout.config
+        prefix = name if f"{name}.layer_multipliers" in opened else \
+            find_prefix(opened.tensors, config, layout.layer)
+        dtype = _checkpoint_dtype(opened, prefix)
+        _check_named(config, dtype, f"the table of {prefix}")
+        if weight_dtype is not None and dtype is not None \
+                and dtype != storage_format(weight_dtype).name:
+            raise ValueError(f"weight_dtype={asked} but {prefix} stores {dtype}: "
+                             "checkpoint tables load in their own dtype")
+        prefixes.append(prefix)
+    return prefixes
+
+
+def _replace(model: torch.nn.Module, targets: list, embeddings: list, table_options: Mapping,
+             trainable: bool, optimizer: tuple) -> None:
+    """Put a ``CachedNGramEmbedding`` over each embedding in its module's place (with the
+    ``(name, options)`` optimizer, when named), and hook the layer before it for prefetch."""
+    name_of_optimizer, optimizer_options = optimizer
     replacements = []
     for (_, module), embedding in zip(targets, embeddings, strict=True):
         embedding.table.dedup = bool(table_options.get("dedup", False))
@@ -406,13 +455,12 @@ def use_ngram_cupy(model: torch.nn.Module, *, placement: str = "pinned",
         replacements.append(CachedNGramEmbedding(embedding, module.layer_idx,
                                                  module.ngram_embedding.weight.dtype,
                                                  table_options.get("prefetch"), trainable))
-        if optimizer is not None:
-            fused_optimizer(replacements[-1], optimizer, **dict(optimizer_options))
+        if name_of_optimizer is not None:
+            fused_optimizer(replacements[-1], name_of_optimizer, **dict(optimizer_options))
     for (name, _), replacement in zip(targets, replacements, strict=True):
         parent, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent), leaf, replacement)
         _hook_previous_layer(model, name, replacement)
-    return names
 
 
 def _check_training(trainable: bool, optimizer, optimizer_options, placement: str) -> None:

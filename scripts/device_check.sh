@@ -14,9 +14,10 @@
 #   versions 5 s | compile the kernel cache: released shapes, sm_90, 16 CPUs: ~40 s (100 s on 2
 #   loaded CPUs here, its slowest kernel 34 s) | gpu tests: ~150 s, each file its own pytest
 #   (their kernels compiled once, then shared through the cache) | graph, misaligned,
-#   fresh-fill: ~10 s each | packed-uva: ~15 s (estimated: 700 MiB of pinned rows made and
-#   filled, 3 x 22 timed gathers and copies) | bench --quick: ~60 s | memcheck, racecheck: ~45 s
-#   each
+#   fresh-fill: ~10 s each | train: ~30 s (estimated) | packed-uva: ~15 s (estimated: 700 MiB
+#   of pinned rows made and filled, 3 x 22 timed gathers and copies) | jax-gpu: ~15 s
+#   (estimated: jax's start and five small tables; not yet run on a device) | bench --quick:
+#   ~60 s | memcheck, racecheck: ~45 s each
 # The simulator, PTX, host-build and CPU tests run in CI, not here.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -28,6 +29,13 @@ out="${OUT:-device-results}"
 mkdir -p "$out"
 logs="$(mktemp -d)"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# Wheels carried in .whl/ (the device tool's `carry`; the image's transformers is older than the
+# supported range) are unpacked into a folder after the checkout on the path, never from an index.
+if [ "$dry_run" = 0 ] && compgen -G ".whl/*.whl" > /dev/null; then
+    site="$(mktemp -d)"
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .whl/*.whl \
+        && export PYTHONPATH="$PYTHONPATH:$site"
+fi
 export NUMBA_CACHE_DIR="${NUMBA_CACHE_DIR:-$PWD/.numba-cache}"  # shared by the steps below
 export NGRAM_CUPY_CACHE_DIR="${NGRAM_CUPY_CACHE_DIR:-$PWD/.kernel-cache}"  # kept between runs
 if [ -z "${CUDA_HOME:-}" ]; then  # NVRTC's headers and compute-sanitizer live there
@@ -67,7 +75,7 @@ step() {
         echo "dry run: $*" > "$logs/$name.txt"
         status=0
     else
-        timeout --kill-after=5 "$limit" "$@" > "$logs/$name.txt" 2>&1
+        timeout -s ABRT --kill-after=5 "$limit" "$@" > "$logs/$name.txt" 2>&1
         status=$?
     fi
     echo "$name: exit $status, $((SECONDS - start)) s (limit $limit s)" | tee -a "$summary"
@@ -124,10 +132,18 @@ step graph 30 python3 scripts/gpu_workload.py graph
 step misaligned 20 python3 scripts/gpu_workload.py misaligned
 step fresh-fill 20 python3 scripts/gpu_workload.py fresh-fill
 
+# 3b. GPU-trained tables: 20 steps of every row optimizer against the CPU's bits (~30 s estimated,
+# most of it first compiles: the CPU update kernel twice, the GPU one twice; never run yet).
+step train 60 python3 scripts/gpu_workload.py train
+
 # 4. Packed NVFP4 records over UVA: bytes per token and GB/s of the gather from pinned memory,
 # records vs fp8 rows vs two arrays, beside cudaMemcpy of the same bytes (packed-uva.md).
 export PACKED_UVA_OUT="$out/packed-uva.md"
 step packed-uva 30 python3 scripts/gpu_workload.py packed-uva
+
+# 4b. ngram_cupy.jax on the GPU: ids and lookups of CUDA JAX arrays, eager and jitted, against
+# the CPU's bits (XLA FFI custom calls on XLA's stream); skipped inside when jax has no CUDA.
+step jax-gpu 30 python3 scripts/jax_gpu_check.py
 
 # 5. The quick GPU benchmark (tables and plot straight into $out).
 step bench 75 python3 bench.py --device gpu --quick --output "$out/bench-results.md"

@@ -10,7 +10,9 @@ same bytes, results written to the file named by ``PACKED_UVA_OUT``, if set),
 ``graph`` (a ``torch.cuda.graph`` capture of ``forward`` replayed on new tokens, results taken
 with ``torch.from_dlpack``), ``misaligned`` (a table adopted from a device view 1 byte past an
 8-byte boundary, plain and fused) and ``fresh-fill`` (rows written, then read at once on another
-stream). Prints one line per case, ``ok`` or the error; exits 1 if any failed.
+stream), ``train`` (20 steps of every row optimizer on GPU tables, and of a host table given GPU
+gradients, against the CPU's bits; their state saved and resumed). Prints one line per case,
+``ok`` or the error; exits 1 if any failed.
 """
 
 from __future__ import annotations
@@ -201,8 +203,9 @@ def case_packed_uva() -> None:
     import cupy
 
     from ngram_cupy.formats import BFLOAT16, FLOAT8_E4M3, NVFP4
-    from ngram_cupy.tables.gather_cupy import data_address, gather_rows
-    from ngram_cupy.tables.pinned_memory import PinnedBuffer
+    from ngram_cupy.memory.pinned import PinnedBuffer
+    from ngram_cupy.runtime.backends import data_address
+    from ngram_cupy.tables.gather_cupy import gather_rows
 
     rng = np.random.default_rng(4)
     rows, tokens, heads = 1 << 21, 4096, 16  # 192 MiB of records: far past the GPU's caches
@@ -268,8 +271,65 @@ def case_packed_uva() -> None:
         Path(os.environ["PACKED_UVA_OUT"]).write_text(report + "\n")
 
 
+TRAIN_OPTIMIZERS = [
+    (nc.SGD, {"lr": 0.05, "weight_decay": 0.01, "weight_decay_mode": "decoupled",
+              "max_norm": 8.0}),
+    (nc.RowwiseAdagrad, {"lr": 0.05, "weight_decay": 0.01, "max_norm": 8.0}),
+    (nc.RowwiseAdagrad, {"lr": 0.05, "weight_decay": 0.01, "weight_decay_mode": "decoupled"}),
+    (nc.Adam, {"lr": 0.01}),
+    (nc.Adam, {"lr": 0.01, "rowwise": True}),
+]
+
+
+def case_train() -> None:
+    """Every row optimizer, float32 and bfloat16 (stochastic rounding) rows, 20 steps: a GPU
+    table (CuPy and torch inputs, fused and sparse-row steps) and a host table given GPU
+    gradients end with the CPU's rows and state bits, and a GPU state resumes on the CPU."""
+    import tempfile
+
+    import cupy
+    import torch
+
+    rng = np.random.default_rng(4)
+    rows, dim = 3000, 64
+    weight = rng.standard_normal((rows, dim)).astype(np.float32)
+    batches = [(rng.integers(0, rows, (256, 4)),
+                rng.standard_normal((256, 4 * dim)).astype(np.float32)) for _ in range(20)]
+    folder = Path(tempfile.mkdtemp())
+    for dtype, extra in ((np.float32, {}),
+                         (ml_dtypes.bfloat16, {"stochastic_rounding": True, "seed": 5})):
+        for cls, kwargs in TRAIN_OPTIMIZERS:
+            label = f"{cls.__name__} {kwargs} {np.dtype(dtype).name}"
+            made = [cls(nc.EmbeddingTable(weight.astype(dtype), placement=placement),
+                        **kwargs, **extra) for placement in ("cpu", "gpu", "cpu")]
+            cpu, gpu, host = made
+            for step, (ids, grad) in enumerate(batches):
+                cpu.step_from_output_grad(ids, grad)
+                if step % 2:
+                    gpu.step_from_output_grad(cupy.asarray(ids), cupy.asarray(grad))
+                else:
+                    gpu.step(nc.embedding_backward(cupy.asarray(ids), cupy.asarray(grad)))
+                host.step_from_output_grad(torch.as_tensor(ids, device="cuda"),
+                                           torch.as_tensor(grad, device="cuda"))
+            want = cpu.state_dict()
+            for name, optimizer in (("gpu", gpu), ("host", host)):
+                np.testing.assert_array_equal(bits(optimizer.rows), bits(cpu.rows),
+                                              err_msg=f"{label}: {name} rows")
+                for key, array in optimizer.state_dict()["state"].items():
+                    np.testing.assert_array_equal(bits(array), bits(want["state"][key]),
+                                                  err_msg=f"{label}: {name} state {key}")
+            ids = cupy.arange(rows).reshape(-1, 1)
+            np.testing.assert_array_equal(bits(gpu.table.lookup(ids)),
+                                          bits(cpu.table.lookup(ids.get())), err_msg=label)
+            path = nc.save_training_state(folder / "gpu.safetensors", gpu)
+            resumed = cls(nc.EmbeddingTable(np.zeros((rows, dim), dtype)), **kwargs, **extra)
+            nc.load_training_state(path, resumed)
+            np.testing.assert_array_equal(bits(resumed.rows), bits(cpu.rows), err_msg=label)
+    cupy.cuda.Device().synchronize()
+
+
 CASES = {"kernels": case_kernels, "packed-uva": case_packed_uva, "graph": case_graph,
-         "misaligned": case_misaligned, "fresh-fill": case_fresh_fill}
+         "misaligned": case_misaligned, "fresh-fill": case_fresh_fill, "train": case_train}
 
 
 def main(names: list[str]) -> int:

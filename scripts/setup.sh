@@ -3,7 +3,9 @@
 #   sh scripts/setup.sh run    make or reuse .venv, install with the arrow and text extras, then
 #                              write the n-gram ids of the sample corpus in data/
 #   sh scripts/setup.sh test   make or reuse .venv, install the test extras (constraints-ci.txt),
-#                              then run the test suite in two processes, as CI does (.ci/run);
+#                              and the oldest supported transformers in .venv/oldest
+#                              (requirements-oldest.txt), then run the test suite in two
+#                              processes, as CI does (.ci/run);
 #                              further arguments go to pytest (e.g. tests/hashing/test_config.py)
 # .venv sees the interpreter's installed packages (--system-site-packages), so packages already
 # there are not downloaded again; pip's own settings (PIP_EXTRA_INDEX_URL, ...) apply.
@@ -36,5 +38,11 @@ if [ "$MODE" = run ]; then
   echo "setup.sh: wrote $OUT"
 else
   .venv/bin/python -m pip install -q -e ".[test]" -c constraints-ci.txt
+  # The oldest supported transformers beside it, for the test that reruns its tests there.
+  OLDEST=$(sed -n 's/^transformers==//p' requirements-oldest.txt)
+  if [ ! -d ".venv/oldest/transformers-$OLDEST.dist-info" ]; then
+    rm -rf .venv/oldest
+    .venv/bin/python -m pip install -q --no-deps --target .venv/oldest -r requirements-oldest.txt
+  fi
   .venv/bin/python -m pytest -n 2 --dist loadfile "$@"
 fi

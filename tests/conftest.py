@@ -116,7 +116,7 @@ def host_gather():
 def shm_dir(monkeypatch):
     """A fresh scope (a directory under /dev/shm) for the test's shared segments; at the end no
     segment of it is held and nothing was written there."""
-    from ngram_cupy.tables import shared_memory
+    from ngram_cupy.memory import shared as shared_memory
 
     root = "/dev/shm" if os.path.isdir("/dev/shm") else None
     folder = Path(tempfile.mkdtemp(prefix="ngram_cupy-test-", dir=root))
@@ -149,8 +149,8 @@ def layer_rows(config, dtype, seed: int = 0) -> np.ndarray:
 
 def laid_out(codes: np.ndarray, scales: np.ndarray, fmt, packed: bool):
     """``(rows, scales)`` of a block-scaled table as the kernels get them: the two arrays as
-    they are, or (``packed``) views into one record per row (``tables.packed``)."""
-    from ngram_cupy.tables.packed import packed_rows
+    they are, or (``packed``) views into one record per row (``codecs.records``)."""
+    from ngram_cupy.codecs.records import packed_rows
 
     if not packed:
         return codes, scales

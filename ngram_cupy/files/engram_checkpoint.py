@@ -7,14 +7,15 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
+from ..codecs.scales import block_scale_bits
 from ..embedding import EngramEmbedding
 from ..formats import BY_SAFETENSORS, ENGRAM, FORMATS, Format, storage_format
 from ..hashing.engram_layout import EngramLayout, check_engram_layout
 from ..runtime.backends import HOST, unwrap_torch
 from ..runtime.checks import check_integer
-from ..tables.storage import RowsSource, place, placement_named
-from ..tables.table import EmbeddingTable, block_scale_bits
-from .checkpoint import shared_key
+from ..tables.storage import TABLE_PLACEMENT, RowsSource, place, placement_named
+from ..tables.table import EmbeddingTable
+from .checkpoint_reading import shared_key
 from .safetensors_files import Checkpoint, write_checkpoint
 
 # The formats Engram checkpoints hold (``Format.checkpoints``): float tables by their dtype, and
@@ -101,7 +102,7 @@ def engram_rows(checkpoint: Checkpoint, layout: EngramLayout, index: int, name: 
 
 
 def load_engram_embedding(path: str | os.PathLike | Sequence[str | os.PathLike],
-                          layout: EngramLayout, placement: str = "cpu", rank: int = 0,
+                          layout: EngramLayout, placement: str = TABLE_PLACEMENT, rank: int = 0,
                           world_size: int = 1) -> EngramEmbedding:
     """Every Engram layer's table from a safetensors checkpoint, as a ready ``EngramEmbedding``.
 

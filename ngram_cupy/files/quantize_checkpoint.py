@@ -20,21 +20,22 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from ..formats import BY_SAFETENSORS, ENGRAM, QWEN4EXP
-from ..hashing.config import NGramConfig
-from ..hashing.engram_config import EngramConfig
-from ..hashing.layout import layer_layout
-from ..runtime import interrupts
-from ..runtime.atomic import temporary_name
-from ..tables.quantize import (
-    FORMAT_OF,
+from ..codecs.quantize import (
     QuantizedTable,
     default_scale,
     quantize_table,
     quantize_target,
     table_amax,
 )
-from .checkpoint import ple_prefixes, table_key, table_shards, verify_buffers
+from ..formats import BY_SAFETENSORS, ENGRAM, QWEN4EXP, encoded_format
+from ..hashing.config import NGramConfig
+from ..hashing.engram_config import EngramConfig
+from ..hashing.layout import layer_layout
+from ..runtime import interrupts
+from ..runtime.atomic import remove_stale_temporaries, temporary_name
+from .checkpoint_discovery import ple_prefixes
+from .checkpoint_names import table_key
+from .checkpoint_reading import table_shards, verify_buffers
 from .engram_checkpoint import FLOAT_TABLES, engram_tensor_name
 from .safetensors_files import Checkpoint, write_checkpoint
 
@@ -54,7 +55,7 @@ def quantize_shards(shards: Sequence[np.ndarray], to: str, step: Callable[[int],
                     names: Sequence[str]) -> list[QuantizedTable]:
     """The shards of one table quantised under one scale (fp8, NVFP4: from the amax of them
     all); a non-finite row is a ValueError naming its tensor."""
-    fmt = FORMAT_OF[to]
+    fmt = encoded_format(to)
     scale = None
     if fmt.scaled:
         scale = default_scale(fmt, max((table_amax(s, name=n) for s, n in zip(shards, names,
@@ -74,7 +75,7 @@ def qwen4exp_tensors(checkpoint: Checkpoint, source: str, to: str, layers, step)
     """The quantised tensors of the chosen PLE layers, the names they replace, and the
     ``config.json`` changes."""
     config = NGramConfig.from_hf(source)
-    fmt = FORMAT_OF[to]
+    fmt = encoded_format(to)
     quantize_target(fmt, QWEN4EXP)
     names_of = fmt.checkpoint_names(QWEN4EXP)
     prefixes = ple_prefixes(checkpoint.tensors)
@@ -106,7 +107,7 @@ def engram_tensors(checkpoint: Checkpoint, source: str, to: str, layers, step) -
         dict, set, dict]:
     """The MXFP8 tensors of the chosen Engram layers and the names they replace."""
     config = EngramConfig.from_hf(source)
-    quantize_target(FORMAT_OF[to], ENGRAM)
+    quantize_target(encoded_format(to), ENGRAM)
     layer_ids = config.engram_layer_ids
     chosen = range(len(layer_ids)) if layers is None else layers
     tensors, replaced = {}, set()
@@ -118,7 +119,7 @@ def engram_tensors(checkpoint: Checkpoint, source: str, to: str, layers, step) -
         if name is None:
             raise ValueError(f"{source} has no layers.{layer_ids[index]}.engram.embed.weight")
         (q,) = quantize_shards([float_shard(checkpoint, name)], to, step, [name])
-        names = FORMAT_OF[to].checkpoint_names(ENGRAM)
+        names = encoded_format(to).checkpoint_names(ENGRAM)
         tensors[name] = q.weight
         tensors[name.removesuffix(names.rows) + names.block_scales] = q.block_scales
         replaced.add(name)
@@ -142,8 +143,7 @@ def quantize_checkpoint(source: str | os.PathLike, to: str, output: str | os.Pat
     source, output = Path(source), Path(output)
     if scheme not in SCHEMES:
         raise ValueError(f"scheme must be one of {', '.join(SCHEMES)}, got {scheme!r}")
-    if to not in FORMAT_OF:
-        raise ValueError(f"--to must be one of {', '.join(FORMAT_OF)}, got {to!r}")
+    encoded_format(to, "--to")
     if output.exists() or output.is_symlink():
         raise FileExistsError(f"OUTPUT {output} exists: quantize writes a new folder")
     if not output.parent.is_dir():
@@ -163,6 +163,7 @@ def quantize_checkpoint(source: str | os.PathLike, to: str, output: str | os.Pat
     for name in checkpoint.tensors:
         if name not in replaced and name not in tensors:
             tensors[name] = checkpoint.view(name)
+    remove_stale_temporaries(output.parent)  # a killed run's folder
     temporary = Path(temporary_name(output))
     temporary.mkdir()
     try:

@@ -20,15 +20,14 @@ from math import gcd
 import numpy as np
 from numba import cuda, int64, uint64
 
+from ..codecs.dequant import convert, convert_blocked
+from ..codecs.records import whole_records
 from ..formats import FORMATS, Format
 from ..hashing.arithmetic import clamp, stage_token_ids
-from ..runtime.backends import cupy_module
+from ..runtime.backends import cupy_module, data_address
 from ..runtime.cuda_launch import NumbaKernel
 from ..runtime.jitable import inline_jitable
-from ..tables.dequant import convert, convert_blocked
-from ..tables.gather_cupy import data_address
 from ..tables.hot_rows import hot_slot
-from ..tables.packed import whole_records
 from ..tables.row_ids import NO_BAD_WORD, UNCHECKED, first_bad
 from .ids_cuda import device_params, staging_shape
 

@@ -2,8 +2,9 @@
 
 Every temporary file this library writes is named ``.ngram-cupy-tmp-<host>-<pid>-<random>-<name>``
 (``<host>`` a short hash of the host name). A run killed mid-write (SIGKILL, power loss) leaves
-it behind; the next write into the same folder removes such files when they are stale: written
-by a process of this host that no longer runs, or untouched for ``STALE_SECONDS``.
+it behind; the next write into the same folder removes such files (and folders) when they are
+stale: written by a process of this host that no longer runs, or untouched for
+``STALE_SECONDS``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import hashlib
 import os
 import re
 import secrets
+import shutil
 import socket
 import time
 from collections.abc import Iterator
@@ -59,15 +61,20 @@ def is_stale(path: str | os.PathLike, now: float | None = None) -> bool:
 
 
 def remove_stale_temporaries(folder: str | os.PathLike) -> list[str]:
-    """Delete the stale temporaries in ``folder`` (see :func:`is_stale`); return their paths."""
+    """Delete the stale temporaries in ``folder`` (see :func:`is_stale`), files and the folders
+    a whole-folder write builds (``ngram-cupy quantize``); return their paths."""
     removed = []
     with contextlib.suppress(FileNotFoundError, NotADirectoryError), os.scandir(folder) as entries:
         for entry in entries:
-            if entry.name.startswith(TEMP_PREFIX) and entry.is_file(follow_symlinks=False) \
-                    and is_stale(entry.path):
-                with contextlib.suppress(FileNotFoundError):
+            if not entry.name.startswith(TEMP_PREFIX) or entry.is_symlink() \
+                    or not is_stale(entry.path):
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path)
+                else:
                     os.remove(entry.path)
-                    removed.append(entry.path)
+                removed.append(entry.path)
     return removed
 
 

@@ -378,3 +378,9 @@ def cuda_stream(stream: Any = None, device: int | None = None):
             f"got {type(stream).__name__}"
         )
     return _external_stream(handle, device)
+
+
+def data_address(array) -> int:
+    """Address of an array's first element: a CuPy array's device pointer, a NumPy array's."""
+    data = array.data
+    return data.ptr if hasattr(data, "ptr") else array.ctypes.data

@@ -29,6 +29,11 @@ from . import kernel_cache
 from .backends import cupy_module
 from .kernel_cache import entry_key, function_digest, numba_versions
 
+# numba-cuda 0.30 registers an overload of ``np.row_stack``, which NumPy 2.5 removed (it was an
+# alias of ``vstack``): its first compile then fails on every kernel. The alias restores it.
+if not hasattr(np, "row_stack"):
+    np.row_stack = np.vstack
+
 _ENTRY = re.compile(r"\.entry\s+([\w$.]+)\s*\(")
 # Launches noted instead of run (``recorded_launches``): how ``ngram-cupy compile`` learns the
 # kernels and argument types the library's launchers use, from the launchers themselves.

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import numpy as np
 
+from ..codecs.dequant import FORMATS, OUTPUT_CODES
 from ..runtime import kernel_cache, nvrtc
-from ..runtime.backends import cupy_module
+from ..runtime.backends import cupy_module, data_address
 from ..runtime.kernel_cache import entry_key
-from .dequant import FORMATS, OUTPUT_CODES
 from .row_ids import NO_BAD_WORD, UNCHECKED, check_row_ids, raise_recorded
 
 # kernels/ at the top of a source checkout; installed wheels carry it as ngram_cupy/kernels.
@@ -131,12 +131,6 @@ def row_stride(*named) -> int:
         raise ValueError(f"{' and '.join(name for name, _ in named)} must have one row stride, "
                          f"got {sorted(strides)} bytes")
     return strides.pop() if strides else named[0][1].shape[1] * named[0][1].dtype.itemsize
-
-
-def data_address(array) -> int:
-    """Address of an array's first element: a CuPy array's device pointer, a NumPy array's."""
-    data = array.data
-    return data.ptr if hasattr(data, "ptr") else array.ctypes.data
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,9 @@ from typing import Any
 
 import numpy as np
 
+from ..codecs.dequant import check_scale_rounding, rounded_scale
+from ..codecs.quantize import QuantizedTable
+from ..codecs.scales import block_scale_bits, table_scale
 from ..formats import (
     Format,
     bits_name,
@@ -24,75 +27,25 @@ from ..formats import (
     output_format,
     storage_format,
 )
-from ..runtime.backends import DEVICE, HOST, Backend, Call, bind, cuda_stream, cupy_module
+from ..runtime.backends import DEVICE, HOST, Backend, Call, bind, cuda_stream
 from ..runtime.checks import (
     check_destination,
     check_index_array,
     check_integer,
     check_out,
-    check_scale,
 )
-from .dequant import check_scale_rounding, rounded_scale
 from .hot_rows import check_hot_rows
-from .prefetch import Prefetcher
-from .quantize import QuantizedTable
-from .storage import Gather, Storage, adopt, allocate, canonical_placement
+from .prefetch import Prefetcher, unwritten
+from .storage import (
+    TABLE_PLACEMENT,
+    Gather,
+    Storage,
+    adopt,
+    allocate,
+    canonical_placement,
+    placement_list,
+)
 from .storage.tiered import TieredStorage
-
-
-def scale_value(scale) -> np.float32 | None:
-    """The scale as a float32 scalar (exact for bf16 / f16 / f32 inputs), or None."""
-    if scale is None:
-        return None
-    if hasattr(scale, "reshape"):
-        count = scale.numel() if hasattr(scale, "numel") else scale.size
-        if count != 1:
-            raise ValueError(f"scale must be a single value, got shape {tuple(scale.shape)}")
-        scale = scale.reshape(())
-    try:
-        value = np.float32(float(scale))
-    except (TypeError, ValueError):
-        raise TypeError(f"scale must be a number, got {type(scale).__name__}") from None
-    if not np.isfinite(value):
-        raise ValueError(f"scale must be finite, got {value}")
-    return value
-
-
-def table_scale(fmt: Format, scale) -> np.float32 | None:
-    """``scale_value`` of a table's scale; block-scaled formats without a global scale (MXFP8)
-    refuse one (vLLM's lookup has none: a product would round twice), and the formats a
-    checkpoint stores a scale for (float8, NVFP4) take only what their loaders take."""
-    if scale is not None and fmt.blocked and not fmt.scaled:
-        raise ValueError(f"{fmt.name} tables take no scale (their block scales are the only "
-                         f"ones), got scale={scale!r}")
-    value = scale_value(scale)
-    if value is not None and fmt.scaled:
-        check_scale("scale", float(value))
-    return value
-
-
-def block_scale_bits(fmt: Format, scales, torch_format: Format | None, num_rows: int,
-                     head_dim: int):
-    """A block-scaled format's ``block_scales`` checked (``[num_rows, head_dim / block]``, of the
-    block scale type or its uint8 bits) and viewed as uint8; None for other formats, which
-    refuse them. ValueErrors name the argument."""
-    if not fmt.blocked:
-        if scales is not None:
-            raise ValueError(f"block_scales are only for block-scaled tables (nvfp4, mxfp8), not "
-                             f"{fmt.name}")
-        return None
-    kind = fmt.block_scale.name
-    shape = (num_rows, fmt.scale_width(head_dim))
-    if scales is None:
-        raise ValueError(f"block_scales are required for {fmt.name} tables: {kind} {shape}, "
-                         f"one per {fmt.block} values")
-    if tuple(scales.shape) != shape:
-        raise ValueError(f"block_scales must have shape {shape} (one per {fmt.block} values), "
-                         f"got {tuple(scales.shape)}")
-    dtype = torch_format.dtype if torch_format is not None else np.dtype(scales.dtype)
-    if dtype != fmt.block_scale and not (dtype.kind in "iu" and dtype.itemsize == 1):
-        raise ValueError(f"block_scales must be {kind} or its uint8 bits, got {dtype}")
-    return scales.view(np.uint8)
 
 
 def public_dtype(side: Backend, fmt: Format):
@@ -161,7 +114,7 @@ class EmbeddingTable:
         a scale or block scales the format does not take).
     """
 
-    def __init__(self, weight, scale=None, placement: str = "cpu", row_start: int = 0,
+    def __init__(self, weight, scale=None, placement: str = TABLE_PLACEMENT, row_start: int = 0,
                  total_rows: int | None = None, *, dtype=None, dedup: bool = False,
                  hot_rows=None, scale_rounding: str = "output", block_scales=None):
         check_scale_rounding(scale_rounding)
@@ -200,8 +153,8 @@ class EmbeddingTable:
                     total_rows, dedup, scale_rounding)
 
     @classmethod
-    def empty(cls, num_rows: int, head_dim: int, dtype, placement: str = "cpu", scale=None,
-              row_start: int = 0, total_rows: int | None = None, *,
+    def empty(cls, num_rows: int, head_dim: int, dtype, placement: str = TABLE_PLACEMENT,
+              scale=None, row_start: int = 0, total_rows: int | None = None, *,
               dedup: bool = False, hot_rows=None,
               scale_rounding: str = "output") -> EmbeddingTable:
         """Allocated, unfilled storage, to be filled with ``write_rows`` (checkpoint loading)."""
@@ -359,22 +312,6 @@ class EmbeddingTable:
         if self.written is not None:
             self.written.append(rows)
 
-    def _unwritten(self, expected):
-        """A finished prefetch's ids with the heads reading rows written since it began set to
-        -1 (never a row: the lookup gathers them again)."""
-        written, self.written = self.written, None
-        if not written:
-            return expected
-        xp = np if isinstance(expected, np.ndarray) else cupy_module()
-        stale = xp.zeros(expected.shape, bool)
-        for rows in written:
-            if isinstance(rows, tuple):
-                stale |= (expected >= rows[0]) & (expected < rows[1])
-            else:
-                stale |= xp.isin(expected, xp.asarray(rows))
-        expected[stale] = -1
-        return expected
-
     def refresh_hot_rows(self) -> None:
         """Copy the hot tier's rows again from the table's rows (nothing without ``hot_rows``).
 
@@ -411,7 +348,8 @@ class EmbeddingTable:
             raise ValueError("this table is in GPU memory: pass ids on the GPU (CuPy or CUDA "
                              "torch)")
         raise ValueError(f"this table (placement={self.placement!r}) is not readable by the "
-                         "GPU: pass NumPy / CPU ids, or place it on 'gpu' or 'pinned'")
+                         "GPU: pass NumPy / CPU ids, or place it on "
+                         + placement_list("gpu", "pinned"))
 
     def destination(self, side: Backend, ids_shape: tuple[int, int], out, out_dtype,
                     out_format: Format | None = None) -> tuple[Format, Any]:
@@ -481,9 +419,9 @@ class EmbeddingTable:
         with request.call.on():
             target = self.prefetcher.finish(
                 request.side, request.call.stream, request.ids, request.out_format.code,
-                request.out, lambda i, rows, expected: self._gather(request, i, rows,
-                                                                    self._unwritten(expected)))
-            self.written = None  # a prefetch of another shape is dropped, not consumed
+                request.out, lambda i, rows, expected: self._gather(
+                    request, i, rows, unwritten(expected, self.written)))
+            self.written = None  # consumed, or a prefetch of another shape dropped
             if target is None:
                 target = request.out
                 if target is None:

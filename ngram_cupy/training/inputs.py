@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from ..codecs.dequant import float32_values
 from ..formats import find_format
 from ..runtime.checks import INDEX_DTYPES
-from ..tables.dequant import float32_values
 from . import backward_numba
 
 

@@ -13,10 +13,17 @@ from collections.abc import Callable
 import numpy as np
 
 from ..runtime.backends import HOST, bind
-from . import backward_numba, updates_numba
+from . import backward_numba, gpu_steps, updates_numba
 from .inputs import check_finite, check_ids_inside, check_row_sums, flat_inputs
 from .sparse_rows import SparseRows
-from .table_rows import check_trainable, refresh_hot, state_array, writable_rows
+from .table_rows import (
+    check_trainable,
+    copy_into,
+    host_copy,
+    refresh_hot,
+    state_array,
+    writable_rows,
+)
 
 
 def finite_number(name: str, value, low: float = 0.0, high: float = math.inf,
@@ -60,17 +67,66 @@ def check_seed(value) -> int:
     return int(value) & ((1 << 64) - 1)
 
 
-def float32_hyper(*values: float) -> np.ndarray:
-    """A step's hyper-parameters rounded to float32 (an overflow is +-inf, refused by ``apply``)."""
-    with np.errstate(over="ignore"):
-        return np.array(values, np.float32)
+def check_mode(value) -> str:
+    """A weight decay mode: ``"l2"`` or ``"decoupled"``."""
+    if value not in WEIGHT_DECAY_MODES:
+        raise ValueError(f"weight_decay_mode must be one of {WEIGHT_DECAY_MODES}, got {value!r}")
+    return value
+
+
+def check_max_norm(value) -> float | None:
+    """A row norm clamp: None, or a positive float32 number."""
+    if value is None:
+        return None
+    value = finite_number("max_norm", value)
+    if not np.float32(value) > 0:
+        raise ValueError(f"max_norm must be positive (None: no clamp), got {value}")
+    return value
+
+
+WEIGHT_DECAY_MODES = ("l2", "decoupled")
+
+
+def hyper_array(lr: float, eps: float = 0.0, decay: float = 0.0,
+                adam: tuple[float, float, float] = (0.0, 0.0, 0.0), max_norm: float | None = None,
+                decoupled: bool = False) -> np.ndarray:
+    """The float32 hyper-parameters ``update_rows`` reads, in its slot order."""
+    hyper = np.zeros(updates_numba.HYPER_SIZE, np.float32)
+    with np.errstate(over="ignore"):  # an overflow is +-inf, refused by ``step_hyper``
+        hyper[[updates_numba.LR, updates_numba.EPS, updates_numba.DECAY]] = lr, eps, decay
+        hyper[[updates_numba.ONE_MINUS_BETA1, updates_numba.ONE_MINUS_BETA2,
+               updates_numba.STEP_SIZE]] = adam
+    hyper[updates_numba.MAX_NORM] = 0.0 if max_norm is None else max_norm
+    hyper[updates_numba.DECOUPLED] = float(decoupled)
+    return hyper
+
+
+class DecayRules:
+    """FBGEMM's row-wise rules: weight decay added to the gradient (``"l2"``) or applied to the
+    row beside the update (``"decoupled"``), and rows scaled down to ``max_norm`` after it."""
+
+    def set_rules(self, weight_decay, weight_decay_mode: str, max_norm) -> None:
+        """Check and keep the three settings (errors name the argument)."""
+        self.weight_decay = finite_number("weight_decay", weight_decay)
+        self.weight_decay_mode = check_mode(weight_decay_mode)
+        self.max_norm = check_max_norm(max_norm)
+
+    def rules_hyper(self, eps: float = 0.0) -> np.ndarray:
+        """``hyper_array`` with the learning rate, ``eps`` and the three rules."""
+        return hyper_array(self.lr, eps, self.weight_decay, max_norm=self.max_norm,
+                           decoupled=self.weight_decay_mode == "decoupled")
+
+    def rules_settings(self) -> dict:
+        """The rules as a state dict records them."""
+        return {"weight_decay": self.weight_decay, "weight_decay_mode": self.weight_decay_mode,
+                "max_norm": self.max_norm}
 
 
 # How each setting a state dict records is checked (as the constructors check it).
 SETTINGS = {"lr": lambda value: finite_number("lr", value),
             "eps": lambda value: finite_number("eps", value, open_low=True),
             "weight_decay": lambda value: finite_number("weight_decay", value),
-            "betas": check_betas,
+            "weight_decay_mode": check_mode, "max_norm": check_max_norm, "betas": check_betas,
             "rowwise": lambda value: check_flag("rowwise", value),
             "stochastic_rounding": lambda value: check_flag("stochastic_rounding", value),
             "seed": check_seed}
@@ -89,6 +145,7 @@ class RowOptimizer:
         self.table = table
         self.lr = finite_number("lr", lr)
         self.rows = writable_rows(table)
+        self.on_gpu = table.storage.cold.device_resident  # rows and state in GPU memory
         self.code = table.format.code  # the row format the kernel loads and stores
         self.stochastic_rounding = bool(stochastic_rounding)
         self.seed = check_seed(seed)
@@ -111,17 +168,21 @@ class RowOptimizer:
 
     def hyper(self, step: int) -> np.ndarray:
         """The float32 hyper-parameters of step ``step`` (see ``updates_numba``)."""
-        return float32_hyper(self.lr, 0, 0, 0, 0, 0)
+        return hyper_array(self.lr)
 
     # ---- steps ----
 
     def step(self, grads: SparseRows) -> None:
         """Update the rows of ``grads`` (global, sorted unique ``indices``, float32 ``values``
         ``[U, head_dim]``)."""
+        self.check_open()
+        self.step_hyper()
+        if self.on_gpu:
+            gpu_steps.step(self, grads)
+            return
+        grads = gpu_steps.host_sparse_rows(grads)  # GPU gradients of a host table: copied over
         call = bind(indices=grads.indices, values=grads.values)
         indices, values = call["indices"], call["values"]
-        if call.side is not HOST:
-            raise ValueError("grads must be on the CPU for a table in host memory")
         if indices.ndim != 1 or indices.dtype.kind not in "iu":
             raise TypeError(f"grads.indices must be a 1-D integer array, got {indices.dtype} "
                             f"{tuple(indices.shape)}")
@@ -144,12 +205,15 @@ class RowOptimizer:
 
     def checked_step(self, ids, grad_out) -> Callable[[], None]:
         """Every check of ``step_from_output_grad(ids, grad_out)`` (errors raised here, nothing
-        changed), then the update to run: ranks that must all step or all refuse check first."""
+        changed), then the update to run: ranks that must all step or all refuse check first
+        (the GPU paths check inside the update)."""
         self.check_open()
         self.step_hyper()
+        if self.on_gpu:
+            return lambda: gpu_steps.step_from_output_grad(self, ids, grad_out)
         call = bind(ids=ids, grad_out=grad_out)
-        if call.side is not HOST:
-            raise ValueError("ids and grad_out must be on the CPU for a table in host memory")
+        if call.side is not HOST:  # summed on the GPU, the distinct rows applied here
+            return lambda: self.step(gpu_steps.host_rows_of_device_grad(self, call))
         flat, grad = flat_inputs(call["ids"], call["grad_out"], call.formats.get("grad_out"))
         if grad.shape[1] != self.table.head_dim:
             raise ValueError(f"grad_out has {grad.shape[1]} values per head, the table "
@@ -218,7 +282,7 @@ class RowOptimizer:
         return {"optimizer": self.name, "steps": self.steps,
                 "shape": [self.table.num_rows, self.table.head_dim],
                 "settings": self.settings(),
-                "state": {key: array.copy() for key, array in self.state.items()}}
+                "state": {key: host_copy(array) for key, array in self.state.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore ``state_dict()``'s state arrays, step count and settings (as torch's
@@ -257,38 +321,53 @@ class RowOptimizer:
                                  f"{' or negative' if key in SQUARES else ''} values")
             given[key] = value
         for key, array in self.state.items():
-            array[...] = given[key]
+            copy_into(array, given[key])
         for key, value in checked.items():
             setattr(self, key, value)
         self.steps = int(steps)
 
 
-class SGD(RowOptimizer):
-    """``w -= lr * g`` (float32)."""
+class SGD(DecayRules, RowOptimizer):
+    """``w -= lr * g`` (float32); optional weight decay (``"l2"``: ``g += weight_decay * w``
+    first; ``"decoupled"``: ``w = (1 - lr * weight_decay) * w - lr * g``) and ``max_norm``."""
 
     kind = updates_numba.SGD
     name = "sgd"
 
+    def __init__(self, table, lr: float, weight_decay: float = 0.0, *,
+                 weight_decay_mode: str = "l2", max_norm: float | None = None,
+                 stochastic_rounding: bool = False, seed: int = 0):
+        self.set_rules(weight_decay, weight_decay_mode, max_norm)
+        super().__init__(table, lr, stochastic_rounding=stochastic_rounding, seed=seed)
 
-class RowwiseAdagrad(RowOptimizer):
+    def hyper(self, step: int) -> np.ndarray:
+        return self.rules_hyper()
+
+    def settings(self) -> dict:
+        return {**super().settings(), **self.rules_settings()}
+
+
+class RowwiseAdagrad(DecayRules, RowOptimizer):
     """One float32 per row: ``s += mean(g * g)`` (the mean summed in float64), ``w -= lr /
-    (sqrt(s) + eps) * g``; L2 ``weight_decay * w`` added to ``g`` first."""
+    (sqrt(s) + eps) * g``; weight decay ``"l2"`` (``weight_decay * w`` added to ``g`` first)
+    or ``"decoupled"`` (``w = (1 - lr * weight_decay) * w - m * g``), and ``max_norm``."""
 
     kind = updates_numba.ROWWISE_ADAGRAD
     name = "rowwise_adagrad"
     state_widths = (("sum", True),)
 
     def __init__(self, table, lr: float, eps: float = 1e-8, weight_decay: float = 0.0, *,
+                 weight_decay_mode: str = "l2", max_norm: float | None = None,
                  stochastic_rounding: bool = False, seed: int = 0):
         self.eps = SETTINGS["eps"](eps)
-        self.weight_decay = finite_number("weight_decay", weight_decay)
+        self.set_rules(weight_decay, weight_decay_mode, max_norm)
         super().__init__(table, lr, stochastic_rounding=stochastic_rounding, seed=seed)
 
     def hyper(self, step: int) -> np.ndarray:
-        return float32_hyper(self.lr, self.eps, self.weight_decay, 0, 0, 0)
+        return self.rules_hyper(self.eps)
 
     def settings(self) -> dict:
-        return {**super().settings(), "eps": self.eps, "weight_decay": self.weight_decay}
+        return {**super().settings(), "eps": self.eps, **self.rules_settings()}
 
 
 class Adam(RowOptimizer):
@@ -310,7 +389,7 @@ class Adam(RowOptimizer):
     def hyper(self, step: int) -> np.ndarray:
         beta1, beta2 = self.betas
         step_size = self.lr * math.sqrt(1 - beta2**step) / (1 - beta1**step)
-        return float32_hyper(self.lr, self.eps, 0, 1 - beta1, 1 - beta2, step_size)
+        return hyper_array(self.lr, self.eps, adam=(1 - beta1, 1 - beta2, step_size))
 
     def settings(self) -> dict:
         return {**super().settings(), "betas": list(self.betas), "eps": self.eps,

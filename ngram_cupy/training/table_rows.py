@@ -7,7 +7,7 @@ import json
 import numpy as np
 
 from ..formats import FORMATS
-from ..tables import shared_memory
+from ..memory import shared as shared_memory
 from .updates_numba import ROW_FORMATS
 
 # The formats a row optimizer updates in place: those its kernel loads and stores.
@@ -42,6 +42,8 @@ def state_array(table, name: str, width: int):
     segment named after the table's and ``name`` for a shared table (every process attaches the
     same one), else in this process's memory; and the segment to keep attached (or None)."""
     shape = (table.num_rows, width)
+    if table.storage.cold.device_resident:  # beside rows in GPU memory, on their GPU
+        return device_zeros(table, shape), None
     rows_segment = table.storage.cold.shared_segment
     if rows_segment is None or not table.num_rows * width:
         return np.zeros(shape, np.float32), None
@@ -53,6 +55,34 @@ def state_array(table, name: str, width: int):
     segment = shared_memory.attach(key, 4 * shape[0] * shape[1], fill)
     array = np.frombuffer(segment.memory, np.float32, count=shape[0] * shape[1]).reshape(shape)
     return array, segment
+
+
+def device_zeros(table, shape: tuple[int, ...]):
+    """A zeroed float32 CuPy array on the GPU of a table in GPU memory."""
+    from ..runtime.backends import cupy_module
+
+    cupy = cupy_module()
+    with table.storage.cold.device_view.device:
+        return cupy.zeros(shape, np.float32)
+
+
+def host_copy(array) -> np.ndarray:
+    """A NumPy copy of a host or CuPy array (state to hand out)."""
+    return array.copy() if isinstance(array, np.ndarray) else array.get()
+
+
+def on_host(array) -> np.ndarray:
+    """A host array itself, or a NumPy copy of a CuPy one (rows to save)."""
+    return array if isinstance(array, np.ndarray) else array.get()
+
+
+def copy_into(destination, source: np.ndarray) -> None:
+    """Write host ``source`` over ``destination`` (host, or CuPy: one upload), bits as they are."""
+    source = np.ascontiguousarray(source).view(destination.dtype)
+    if isinstance(destination, np.ndarray):
+        destination[...] = source
+    else:
+        destination.set(source)
 
 
 def refresh_hot(table, local_rows: np.ndarray) -> None:

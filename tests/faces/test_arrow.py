@@ -13,12 +13,8 @@ pa = pytest.importorskip("pyarrow")
 ds = pytest.importorskip("pyarrow.dataset")
 pq = pytest.importorskip("pyarrow.parquet")
 
-from ngram_cupy.arrow import (  # noqa: E402
-    NGramIds,
-    ngram_ids_batch,
-    ngram_ids_batches,
-    token_slices,
-)
+from ngram_cupy.arrow import NGramIds, ngram_ids_batch, ngram_ids_batches  # noqa: E402
+from ngram_cupy.files.token_files import token_slices  # noqa: E402
 
 CONFIG = nc.NGramConfig(vocab_size=50, ngram_size=3, heads_per_ngram=2, ngram_vocab_size_base=40,
                         eos_token_id=7)

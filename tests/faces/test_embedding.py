@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import ngram_cupy as nc
-from ngram_cupy.tables.dequant import reference_lookup
+from ngram_cupy.codecs.dequant import reference_lookup
 
 
 def fp8_rows(rows: int, head_dim: int, seed: int = 0) -> np.ndarray:

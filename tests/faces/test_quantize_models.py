@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import time
 
 import numpy as np
 import pytest
@@ -23,8 +25,9 @@ from test_transformers import (  # noqa: E402
 from transformers import Qwen4ExpForCausalLM  # noqa: E402
 
 import ngram_cupy as nc  # noqa: E402
-from ngram_cupy.cli import main  # noqa: E402
+from ngram_cupy.cli.main import main  # noqa: E402
 from ngram_cupy.files import safetensors_files  # noqa: E402
+from ngram_cupy.runtime.atomic import STALE_SECONDS, TEMP_PREFIX  # noqa: E402
 from ngram_cupy.transformers import ngram_config, use_ngram_cupy  # noqa: E402
 
 
@@ -59,8 +62,15 @@ def test_quantize_command_round_trip(tmp_path, to, capsys):
     what quantising the model's own rows gives."""
     model = tiny_model(torch.bfloat16)
     model.save_pretrained(tmp_path / "model")
+    # A killed run's hidden folder (another host's, a day old): the next run removes it.
+    killed = tmp_path / f"{TEMP_PREFIX}0badf00d-1-0badf00d-q"
+    (killed / "config.json").parent.mkdir()
+    (killed / "config.json").write_text("{}")
+    old = time.time() - STALE_SECONDS - 60
+    os.utime(killed, (old, old))
     assert main(["quantize", str(tmp_path / "model"), "--to", to, str(tmp_path / "q"),
                  "--quiet"]) == 0
+    assert not killed.exists()
     config = json.loads((tmp_path / "q" / "config.json").read_text())
     assert config["ple_embedding_dtype"] == ("float8_e4m3fn" if to == "fp8" else "nvfp4")
     from_file, from_model = copy.deepcopy(model), copy.deepcopy(model)

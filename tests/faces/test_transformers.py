@@ -8,6 +8,7 @@ and patched with this library's tables holding the same values.
 from __future__ import annotations
 
 import copy
+import warnings
 
 import ml_dtypes
 import numpy as np
@@ -27,10 +28,10 @@ from transformers import (  # noqa: E402
 )
 
 import ngram_cupy as nc  # noqa: E402
-from ngram_cupy.files.checkpoint import ngram_tensors  # noqa: E402
+from ngram_cupy.codecs.dequant import reference_block_lookup  # noqa: E402
+from ngram_cupy.files.checkpoint_writing import ngram_tensors  # noqa: E402
 from ngram_cupy.files.safetensors_files import write_checkpoint  # noqa: E402
 from ngram_cupy.formats import FORMATS, NVFP4  # noqa: E402
-from ngram_cupy.tables.dequant import reference_block_lookup  # noqa: E402
 from ngram_cupy.transformers import CachedNGramEmbedding, ngram_config, use_ngram_cupy  # noqa: E402
 
 EOS, PAD, VOCAB = 2, 0, 512
@@ -340,7 +341,7 @@ def test_shared_placement(tmp_path, monkeypatch, float32_pair, source):
     import os
     import tempfile
 
-    from ngram_cupy.tables import shared_memory
+    from ngram_cupy.memory import shared as shared_memory
 
     folder = tempfile.mkdtemp(prefix="ngram_cupy-test-",
                               dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
@@ -504,3 +505,86 @@ def test_bad_arguments(tmp_path, float32_pair):
     with pytest.raises(ValueError, match="meta device: pass checkpoint="):
         use_ngram_cupy(meta)
     assert unchanged(model) and unchanged(meta)
+
+
+def test_the_layer_takes_every_release_call(float32_pair):
+    """transformers 5.25 calls ``ple_embedding(input_ids, cache, **kwargs)`` with the model's
+    keyword arguments; 5.23 passes ``past_key_values``: each form, prefill then decode through
+    a cache, gives transformers' own layer's rows and cache."""
+    reference, patched = float32_pair
+    theirs, ours = reference.get_submodule(NAMES[1]), patched.get_submodule(NAMES[1])
+    ids = prompts(batch=2, length=6, seed=7)
+    calls = [lambda x, c: ours(x, c, output_router_logits=False, use_cache=True,
+                               position_ids=None),
+             lambda x, c: ours(x, cache=c, output_attentions=False),
+             lambda x, c: ours(x, past_key_values=c)]
+    caches = [DynamicCache(config=reference.config) for _ in range(len(calls) + 1)]
+    for start, stop in ((0, 5), (5, 6)):
+        chunk = ids[:, start:stop]
+        with torch.no_grad():
+            want = theirs(chunk, caches[0])
+            for call, cache in zip(calls, caches[1:], strict=True):
+                assert torch.equal(call(chunk, cache), want)
+    for cache in caches[1:]:
+        assert torch.equal(cache.get_conv_state(2, 2), caches[0].get_conv_state(2, 2))
+    with pytest.raises(TypeError, match="cache= or past_key_values="):
+        ours(ids, caches[1], past_key_values=caches[2])
+
+
+def test_prefetch_hook_finds_the_cache_under_either_name(float32_pair):
+    """The decoder layer before a PLE layer is called with ``cache=`` (5.25) or
+    ``past_key_values=`` (5.23): its prefetch hook reads the context from either."""
+    reference, _ = float32_pair
+    model = copy.deepcopy(reference)
+    use_ngram_cupy(model, placement="cpu", prefetch=True)
+    ours = model.get_submodule(NAMES[1])
+    ids = prompts(batch=2, length=6, seed=8)
+    cache = DynamicCache(config=reference.config)
+    with torch.no_grad():
+        ours(ids[:, :5], cache=cache)
+    hook = next(iter(model.get_submodule("model.layers.1")._forward_pre_hooks.values()))
+    for name in ("cache", "past_key_values"):
+        hook(None, (), {"ple_input_ids": ids[:, 5:], name: cache})
+        want = nc.compute_ngram_ids(ours.layout, ids[:, 5:],
+                                    ngram_context=cache.get_conv_state(2, 2)).view(-1, 4)
+        assert torch.equal(ours._prefetched, ours.table.lookup(want))
+
+
+def test_releases_outside_the_tested_range(monkeypatch, float32_pair):
+    """A newer release warns once, naming the tested range; a release whose layer lost what
+    is replaced is refused, naming the release, before any module changes."""
+    reference, _ = float32_pair
+    import ngram_cupy.transformers as integration  # the transformers module it reads
+    monkeypatch.setattr(integration.transformers, "__version__", "5.99.0")
+    integration.check_release.cache_clear()
+    with pytest.warns(UserWarning, match=r"transformers 5\.99\.0 is newer .*5\.23 to 5\.25"):
+        use_ngram_cupy(copy.deepcopy(reference), placement="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        use_ngram_cupy(copy.deepcopy(reference), placement="cpu")  # once per release
+
+    def forward(self, hidden_states, position_ids):
+        return hidden_states
+
+    monkeypatch.setattr(integration.transformers, "__version__", "6.0.0")
+    monkeypatch.setattr(integration.Qwen4ExpTextNGramEmbedding, "forward", forward)
+    integration.check_release.cache_clear()
+    model = copy.deepcopy(reference)
+    with pytest.warns(UserWarning), pytest.raises(
+            RuntimeError, match=r"transformers 6\.0\.0's Qwen4ExpTextNGramEmbedding .*"
+                                r"\(hidden_states, position_ids\).*5\.23 to 5\.25"):
+        use_ngram_cupy(model)
+    assert unchanged(model)
+    monkeypatch.undo()
+    monkeypatch.setattr(integration.transformers, "__version__", "5.17.0")
+    integration.check_release.cache_clear()
+    with pytest.raises(RuntimeError, match=r"transformers 5\.17\.0 is older .*5\.23 to 5\.25"):
+        use_ngram_cupy(model)
+    assert unchanged(model)
+    monkeypatch.undo()
+    integration.check_release.cache_clear()
+    model = copy.deepcopy(reference)
+    monkeypatch.delattr(model.get_submodule(NAMES[0]), "ple_layer_index")
+    with pytest.raises(RuntimeError, match=rf"{NAMES[0]} lacks ple_layer_index"):
+        use_ngram_cupy(model)
+    assert unchanged(model)

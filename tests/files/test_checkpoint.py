@@ -13,14 +13,19 @@ import pytest
 from safetensors.numpy import save_file
 
 import ngram_cupy as nc
-from ngram_cupy.files import checkpoint as ck
+from ngram_cupy.codecs.dequant import default_output, reference_lookup, storage_format
+from ngram_cupy.files import checkpoint as loader
+from ngram_cupy.files.checkpoint_discovery import find_prefix, ple_prefixes
+from ngram_cupy.files.checkpoint_names import default_prefix, owned_pieces, scale_key, shard_key
+from ngram_cupy.files.checkpoint_reading import verify_buffers
+from ngram_cupy.files.checkpoint_writing import ngram_tensors
 from ngram_cupy.files.safetensors_files import (
     Checkpoint,
     checkpoint_paths,
     read_header,
     write_checkpoint,
 )
-from ngram_cupy.tables.dequant import default_output, reference_lookup, storage_format
+from ngram_cupy.hashing.layout import split_rows
 
 # 4 heads of prime sizes 11, 13, 17, 19: 60 rows padded to 64, cut in 6 shards of 11 (the last 9).
 TINY = nc.NGramConfig(
@@ -48,7 +53,7 @@ def tiny_tensors(dtype=np.float32, layer=0, prefix=PREFIX):
     """The tiny layer's tensors, ready for a defect to be planted."""
     layout = nc.layer_layout(TINY, layer)
     scale = SCALE if dtype == ml_dtypes.float8_e4m3fn else None
-    return ck.ngram_tensors(layout, tiny_weight(dtype, layout), scale, prefix=prefix)
+    return ngram_tensors(layout, tiny_weight(dtype, layout), scale, prefix=prefix)
 
 
 def write(tmp_path, tensors, name="ckpt.safetensors"):
@@ -184,7 +189,7 @@ def test_released_layout_rows(released_config):
 
 
 def test_released_shards():
-    shards = [ck.split_rows(RELEASED_ROWS, RELEASED_PARTS, i) for i in range(RELEASED_PARTS)]
+    shards = [split_rows(RELEASED_ROWS, RELEASED_PARTS, i) for i in range(RELEASED_PARTS)]
     assert shards[0] == (0, 2_500_012) and shards[-1] == (317_501_524, RELEASED_ROWS)
     assert {stop - start for start, stop in shards} == {2_500_012}  # 128 divides the rows
     assert all(a[1] == b[0] for a, b in zip(shards[:-1], shards[1:], strict=True))
@@ -199,12 +204,12 @@ def test_released_shards():
     ],
 )
 def test_released_rank_slices(world, expected):
-    assert [ck.split_rows(RELEASED_ROWS, world, r) for r in range(world)] == expected
+    assert [split_rows(RELEASED_ROWS, world, r) for r in range(world)] == expected
 
 
 def test_released_rank_reads_only_its_shards():
     # Rank 1 of 3 starts inside shard 42 and ends inside shard 85.
-    pieces = ck.owned_pieces(RELEASED_ROWS, RELEASED_PARTS, 106_667_179, 213_334_358)
+    pieces = owned_pieces(RELEASED_ROWS, RELEASED_PARTS, 106_667_179, 213_334_358)
     assert [p[0] for p in pieces] == list(range(42, 86))
     assert pieces[0] == (42, 105_000_504, 106_667_179, 107_500_516)
     assert pieces[-1] == (85, 212_501_020, 212_501_020, 213_334_358)
@@ -213,10 +218,10 @@ def test_released_rank_reads_only_its_shards():
 
 def test_uneven_split_leaves_empty_tail_shards():
     # ceil(10 / 8) = 2 rows per shard: shards 5, 6, 7 are empty, as in the reference loader.
-    assert [ck.split_rows(10, 8, i) for i in range(8)] == [
+    assert [split_rows(10, 8, i) for i in range(8)] == [
         (0, 2), (2, 4), (4, 6), (6, 8), (8, 10), (10, 10), (10, 10), (10, 10)
     ]
-    assert ck.owned_pieces(10, 8, 3, 10) == [
+    assert owned_pieces(10, 8, 3, 10) == [
         (1, 2, 3, 4), (2, 4, 4, 6), (3, 6, 6, 8), (4, 8, 8, 10)
     ]
 
@@ -224,7 +229,7 @@ def test_uneven_split_leaves_empty_tail_shards():
 @pytest.mark.parametrize("args", [(10, 0, 0), (10, 3, 3), (-1, 2, 0), (10, 2, -1)])
 def test_split_rows_rejects_bad_arguments(args):
     with pytest.raises(ValueError):
-        ck.split_rows(*args)
+        split_rows(*args)
 
 
 # --- prefixes ---------------------------------------------------------------------------------
@@ -238,19 +243,19 @@ def _names(*layers):
 
 def test_prefix_in_decoder_order_not_text_order():
     names = _names(10, 2, 9)
-    assert ck.ple_prefixes(names) == [f"model.layers.{i}.ple.ple_embedding" for i in (2, 9, 10)]
-    assert ck.find_prefix(names, TINY, 2) == "model.layers.10.ple.ple_embedding"
+    assert ple_prefixes(names) == [f"model.layers.{i}.ple.ple_embedding" for i in (2, 9, 10)]
+    assert find_prefix(names, TINY, 2) == "model.layers.10.ple.ple_embedding"
 
 
 def test_prefix_through_ple_layer_ids():
     """ple_layer_ids count decoder layers from 1 (transformers, vLLM); module names from 0."""
     config = nc.NGramConfig(**{**TINY.__dict__, "ple_layer_ids": (3, 10, 11)})
-    assert ck.find_prefix(_names(10, 2, 9), config, 1) == "model.layers.9.ple.ple_embedding"
-    assert ck.default_prefix(nc.layer_layout(config, 2)) == "model.layers.10.ple.ple_embedding"
+    assert find_prefix(_names(10, 2, 9), config, 1) == "model.layers.9.ple.ple_embedding"
+    assert default_prefix(nc.layer_layout(config, 2)) == "model.layers.10.ple.ple_embedding"
 
 
 def test_prefix_single_layer_without_number():
-    assert ck.find_prefix(["ple.layer_multipliers"], TINY, 0) == "ple"
+    assert find_prefix(["ple.layer_multipliers"], TINY, 0) == "ple"
 
 
 @pytest.mark.parametrize(
@@ -268,7 +273,7 @@ def test_prefix_single_layer_without_number():
 def test_prefix_errors_list_what_was_found(names, layer, ids, match):
     config = nc.NGramConfig(**{**TINY.__dict__, "ple_layer_ids": ids})
     with pytest.raises(ValueError, match=match):
-        ck.find_prefix(names, config, layer)
+        find_prefix(names, config, layer)
 
 
 # --- loading: round trips ---------------------------------------------------------------------
@@ -326,7 +331,7 @@ def test_rank_slices_load_only_their_rows(tmp_path, monkeypatch, placement):
         table = nc.load_ngram_embedding(tmp_path / "one.safetensors", TINY, 0,
                                         placement=placement, rank=rank, world_size=3).table
         shards = sorted({name for name in read if "shard_" in name})
-        assert shards == [ck.shard_key(PREFIX, i) for i in ((0, 1), (2, 3), (4, 5))[rank]]
+        assert shards == [shard_key(PREFIX, i) for i in ((0, 1), (2, 3), (4, 5))[rank]]
         parts.append(table.lookup(ALL_IDS, out_dtype=np.float32))
     assert_same_bits(np.sum(parts, axis=0), expected_lookup(weight, ALL_IDS, None, np.float32))
 
@@ -349,7 +354,7 @@ def test_mmap_serves_rows_from_the_file(tmp_path):
     nc.save_ngram_embedding(path, layout, weight)
     table = nc.load_ngram_embedding(path, TINY, 0, placement="mmap").table
     loaded = nc.load_ngram_embedding(path, TINY, 0).table
-    info = Checkpoint.open(path).info(ck.shard_key(PREFIX, 2))
+    info = Checkpoint.open(path).info(shard_key(PREFIX, 2))
     before = os.stat(path)
     with open(path, "r+b") as f:
         f.seek(info.begin)  # row 22 = first row of shard 2
@@ -399,7 +404,7 @@ def test_two_layers_in_one_checkpoint(tmp_path):
                for layer in (0, 1)}
     tensors = {}
     for layer, decoder_layer in ((0, 3), (1, 11)):
-        tensors.update(ck.ngram_tensors(nc.layer_layout(TINY, layer), weights[layer],
+        tensors.update(ngram_tensors(nc.layer_layout(TINY, layer), weights[layer],
                                         prefix=f"model.layers.{decoder_layer}.ple.ple_embedding"))
     write_checkpoint(tmp_path / "model", tensors, num_files=2)
     for layer in (0, 1):
@@ -469,14 +474,14 @@ def test_missing_buffer(tmp_path):
 
 def test_missing_shards_listed(tmp_path):
     tensors = tiny_tensors()
-    del tensors[ck.shard_key(PREFIX, 1)], tensors[ck.shard_key(PREFIX, 4)]
+    del tensors[shard_key(PREFIX, 1)], tensors[shard_key(PREFIX, 4)]
     with pytest.raises(ValueError, match="2 of 6 table shards missing .*: indexes 1, 4$"):
         _load(tmp_path, tensors)
 
 
 def test_shard_index_past_parts(tmp_path):
     tensors = tiny_tensors()
-    tensors[ck.shard_key(PREFIX, 6)] = tensors[ck.shard_key(PREFIX, 5)]
+    tensors[shard_key(PREFIX, 6)] = tensors[shard_key(PREFIX, 5)]
     with pytest.raises(ValueError, match=r"shard_6\.weight: shard index 6 is at or past "
                                          r"split_ngram_parts=6"):
         _load(tmp_path, tensors)
@@ -484,7 +489,7 @@ def test_shard_index_past_parts(tmp_path):
 
 def test_wrong_shard_shape(tmp_path):
     tensors = tiny_tensors()
-    tensors[ck.shard_key(PREFIX, 2)] = tensors[ck.shard_key(PREFIX, 2)][:10]
+    tensors[shard_key(PREFIX, 2)] = tensors[shard_key(PREFIX, 2)][:10]
     with pytest.raises(ValueError, match=r"shard_2\.weight has shape \(10, 4\) .* must be "
                                          r"\(11, 4\)"):
         _load(tmp_path, tensors)
@@ -492,7 +497,7 @@ def test_wrong_shard_shape(tmp_path):
 
 def test_wrong_shard_dtype(tmp_path):
     tensors = tiny_tensors()
-    tensors[ck.shard_key(PREFIX, 3)] = tensors[ck.shard_key(PREFIX, 3)].astype(np.float16)
+    tensors[shard_key(PREFIX, 3)] = tensors[shard_key(PREFIX, 3)].astype(np.float16)
     with pytest.raises(ValueError, match=r"shard_3\.weight has dtype F16 but .*shard_0\.weight "
                                          "has F32"):
         _load(tmp_path, tensors)
@@ -507,7 +512,7 @@ def test_unsupported_table_dtype(tmp_path):
 
 def test_fp8_without_scale(tmp_path):
     tensors = tiny_tensors(ml_dtypes.float8_e4m3fn)
-    del tensors[ck.scale_key(PREFIX)]
+    del tensors[scale_key(PREFIX)]
     with pytest.raises(ValueError, match=r"no tensor .*ngram_embedding\.weight_scale"):
         _load(tmp_path, tensors)
 
@@ -528,14 +533,14 @@ def test_per_shard_scales_of_no_format_are_refused(tmp_path, dtype, scale_dtype)
 
 def test_scale_on_an_unscaled_table(tmp_path):
     tensors = tiny_tensors(ml_dtypes.bfloat16)
-    tensors[ck.scale_key(PREFIX)] = SCALE
+    tensors[scale_key(PREFIX)] = SCALE
     with pytest.raises(ValueError, match="weight_scale is present but the table is BF16"):
         _load(tmp_path, tensors)
 
 
 def test_scale_of_several_values(tmp_path):
     tensors = tiny_tensors(ml_dtypes.float8_e4m3fn)
-    tensors[ck.scale_key(PREFIX)] = np.ones(2, ml_dtypes.bfloat16)
+    tensors[scale_key(PREFIX)] = np.ones(2, ml_dtypes.bfloat16)
     with pytest.raises(ValueError, match=r"weight_scale must hold one float .* shape \(2,\)"):
         _load(tmp_path, tensors)
 
@@ -546,7 +551,7 @@ def test_hashstats_and_token_lookup_ignored(tmp_path):
     tensors[f"{PREFIX}.ngram_embedding.hashstats_hits"] = np.zeros(7, np.int64)
     tensors[f"{PREFIX}.token_lookup"] = np.zeros((2, 2), np.float32)
     table = _load(tmp_path, tensors).table
-    weight = np.concatenate([tensors[ck.shard_key(PREFIX, i)] for i in range(6)])
+    weight = np.concatenate([tensors[shard_key(PREFIX, i)] for i in range(6)])
     assert_same_bits(table.lookup(ALL_IDS), expected_lookup(weight, ALL_IDS))
 
 
@@ -768,7 +773,7 @@ def test_silent_wrong_save_with_bad_parts_is_refused_before_writing(tmp_path, pa
 @pytest.mark.parametrize("scale", [0.0, float("nan")])
 def test_silent_wrong_checkpoint_with_a_degenerate_scale_fails_to_load(tmp_path, scale):
     tensors = tiny_tensors(ml_dtypes.float8_e4m3fn)
-    tensors[ck.scale_key(PREFIX)] = np.array(scale, ml_dtypes.bfloat16)
+    tensors[scale_key(PREFIX)] = np.array(scale, ml_dtypes.bfloat16)
     with pytest.raises(ValueError, match="weight_scale must be a finite positive"):
         nc.load_ngram_embedding(write(tmp_path, tensors), TINY, 0)
 
@@ -879,13 +884,13 @@ def test_silent_wrong_checkpoint_replaced_during_load_loads_the_old_one_whole(
     old, new = tiny_weight(np.float32, seed=1), tiny_weight(np.float32, seed=2)
     path = tmp_path / "one.safetensors"
     nc.save_ngram_embedding(path, layout, old)
-    verify = ck.verify_buffers
+    verify = verify_buffers
 
     def verify_then_replace(checkpoint, prefix, layout):
         verify(checkpoint, prefix, layout)
         nc.save_ngram_embedding(path, layout, new, prefix="model.layers.0.a.much.longer.prefix")
 
-    monkeypatch.setattr(ck, "verify_buffers", verify_then_replace)
+    monkeypatch.setattr(loader, "verify_buffers", verify_then_replace)
     table = nc.load_ngram_embedding(path, TINY, 0, placement=placement).table
     ids = all_ids(layout)
     if placement == "mmap":  # the mapping is the old file's, and the guard sees it is gone
@@ -920,7 +925,7 @@ def test_silent_wrong_mmap_file_changed_under_the_table_is_refused(tmp_path, cha
                                 prefix="model.layers.0.a.much.longer.prefix")
         rewrite_in_place(path, other.read_bytes())
     elif change == "row rewritten":  # same header and size, one row changed
-        info = Checkpoint.open(path).info(ck.shard_key(PREFIX, 0))
+        info = Checkpoint.open(path).info(shard_key(PREFIX, 0))
         with open(path, "r+b") as f:
             f.seek(info.begin)
             f.write(np.full(4, 7.0, np.float32).tobytes())
@@ -972,15 +977,15 @@ def test_vllm_checkpoint_without_its_empty_tail_shards_loads(tmp_path):
     config = dataclasses.replace(TINY, split_ngram_parts=30)
     layout = nc.layer_layout(config, 0)
     weight = tiny_weight(np.float32, layout)
-    tensors = ck.ngram_tensors(layout, weight)
+    tensors = ngram_tensors(layout, weight)
     for index in range(22, 30):
-        assert tensors.pop(ck.shard_key(PREFIX, index)).shape[0] == 0
+        assert tensors.pop(shard_key(PREFIX, index)).shape[0] == 0
     ids = all_ids(layout)
     for placement in ("cpu", "mmap"):
         table = nc.load_ngram_embedding(write(tmp_path, tensors), config, 0,
                                         placement=placement).table
         assert_same_bits(table.lookup(ids), expected_lookup(weight, ids))
-    del tensors[ck.shard_key(PREFIX, 21)]  # 1 row: not empty, so still missing
+    del tensors[shard_key(PREFIX, 21)]  # 1 row: not empty, so still missing
     with pytest.raises(ValueError, match="1 of 30 table shards missing .*: indexes 21$"):
         _load(tmp_path, tensors, config)
 
@@ -1000,7 +1005,7 @@ def with_dtype_code(path, name: str, code: str) -> None:
 @pytest.mark.parametrize("shard", [0, 3])
 def test_ugly_unknown_safetensors_dtype_beside_the_buffers_names_the_tensor(tmp_path, shard):
     path = write(tmp_path, tiny_tensors())
-    with_dtype_code(path, ck.shard_key(PREFIX, shard), "X32")
+    with_dtype_code(path, shard_key(PREFIX, shard), "X32")
     with pytest.raises(ValueError, match=rf"shard_{shard}\.weight has dtype X32"):
         nc.load_ngram_embedding(path, TINY, 0)
 

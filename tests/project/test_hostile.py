@@ -8,8 +8,8 @@ import pytest
 from conftest import assert_same
 
 import ngram_cupy as nc
+from ngram_cupy.codecs.dequant import reference_block_lookup
 from ngram_cupy.formats import FORMATS, MXFP8, NVFP4
-from ngram_cupy.tables.dequant import reference_block_lookup
 
 torch = pytest.importorskip("torch")
 
@@ -148,8 +148,8 @@ def test_an_mxfp8_module_loads_ue8m0_block_scales_and_refuses_a_global_scale():
 
 def test_layout_gives_no_bytes_for_formats_that_cannot_hold_the_head_dim(tmp_path, capsys):
     """head_dim 40: no NVFP4 (16-value blocks) or MXFP8 (32) table exists, so no figure."""
-    from ngram_cupy.cli import main
-    from ngram_cupy.files.checkpoint import write_config_json
+    from ngram_cupy.cli.main import main
+    from ngram_cupy.files.config_json import write_config_json
 
     write_config_json(tmp_path, nc.NGramConfig(1000, 3, 2, 100, 5, embedding_dim=4 * 40))
     assert main(["layout", "--config", str(tmp_path)]) == 0

@@ -7,7 +7,7 @@ import sys
 
 import ngram_cupy
 
-HEAVY = ("safetensors", "tqdm", "torch", "cupy", "numba.cuda", "pyarrow")
+HEAVY = ("safetensors", "tqdm", "torch", "cupy", "numba.cuda", "pyarrow", "jax")
 
 
 def test_import_and_config_load_no_heavy_dependency():

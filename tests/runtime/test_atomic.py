@@ -76,6 +76,23 @@ def test_litter_stale_temporaries_of_dead_writers_are_removed_by_the_next_write(
     assert {live.name, other_host_fresh.name, user_file.name, "out.parquet"} <= left
 
 
+def test_litter_stale_temporary_folders_are_removed_whole(tmp_path):
+    """A whole-folder write (``ngram-cupy quantize``) SIGKILLed leaves a folder: removed with
+    its files once its writer is gone; a live writer's folder and a link to a folder stay."""
+    stale, live = (tmp_path / planted(tmp_path, pid, name=name).name
+                   for pid, name in ((dead_pid(), "q"), (os.getpid(), "mine")))
+    for folder in (stale, live):
+        folder.unlink()
+        (folder / "inner").mkdir(parents=True)
+        (folder / "inner" / "model.safetensors").write_bytes(b"rows")
+    outside = tmp_path / "kept"
+    outside.mkdir()
+    link = tmp_path / f"{atomic.TEMP_PREFIX}{atomic.host_tag()}-{dead_pid()}-0badf00d-link"
+    link.symlink_to(outside, target_is_directory=True)
+    assert atomic.remove_stale_temporaries(tmp_path) == [str(stale)]
+    assert sorted(os.listdir(tmp_path)) == sorted([live.name, "kept", link.name])
+
+
 def test_data_loss_a_fifo_target_is_never_replaced(tmp_path):
     fifo = tmp_path / "pipe.safetensors"
     os.mkfifo(fifo)

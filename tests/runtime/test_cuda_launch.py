@@ -9,6 +9,7 @@ apart).
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import types as pytypes
 
@@ -18,6 +19,7 @@ from kernel_builds import build_for
 from numba import cuda
 
 import ngram_cupy as nc
+from ngram_cupy.codecs import dequant
 from ngram_cupy.ids import fused_cuda, ids_cuda
 from ngram_cupy.runtime import cuda_launch
 from ngram_cupy.runtime.cuda_launch import (
@@ -29,7 +31,6 @@ from ngram_cupy.runtime.cuda_launch import (
     flatten,
     llvm_params,
 )
-from ngram_cupy.tables import dequant
 
 
 @pytest.fixture(autouse=True)
@@ -252,3 +253,24 @@ def test_a_launch_goes_to_the_arrays_gpu_not_the_current_one(monkeypatch):
         lambda grid, block, args, stream=None: launched.append(cupy.current))
     kernel(1, 32, (out,))
     assert launched == [1] and cupy.current == 0
+
+
+def test_numba_cuda_compiles_with_a_numpy_that_dropped_row_stack():
+    """NumPy 2.5 removed ``np.row_stack``, which numba-cuda 0.30 overloads at its first compile:
+    once the launcher is imported, kernels compile on such a NumPy (a fresh process, since the
+    overloads register once per process)."""
+    code = """
+import warnings
+import numpy as np
+warnings.simplefilter("ignore", DeprecationWarning)
+if "row_stack" in vars(np) or hasattr(np, "row_stack"):
+    delattr(np, "row_stack")
+from ngram_cupy.runtime import cuda_launch
+from numba import cuda
+def kernel(x):
+    x[0] = 1.0
+print(".entry" in cuda.compile_ptx(kernel, "void(float32[:])", cc=(8, 0))[0])
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert run.stdout.strip() == "True", run.stderr[-3000:]

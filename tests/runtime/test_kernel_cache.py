@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ngram_cupy.cli import main
+from ngram_cupy.cli.main import main
 from ngram_cupy.ids import fused_cuda, ids_cuda, kernel_set
 from ngram_cupy.runtime import cuda_launch, kernel_cache, nvrtc
 from ngram_cupy.runtime.atomic import TEMP_PREFIX
@@ -74,8 +74,8 @@ def test_function_digests_follow_closure_constants_and_sources(monkeypatch):
     # it freezes in) and the slot map; the launcher, the cache and the CLI are no part of it
     tiered = fused_cuda.fused_kernel(3, 8, 160, 3, 2, tiered=True)[0].py_func
     assert [m.__name__ for m in kernel_cache.kernel_modules(tiered)] == [
-        "ngram_cupy.formats", "ngram_cupy.hashing.arithmetic", "ngram_cupy.ids.fused_cuda",
-        "ngram_cupy.tables.dequant", "ngram_cupy.tables.hot_rows", "ngram_cupy.tables.row_ids"]
+        "ngram_cupy.codecs.dequant", "ngram_cupy.formats", "ngram_cupy.hashing.arithmetic",
+        "ngram_cupy.ids.fused_cuda", "ngram_cupy.tables.hot_rows", "ngram_cupy.tables.row_ids"]
     real = kernel_cache.inspect.getsource
 
     def edited(name):
@@ -83,9 +83,9 @@ def test_function_digests_follow_closure_constants_and_sources(monkeypatch):
             "# edited" if module.__name__ == name else ""))
         return kernel_cache.function_digest(fused_cuda.fused_kernel(3, 8, 160, 3, 2)[0].py_func)
 
-    assert edited("ngram_cupy.tables.dequant") != fused
+    assert edited("ngram_cupy.codecs.dequant") != fused
     assert edited("ngram_cupy.formats") != fused
-    assert edited("ngram_cupy.runtime.cuda_launch") == fused == edited("ngram_cupy.cli")
+    assert edited("ngram_cupy.runtime.cuda_launch") == fused == edited("ngram_cupy.cli.main")
     assert digest(3, 8) == kernel_cache.function_digest(ids_cuda.ids_kernel(3, 8)[0].py_func)
 
 

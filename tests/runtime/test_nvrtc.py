@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 from numba import types
 
+from ngram_cupy.codecs import dequant
+from ngram_cupy.codecs.dequant import FORMATS
 from ngram_cupy.ids import fused_cuda
-from ngram_cupy.tables import dequant, gather_cupy
-from ngram_cupy.tables.dequant import FORMATS
+from ngram_cupy.tables import gather_cupy
 
 KERNELS = sorted(gather_cupy.KERNEL_DIR.glob("*.cu"))
 # Template instantiations each kernels/*.cu must compile (files without templates: none).

@@ -14,9 +14,9 @@ import numba
 import numpy as np
 
 import ngram_cupy as nc
+from ngram_cupy.codecs.dequant import BFLOAT16, FLOAT8_E4M3, reference_lookup
 from ngram_cupy.hashing import reference
 from ngram_cupy.ids.ids_numba import ngram_ids_numba
-from ngram_cupy.tables.dequant import BFLOAT16, FLOAT8_E4M3, reference_lookup
 from ngram_cupy.tables.gather_numba import gather_rows
 
 THREADS, ROUNDS = 4, 3

@@ -14,9 +14,9 @@ import pytest
 from conftest import HAS_GPU
 
 import ngram_cupy as nc
+from ngram_cupy.codecs.dequant import reference_lookup
+from ngram_cupy.memory.pinned import PinnedBuffer, release_deferred
 from ngram_cupy.tables import gather_numba
-from ngram_cupy.tables.dequant import reference_lookup
-from ngram_cupy.tables.pinned_memory import PinnedBuffer, release_deferred
 from ngram_cupy.tables.prefetch import Pending
 
 SCALE = 0.75
@@ -193,7 +193,7 @@ def test_the_worker_never_runs_a_parallel_gather(fp8_small, monkeypatch):
     """Numba's workqueue threading layer aborts the process when two threads run parallel
     kernels at once: the worker's gathers are serial, even for batches that get threads on the
     caller's side."""
-    from ngram_cupy.tables.mapped_table import MappedTable
+    from mapped_table import MappedTable
 
     calls = []
     real = gather_numba.gather_rows

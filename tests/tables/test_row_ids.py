@@ -11,6 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import simulator
+from mapped_table import MappedTable
 
 import ngram_cupy as nc
 from ngram_cupy.formats import BFLOAT16, FLOAT8_E4M3, FLOAT32, NVFP4
@@ -18,7 +19,6 @@ from ngram_cupy.ids import fused_cuda, ids_cuda
 from ngram_cupy.tables import gather_cupy
 from ngram_cupy.tables.gather_numba import gather_rows
 from ngram_cupy.tables.hot_rows import build_map
-from ngram_cupy.tables.mapped_table import MappedTable
 from ngram_cupy.tables.row_ids import NO_BAD_WORD, check_row_ids, first_bad
 
 ROW_START, ROWS, TOTAL, HEAD_DIM = 8, 12, 40, 32

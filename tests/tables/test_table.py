@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ngram_cupy as nc
-from ngram_cupy.tables import dequant
-from ngram_cupy.tables.dequant import reference_lookup
+from ngram_cupy.codecs import dequant
+from ngram_cupy.codecs.dequant import reference_lookup
 from ngram_cupy.tables.gather_numba import gather_rows
 
 STORAGE = [np.float32, np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn]

@@ -153,7 +153,7 @@ def test_a_state_file_of_another_shard_is_refused(tmp_path):
         nc.load_training_state(path, other)
     assert snapshot(other) == before
     whole = nc.SGD(nc.EmbeddingTable(full[:20].copy()), 0.1)  # same shape, not a shard
-    with pytest.raises(ValueError, match="'total_rows': 40"):
+    with pytest.raises(ValueError, match=r"\[0, 20\) of 40, the optimizer's table \[0, 20\) of 20"):
         nc.load_training_state(path, whole)
     nc.load_training_state(path, nc.SGD(nc.EmbeddingTable(full[:20].copy(), total_rows=ROWS),
                                         0.1))

@@ -63,31 +63,118 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
+from ...codecs.records import device_packed_rows, packed_rows
 from ...formats import Format
+from ...memory.anonymous import anonymous_memory
 from ...runtime.backends import DEVICE, HOST, Backend, bind, gpu_available
-from ..host_memory import anonymous_memory
-from ..packed import device_packed_rows, packed_rows
-from .base import Gather, Storage
+from .base import Gather, Storage, placement_list
 from .cpu import CpuStorage
 from .gpu import GpuStorage
 from .mapped import MappedStorage
 from .pinned import PinnedStorage
 from .shared import SharedStorage, block_scales_refusal, content_key
 
-__all__ = ["PLACEMENTS", "Gather", "Placement", "RowsSource", "Storage", "adopt", "allocate",
-           "canonical_placement", "find_placement", "place", "place_filled", "placement_named"]
+__all__ = ["PLACEMENTS", "TABLE_PLACEMENT", "Gather", "Placement", "RowsSource", "Storage",
+           "adopt", "allocate", "canonical_placement", "find_placement", "place", "place_filled",
+           "placement_list", "placement_named"]
+
+
+def host_rows(num_rows: int, head_dim: int, fmt: Format) -> Storage:
+    """Unfilled rows in this process's host memory (in huge pages where offered; a
+    block-scaled format's rows and scales packed, one record per row: ``packed``)."""
+    shape = (num_rows, fmt.row_width(head_dim))
+    scale_shape = (num_rows, fmt.scale_width(head_dim))
+    if fmt.blocked and num_rows * head_dim > 0:  # one record per row (``packed``)
+        records, rows, scales = packed_rows(num_rows, head_dim, fmt)
+        return CpuStorage(rows, fmt, scales, records)
+    scales = np.empty(scale_shape, np.uint8) if fmt.blocked else None
+    if num_rows * head_dim == 0:
+        return CpuStorage(np.empty(shape, fmt.dtype), fmt, scales)
+    memory = anonymous_memory(shape[0] * shape[1] * fmt.itemsize)  # huge pages where offered
+    return CpuStorage(np.frombuffer(memory, fmt.dtype).reshape(shape), fmt, scales)
+
+
+def device_rows(num_rows: int, head_dim: int, fmt: Format) -> Storage:
+    """Unfilled rows in GPU memory (block-scaled ones packed with their scales)."""
+    if not gpu_available():
+        raise RuntimeError("placement='gpu' needs CuPy and a CUDA device")
+    if fmt.blocked and num_rows * head_dim > 0:
+        rows, scales = device_packed_rows(num_rows, head_dim, fmt)
+        return GpuStorage(rows, fmt, scales, packed=True)
+    scales = DEVICE.empty((num_rows, fmt.scale_width(head_dim)), np.uint8) if fmt.blocked \
+        else None
+    return GpuStorage(DEVICE.empty((num_rows, fmt.row_width(head_dim)), fmt.raw), fmt, scales)
+
+
+def pinned_rows(num_rows: int, head_dim: int, fmt: Format) -> Storage:
+    """Unfilled page-locked rows; without a GPU ordinary host memory (nothing could read it
+    over PCIe anyway)."""
+    if gpu_available() and num_rows * head_dim > 0:
+        return PinnedStorage(num_rows, head_dim, fmt)
+    return host_rows(num_rows, head_dim, fmt)
+
+
+def shared_rows(num_rows: int, head_dim: int, fmt: Format) -> Storage:
+    """A node's segment is named by its rows: no unfilled one (an empty table is host rows)."""
+    if num_rows * head_dim:
+        raise ValueError("placement='shared' names its segment from the rows: pass the weight "
+                         "(EmbeddingTable(weight, placement='shared')) or load a checkpoint "
+                         "(load_ngram_embedding(..., placement='shared'))")
+    return host_rows(num_rows, head_dim, fmt)
+
+
+def adopt_host(side: Backend, array, fmt: Format) -> Storage | None:
+    """A C-contiguous host array of a plain format, itself."""
+    if not array.flags.c_contiguous or fmt.blocked or side is not HOST:
+        return None
+    return CpuStorage(array.view(fmt.dtype), fmt)
+
+
+def adopt_device(side: Backend, array, fmt: Format) -> Storage | None:
+    """A C-contiguous device array of a plain format, itself."""
+    if not array.flags.c_contiguous or fmt.blocked or side is not DEVICE:
+        return None
+    if not gpu_available():
+        raise RuntimeError("placement='gpu' needs CuPy and a CUDA device")
+    return GpuStorage(array.view(fmt.raw), fmt)
+
+
+def adopt_shared(side: Backend, array, fmt: Format) -> Storage | None:
+    """The node's segment named by the rows' content hash (filled from ``array`` by the first
+    process, attached by the others)."""
+    if not (array.size or fmt.blocked):
+        return None
+    rows = array if side is HOST else array.get()
+    raw = np.ascontiguousarray(rows).view(fmt.raw)
+
+    def fill(destination: np.ndarray) -> None:
+        destination[...] = raw
+
+    return SharedStorage(content_key(raw, fmt), raw.shape[0], raw.shape[1], fmt, fill)
+
+
+def adopt_none(side: Backend, array, fmt: Format) -> Storage | None:
+    """Nothing adopted: the rows are always copied in."""
+    return None
 
 
 @dataclass(frozen=True)
 class Placement:
-    """One placement name and what a table placed there is: ``mapped`` (served from a
-    checkpoint's mapped files: only ``place`` with a source that maps them builds it) and
-    ``per_node`` (one read-only segment per node, named by the rows)."""
+    """One placement name, what a table placed there is, and how its storage is made.
+
+    ``mapped``: served from a checkpoint's mapped files (only ``place`` with a source that maps
+    them builds it); ``per_node``: one read-only segment per node, named by the rows.
+    ``allocate(num_rows, head_dim, fmt)``: unfilled storage; ``adopt(side, array, fmt)``: a
+    storage over the caller's array itself, or None where the rows must be copied.
+    """
 
     name: str
+    allocate: Callable[[int, int, Format], Storage] | None = None
+    adopt: Callable[[Backend, Any, Format], Storage | None] = adopt_none
     mapped: bool = False
     per_node: bool = False
 
@@ -112,9 +199,14 @@ class Placement:
 
 # Every placement, by name; "host" is the old name of "pinned" (page-locked host memory).
 PLACEMENTS = {entry.name: entry for entry in (
-    Placement("cpu"), Placement("gpu"), Placement("pinned"), Placement("shared", per_node=True),
+    Placement("cpu", host_rows, adopt_host), Placement("gpu", device_rows, adopt_device),
+    Placement("pinned", pinned_rows), Placement("shared", shared_rows, adopt_shared,
+                                                per_node=True),
     Placement("mmap", mapped=True))}
 ALIASES = {"host": "pinned"}
+# Where a table goes unless told: this process's host memory (the torch module's default is
+# "gpu", use_ngram_cupy's "pinned": each written once, in its face).
+TABLE_PLACEMENT = "cpu"
 
 
 def find_placement(placement) -> Placement | None:
@@ -146,34 +238,8 @@ def canonical_placement(placement: str) -> str:
 
 def allocate(placement: str, num_rows: int, head_dim: int, fmt: Format) -> Storage:
     """Unfilled storage of a placement (with its block scales for a block-scaled format, packed
-    with the rows: one record per row, ``packed``).
-    ``"pinned"`` without a GPU is ordinary host memory (nothing could read it over PCIe
-    anyway)."""
-    placement = canonical_placement(placement)
-    shape = (num_rows, fmt.row_width(head_dim))
-    scale_shape = (num_rows, fmt.scale_width(head_dim))
-    if placement == "gpu":
-        if not gpu_available():
-            raise RuntimeError("placement='gpu' needs CuPy and a CUDA device")
-        if fmt.blocked and num_rows * head_dim > 0:
-            rows, scales = device_packed_rows(num_rows, head_dim, fmt)
-            return GpuStorage(rows, fmt, scales, packed=True)
-        scales = DEVICE.empty(scale_shape, np.uint8) if fmt.blocked else None
-        return GpuStorage(DEVICE.empty(shape, fmt.raw), fmt, scales)
-    if placement == "shared" and num_rows * head_dim:
-        raise ValueError("placement='shared' names its segment from the rows: pass the weight "
-                         "(EmbeddingTable(weight, placement='shared')) or load a checkpoint "
-                         "(load_ngram_embedding(..., placement='shared'))")
-    if placement == "pinned" and gpu_available() and num_rows * head_dim > 0:
-        return PinnedStorage(num_rows, head_dim, fmt)
-    if fmt.blocked and num_rows * head_dim > 0:  # one record per row (``packed``)
-        records, rows, scales = packed_rows(num_rows, head_dim, fmt)
-        return CpuStorage(rows, fmt, scales, records)
-    scales = np.empty(scale_shape, np.uint8) if fmt.blocked else None
-    if num_rows * head_dim == 0:
-        return CpuStorage(np.empty(shape, fmt.dtype), fmt, scales)
-    memory = anonymous_memory(shape[0] * shape[1] * fmt.itemsize)  # huge pages where offered
-    return CpuStorage(np.frombuffer(memory, fmt.dtype).reshape(shape), fmt, scales)
+    with the rows: one record per row, ``packed``)."""
+    return placement_named(placement).allocate(num_rows, head_dim, fmt)
 
 
 def adopt(placement: str, side: Backend, array, fmt: Format) -> Storage | None:
@@ -181,24 +247,7 @@ def adopt(placement: str, side: Backend, array, fmt: Format) -> Storage | None:
     C-contiguous host arrays for ``"cpu"``, C-contiguous device arrays for ``"gpu"`` (block-scaled
     rows are always copied, with their scales). For ``"shared"``, the segment named by the rows'
     content hash (filled from ``array`` by the first process, attached by the others)."""
-    placement = canonical_placement(placement)
-    if placement == "shared" and (array.size or fmt.blocked):
-        rows = array if side is HOST else array.get()
-        raw = np.ascontiguousarray(rows).view(fmt.raw)
-
-        def fill(destination: np.ndarray) -> None:
-            destination[...] = raw
-
-        return SharedStorage(content_key(raw, fmt), raw.shape[0], raw.shape[1], fmt, fill)
-    if not array.flags.c_contiguous or fmt.blocked:
-        return None
-    if placement == "cpu" and side is HOST:
-        return CpuStorage(array.view(fmt.dtype), fmt)
-    if placement == "gpu" and side is DEVICE:
-        if not gpu_available():
-            raise RuntimeError("placement='gpu' needs CuPy and a CUDA device")
-        return GpuStorage(array.view(fmt.raw), fmt)
-    return None
+    return placement_named(placement).adopt(side, array, fmt)
 
 
 @dataclass

@@ -7,10 +7,16 @@ from typing import Any
 
 import numpy as np
 
+from ...codecs.records import record_bytes
 from ...formats import Format
 from ...runtime.backends import HOST, Backend
 from ...runtime.used_streams import UsedStreams
-from ..packed import record_bytes
+
+
+def placement_list(*names: str) -> str:
+    """Placement names for a message, quoted and joined: ``'cpu', 'pinned' or 'gpu'``."""
+    quoted = [repr(name) for name in names]
+    return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
 
 
 @dataclass

@@ -48,7 +48,7 @@ def fill(destination, rows, stream: Any) -> None:
 class GpuStorage(Storage):
     """``[num_rows, head_dim]`` raw bits of ``fmt`` in a CuPy array (the caller's, or new); a
     block-scaled format's rows and block ``scales``, as views into one record per row when
-    ``packed`` (see ``tables.packed``)."""
+    ``packed`` (see ``codecs.records``)."""
 
     placement = "gpu"
     device_resident = True
@@ -68,10 +68,10 @@ class GpuStorage(Storage):
                 fill(self.device_scales[local_start : local_start + scales.shape[0]], scales,
                      cuda_stream())
 
-    def training_refusal(self) -> str | None:
-        """Row optimizers update host rows only, so far."""
-        return ("training tables in GPU memory is not supported yet: place the table on 'cpu', "
-                "'pinned' or 'shared'")
+    def training_rows(self):
+        """The raw rows (a CuPy array) ``[num_rows, head_dim]`` a row optimizer updates in
+        place, on the GPU (``training.updates_cuda``)."""
+        return self.device_view.view(self.format.raw)
 
     def gather(self, job: Gather) -> None:
         """The CUDA gather."""

@@ -21,18 +21,18 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from ...formats import Format
+from ...memory.page_reads import PagePrefetcher
 from ...runtime.backends import DEVICE, HOST, Backend, cupy_module, gpu_available
 from .. import gather_numba
-from ..page_prefetch import PagePrefetcher
 from ..row_ids import row_id_error
-from .base import Gather, Storage
+from .base import Gather, Storage, placement_list
 from .gpu import gather_device
 
 PAGEABLE_MEMORY_ACCESS = 88  # cudaDevAttrPageableMemoryAccess
 NO_PAGEABLE_ACCESS = (
     "this table (placement='mmap') is read by the GPU only where the device reports "
     "cudaDevAttrPageableMemoryAccess (HMM or ATS), and this one does not: pass NumPy / CPU ids, "
-    "or place it on 'gpu', 'pinned' or 'shared'")
+    "or place it on " + placement_list("gpu", "pinned", "shared"))
 
 
 def gpu_reads_pageable(get_attribute: Callable[[int, int], int] | None = None,
@@ -96,7 +96,8 @@ class MappedStorage(Storage):
     def training_refusal(self) -> str | None:
         """The rows are the checkpoint files' pages, mapped read-only."""
         return ("placement='mmap' tables are read-only (the rows are the checkpoint files' "
-                "pages): load the table into 'cpu', 'pinned' or 'shared' memory to train it")
+                f"pages): load the table into {placement_list('cpu', 'pinned', 'shared')} memory "
+                "to train it")
 
     def will_read(self, ids, row_start: int, stream=None) -> None:
         """GPU ids: advise the pages of these rows ``MADV_WILLNEED``, off the caller's thread.

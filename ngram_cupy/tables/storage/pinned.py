@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...codecs.records import record_bytes, record_views
 from ...formats import Format
+from ...memory.pinned import PinnedBuffer
 from ...runtime.backends import HOST
-from ..packed import record_bytes, record_views
-from ..pinned_memory import PinnedBuffer
 from .base import Gather, Storage
 from .cpu import gather_host, write_host
 from .gpu import gather_device

@@ -20,10 +20,10 @@ from collections.abc import Callable
 import numpy as np
 
 from ...formats import Format
+from ...memory import shared as shared_memory
+from ...memory.pinned import PinnedBuffer
 from ...runtime.backends import HOST, gpu_available
-from .. import shared_memory
-from ..pinned_memory import PinnedBuffer
-from .base import Gather, Storage
+from .base import Gather, Storage, placement_list
 from .cpu import gather_host
 from .gpu import gather_device
 
@@ -34,7 +34,7 @@ FLAG_BYTES = 64
 def block_scales_refusal(fmt: Format) -> str:
     """Why a segment cannot hold a block-scaled format's rows."""
     return (f"placement='shared' holds tables of one array; {fmt.name} rows carry block scales "
-            "beside them: use placement 'pinned' or 'cpu'")
+            f"beside them: use placement {placement_list('pinned', 'cpu')}")
 
 
 def content_key(rows: np.ndarray, fmt: Format) -> str:

@@ -18,12 +18,12 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from ...codecs.records import record_views
 from ...runtime.backends import DEVICE, HOST, Backend, cuda_stream, cupy_module
 from ...runtime.used_streams import UsedStreams
 from .. import gather_numba
 from ..hot_rows import build_map
-from ..packed import record_views
-from .base import Gather, Storage
+from .base import Gather, Storage, placement_list
 from .gpu import fill
 
 
@@ -71,8 +71,8 @@ class TieredStorage(Storage):
     def __init__(self, cold: Storage, hot_rows: np.ndarray):
         super().__init__(cold.num_rows, cold.head_dim, cold.format)
         if cold.host_view is None:
-            raise ValueError(f"hot_rows need a table in host memory (placement 'pinned' or "
-                             f"'cpu'), not {cold.placement!r}")
+            raise ValueError(f"hot_rows need a table in host memory (placement "
+                             f"{placement_list('pinned', 'cpu')}), not {cold.placement!r}")
         self.cold = cold
         self.hot_rows = hot_rows
         self.host_view = cold.host_view

@@ -1,0 +1,1 @@
+"""The ``ngram-cupy`` command line (``main.py``)."""

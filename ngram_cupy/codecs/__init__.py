@@ -1,0 +1,1 @@
+"""What ``formats.py`` names, as bytes <-> values: each format's decoders and encoders."""

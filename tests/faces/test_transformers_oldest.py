@@ -1,0 +1,46 @@
+"""The transformers tests once more on the oldest supported release (requirements-oldest.txt):
+``sh scripts/setup.sh test`` installs it into ``.venv/oldest``, put first on the path here."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parents[2]
+OLDEST = ROOT / ".venv" / "oldest"
+
+
+HERE = Path(__file__).resolve()
+FILES = sorted(path.relative_to(ROOT).as_posix()
+               for path in ROOT.glob("tests/**/test_transformers*.py") if path.resolve() != HERE)
+
+
+@pytest.mark.parametrize("tests", FILES)
+def test_the_oldest_supported_release_passes_the_transformers_tests(tests):
+    """Each ``test_transformers*.py`` but this one, in a fresh interpreter whose transformers
+    is the oldest supported release."""
+    pinned = re.search(r"^transformers==(\S+)$", (ROOT / "requirements-oldest.txt").read_text(),
+                       re.MULTILINE).group(1)
+    if not (OLDEST / f"transformers-{pinned}.dist-info").is_dir():
+        if os.environ.get("CI"):
+            pytest.fail(f"transformers {pinned} is not in {OLDEST}: sh scripts/setup.sh test "
+                        "installs it")
+        pytest.skip(f"transformers {pinned} is not in {OLDEST} (sh scripts/setup.sh test)")
+    env = {**os.environ,
+           "PYTHONPATH": os.pathsep.join(filter(None, (str(OLDEST), os.environ.get("PYTHONPATH"))))}
+    version = subprocess.run([sys.executable, "-c", "import transformers; "
+                              "print(transformers.__version__)"], env=env, cwd=ROOT,
+                             capture_output=True, text=True, check=True).stdout.strip()
+    assert version == pinned
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          "-p", "no:xdist", tests], env=env, cwd=ROOT, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, f"transformers {version}:\n{run.stdout[-4000:]}{run.stderr[-2000:]}"
+    assert re.search(r"\d+ passed", run.stdout)
