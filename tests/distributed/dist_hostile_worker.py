@@ -1,4 +1,4 @@
-"""One rank of tests/faces/test_training_hostile.py: a sequence of data-parallel and
+"""One rank of tests/distributed/test_hostile_ranks.py: a sequence of data-parallel and
 tensor-parallel Adam steps, some refused on one rank (another dtype, NaN in a term another rank
 owns, no ids, float64 gradients, an id outside the table).
 
