@@ -111,7 +111,7 @@ def _prefetch(handle, ids, out):
     layer = resolve(handle)
     rows = getattr(layer, "trainable_rows", None)
     if rows is not None:
-        rows.prefetched = True
+        rows.prefetch_started()
     _rows_into(layer.embedding.table, ids, out, prefetch=True)
 
 

@@ -11,11 +11,15 @@ The source rows (float32, float16 or bfloat16) are widened exactly to float32 on
   (clamped to +-6, rounded to nearest with ties to the even code), two a byte, low nibble first;
 - ``mxfp8``: per 32 values a UE8M0 power of two ``2**e``, the smallest with ``block_amax <= 448 *
   2**e`` (no value saturates; DeepSeek's rounding of the scale up to a power of two), and E4M3
-  codes of ``value / 2**e``.
+  codes of ``value / 2**e``; in the one block scale where ``448 * 2**e`` is past float32's range
+  (``2**120``, blocks whose amax is above ``1.75 * 2**127``) the codes are clamped to +-240, the
+  largest whose decoded value ``code * 2**e`` is finite.
 
-Scale rules for zeros: an all-zero table gets scale 1.0; an all-zero NVFP4 block the block scale
-1.0, and a block whose scale would round to zero the smallest E4M3 one, 2**-9; an all-zero MXFP8
-block the byte 127 (1.0), and no block a byte below 1 (byte 0 reads as a zero scale).
+Scale rules for zeros: an all-zero table gets scale 1.0, and a table so small (a subnormal
+amax) that its default scale rounds to zero the smallest positive float32, ``2**-149``; an
+all-zero NVFP4 block the block scale 1.0, and a block whose scale would round to zero the
+smallest E4M3 one, 2**-9; an all-zero MXFP8 block the byte 127 (1.0), and no block a byte below
+1 (byte 0 reads as a zero scale).
 """
 
 from __future__ import annotations
@@ -30,12 +34,13 @@ from ..formats import ENCODED, Format, encoded_format, find_format
 from ..runtime.backends import HOST, Backend, cupy_module, unwrap_torch, where
 from ..runtime.checks import check_integer
 from .dequant import bits_to_float32, float32_to_bits, subnormal_bits
-from .quantize_cupy import E4M3_VALUES, ArrayEngine
+from .quantize_cupy import E4M3_TOP_FINITE, E4M3_VALUES, E8M0_TOP, ArrayEngine
 
 E4M3_MAX = 448.0
 E2M1_MAX = 6.0
 E4M3_ONE = 0x38  # 1.0
 E8M0_ONE = 127  # 2**0
+SMALLEST_SCALE = np.float32(np.finfo(np.float32).smallest_subnormal)
 
 
 @njit(inline="always")
@@ -144,7 +149,8 @@ def e8m0_byte(top):
 
 @njit(parallel=True, cache=True)
 def quantize_mxfp8_rows(values, out, blocks):
-    """E4M3 bits and UE8M0 block scale bytes of 32-value blocks."""
+    """E4M3 bits and UE8M0 block scale bytes of 32-value blocks (codes clamped so that every
+    decoded value is finite)."""
     for r in prange(values.shape[0]):
         for k in range(blocks.shape[1]):
             top = float32(0.0)
@@ -153,9 +159,10 @@ def quantize_mxfp8_rows(values, out, blocks):
             byte = e8m0_byte(top)
             blocks[r, k] = byte
             power = bits_to_float32(uint32(byte) << 23)  # 2**(byte - 127), a normal float32
+            limit = float32(E4M3_TOP_FINITE if byte == E8M0_TOP else E4M3_MAX)
             for j in range(32 * k, 32 * k + 32):
                 q = float32(values[r, j] / power)
-                out[r, j] = e4m3_bits(clamped(q, float32(E4M3_MAX)))
+                out[r, j] = e4m3_bits(clamped(q, limit))
 
 
 HOST_VALUES = ArrayEngine(np)
@@ -246,11 +253,12 @@ def quantize_scale(fmt: Format, scale) -> np.float32 | None:
 
 
 def default_scale(fmt: Format, amax: float) -> np.float32:
-    """``amax / 448`` (fp8) or ``amax / (6 * 448)`` (NVFP4), in float32; 1.0 for a zero table."""
+    """``amax / 448`` (fp8) or ``amax / (6 * 448)`` (NVFP4), in float32; 1.0 for a zero table,
+    and never below the smallest positive float32 (a table accepts only positive scales)."""
     if amax == 0:
         return np.float32(1.0)
     limit = SCALE_LIMITS[fmt.encoder]
-    return np.float32(np.float32(amax) / np.float32(limit))
+    return max(np.float32(np.float32(amax) / np.float32(limit)), SMALLEST_SCALE)
 
 
 def chunk_rows_for(head_dim: int, chunk_rows) -> int:

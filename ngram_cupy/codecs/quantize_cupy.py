@@ -13,6 +13,10 @@ from ..formats import BFLOAT16, FLOAT16, FORMATS, MXFP8, NVFP4
 
 # The float32 value of every E4M3 byte (NaN for the two NaN codes).
 E4M3_VALUES = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+# The one UE8M0 scale a finite amax reaches where 448 * scale overflows float32 (2**120), and the
+# largest E4M3 value whose product with it is finite: MXFP8 codes there are clamped to it.
+E8M0_TOP = 247
+E4M3_TOP_FINITE = 240.0
 # Values per block scale of the block-scaled encoders.
 NVFP4_BLOCK, MXFP8_BLOCK = FORMATS[NVFP4].block, FORMATS[MXFP8].block
 # E2M1 codes go up by one past each midpoint; ``>=`` where the tie goes to the even code above.
@@ -108,7 +112,9 @@ class ArrayEngine:
         top = xp.abs(x).max(axis=2)
         byte = self.e8m0(top)
         power = (byte.astype(xp.uint32) << 23).view(xp.float32)
-        q = xp.clip(x / power[..., None], -448, 448).astype(xp.float32)
+        limit = xp.where(byte == E8M0_TOP, xp.float32(E4M3_TOP_FINITE),
+                         xp.float32(448))[..., None]
+        q = xp.clip(x / power[..., None], -limit, limit).astype(xp.float32)
         out[...] = self.e4m3(q).reshape(rows, -1)
         blocks[...] = byte
 

@@ -19,6 +19,8 @@ from .lookup import ShardedLookup
 
 __all__ = ["ShardedOptimizer"]
 
+GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
 
 def _ranks(group) -> list[int]:
     """The global ranks of ``group`` (None: the world group)."""
@@ -49,38 +51,94 @@ class ShardedOptimizer:
         return self.lookup.table
 
     def step_from_output_grad(self, ids, grad_out) -> None:
-        """One step from ``grad_out`` ``[T, H * D]`` (float32 or bfloat16) of this rank's
-        lookup of ``ids`` ``[T, H]`` (NumPy or torch; CUDA tensors with NCCL)."""
-        ids = torch.as_tensor(ids).reshape(-1).to(torch.int64)
-        grad_out = torch.as_tensor(grad_out)
+        """One step from ``grad_out`` ``[T, H * D]`` (float32, bfloat16 or float16) of this
+        rank's lookup of ``ids`` ``[T, H]`` (NumPy or torch; CUDA tensors with NCCL); no ids is a
+        step that changes no row. A step refused on one rank (bad ids or ``grad_out``, NaN or
+        infinite gradients, a row's terms summing past float32, a closed optimizer) is refused
+        on every rank before any row changes: the refusing rank raises its own error, the others
+        a ValueError naming it, and no rank is left waiting in a collective."""
+        device = ids.device if isinstance(ids, torch.Tensor) else torch.device("cpu")
+        refusal = update = None
+        try:
+            self.optimizer.check_open()
+            ids, grad_out = self._checked(ids, grad_out)
+        except (TypeError, ValueError, IndexError) as error:
+            refusal = error  # raised once every rank knows
+        if self.data_parallel:
+            ids, grad_out = self._route(ids, grad_out, device, refusal)
+        elif refusal is None:
+            start = self.table.row_start
+            mine = (ids >= start) & (ids < start + self.table.num_rows)
+            ids, grad_out = ids[mine], grad_out[mine].contiguous()
+        if refusal is None:  # the owner's checks of its rows' terms
+            try:
+                update = self.optimizer.checked_step(ids, grad_out)
+            except (TypeError, ValueError, IndexError) as error:
+                refusal = error
+        self._agree(refusal, device)
+        update()
+
+    def _agree(self, refusal: Exception | None, device) -> None:
+        """Raise ``refusal`` here, and a ValueError naming the refusing ranks on the others,
+        when any rank of the group refused (one all-reduce of a flag per rank)."""
+        group = self.lookup.group
+        flags = torch.zeros(dist.get_world_size(group), dtype=torch.int64, device=device)
+        flags[dist.get_rank(group)] = int(refusal is not None)
+        dist.all_reduce(flags, group=group)
+        if refusal is not None:
+            raise refusal
+        refused = torch.nonzero(flags).flatten().tolist()
+        if refused:
+            raise ValueError(f"rank(s) {refused} of the group refused this step: it is refused "
+                             "on every rank and no row changed")
+
+    def _checked(self, ids, grad_out) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(ids [N] int64, grad_out [N, head_dim] float32)``, checked (float32 holds every
+        accepted gradient dtype exactly, so every rank sends the same dtype)."""
+        ids, grad_out = torch.as_tensor(ids), torch.as_tensor(grad_out)
+        if ids.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"ids must be int32 or int64, got {ids.dtype}")
+        if grad_out.dtype not in GRAD_DTYPES:
+            raise TypeError(f"grad_out must be float32, bfloat16 or float16, got "
+                            f"{grad_out.dtype}")
+        ids = ids.reshape(-1).to(torch.int64)
         head_dim, total = self.table.head_dim, self.table.total_rows
         if grad_out.ndim == 0 or grad_out.numel() != ids.numel() * head_dim:
             raise ValueError(f"grad_out must hold {ids.numel()} rows of head_dim={head_dim} "
                              f"(one per id), got shape {tuple(grad_out.shape)}")
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= total):
             raise IndexError(f"ids must lie in [0, {total}), the table's rows")
-        grad_out = grad_out.reshape(ids.numel(), head_dim)
-        if self.data_parallel:
-            ids, grad_out = self._route(ids, grad_out)
-        else:
-            start = self.table.row_start
-            mine = (ids >= start) & (ids < start + self.table.num_rows)
-            ids, grad_out = ids[mine], grad_out[mine].contiguous()
-        self.optimizer.step_from_output_grad(ids, grad_out)
+        grad_out = grad_out.reshape(ids.numel(), head_dim).to(torch.float32)
+        if not bool(torch.isfinite(grad_out).all()):
+            raise ValueError("grad_out holds NaN or infinite values: the step is refused on "
+                             "every rank and no row changed")
+        return ids, grad_out
 
-    def _route(self, ids: torch.Tensor, grad_out: torch.Tensor):
-        """Every term sent to its row's owner; the terms received, in source rank order."""
+    def _route(self, ids, grad_out, device, refusal: Exception | None = None):
+        """Every term sent to its row's owner; the terms received, in source rank order. The
+        counts travel with each rank's refusal flag: a refusal anywhere raises everywhere."""
         group = self.lookup.group
         size = dist.get_world_size(group)
-        starts = [split_rows(self.table.total_rows, size, rank)[0] for rank in range(1, size)]
-        owner = torch.bucketize(ids, torch.tensor(starts, dtype=torch.int64,
-                                                 device=ids.device), right=True)
-        order = torch.argsort(owner, stable=True)
-        sent = torch.bincount(owner, minlength=size)
-        got = torch.empty_like(sent)
-        dist.all_to_all_single(got, sent, group=group)
-        sent, got = sent.tolist(), got.tolist()
-        ids_in = torch.empty(sum(got), dtype=torch.int64, device=ids.device)
+        if refusal is None:
+            starts = [split_rows(self.table.total_rows, size, rank)[0]
+                      for rank in range(1, size)]
+            owner = torch.bucketize(ids, torch.tensor(starts, dtype=torch.int64,
+                                                     device=device), right=True)
+            order = torch.argsort(owner, stable=True)
+            sent = torch.bincount(owner, minlength=size)
+        else:
+            sent = torch.zeros(size, dtype=torch.int64, device=device)
+        header = torch.stack((sent, torch.full_like(sent, int(refusal is not None))), dim=1)
+        got = torch.empty_like(header)
+        dist.all_to_all_single(got, header, group=group)
+        if refusal is not None:
+            raise refusal
+        refused = [rank for rank, flag in enumerate(got[:, 1].tolist()) if flag]
+        if refused:
+            raise ValueError(f"rank(s) {refused} of the group refused this step: it is refused "
+                             "on every rank and no row changed")
+        sent, got = sent.tolist(), got[:, 0].tolist()
+        ids_in = torch.empty(sum(got), dtype=torch.int64, device=device)
         dist.all_to_all_single(ids_in, ids[order], got, sent, group=group)
         grads_in = grad_out.new_empty((sum(got), grad_out.shape[1]))
         dist.all_to_all_single(grads_in, grad_out[order].contiguous(), got, sent, group=group)

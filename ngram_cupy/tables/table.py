@@ -36,7 +36,7 @@ from ..runtime.checks import (
 )
 from .captured_ids import CapturedIds
 from .hot_rows import check_hot_rows
-from .prefetch import Prefetcher
+from .prefetch import Prefetcher, unwritten
 from .storage import (
     TABLE_PLACEMENT,
     Gather,
@@ -212,6 +212,7 @@ class EmbeddingTable:
         self.dedup = bool(dedup)
         self.prefetcher = Prefetcher()
         self.captured_ids = CapturedIds()
+        self.written: list | None = None  # rows written since the pending prefetch began
         self.closed = False
         weakref.finalize(self, self.prefetcher.close, False)  # never joins the worker
 
@@ -304,6 +305,14 @@ class EmbeddingTable:
         with call.on():
             self.storage.write_rows(int(start) - self.row_start, rows.view(self.format.raw),
                                     scales)
+        self.rows_written((int(start), end))
+
+    def rows_written(self, rows) -> None:
+        """Note global rows changed since a prefetch began (``write_rows``, an optimizer step:
+        ``(start, stop)`` or an array of rows): its lookup gathers the heads reading them again,
+        so the rows it returns are the ones written."""
+        if self.written is not None:
+            self.written.append(rows)
 
     def refresh_hot_rows(self) -> None:
         """Copy the hot tier's rows again from the table's rows (nothing without ``hot_rows``).
@@ -317,6 +326,9 @@ class EmbeddingTable:
 
     def _request(self, ids, out, out_dtype, stream) -> _Request:
         """Check and convert one lookup's arguments; errors name the argument."""
+        if self.closed and not self.storage.cold.serves_after_close:
+            raise ValueError(f"the table is closed: a {self.placement!r} table serves no "
+                             "lookups after close()")
         check_destination("out", out)
         call = bind(stream, ids=ids, out=out)
         check_index_array("ids", call["ids"], 2)
@@ -405,8 +417,9 @@ class EmbeddingTable:
         (bfloat16 typed), and a given ``out`` is what is returned. GPU lookups run on
         ``stream`` (default: torch's current stream for torch ids, else CuPy's) without a host
         sync. After a ``prefetch`` of the same shape, the result lives in the prefetch's buffer
-        (or is copied to ``out``) and only the heads whose ids changed are gathered again; that
-        buffer is reused by the next prefetch of the same shape. Ids of other shards (in
+        (or is copied to ``out``) and only the heads whose ids changed, or whose rows were
+        written since the prefetch began (``write_rows``, an optimizer step), are gathered again;
+        that buffer is reused by the next prefetch of the same shape. Ids of other shards (in
         ``[0, total_rows)``) give zero rows; an id outside ``[0, total_rows)`` is an IndexError
         naming the first (``row_ids``; a GPU lookup then waits for its stream to read the
         kernel's error word; a lookup captured in a CUDA graph notes it in a persistent word
@@ -416,7 +429,9 @@ class EmbeddingTable:
         with request.call.on():
             target = self.prefetcher.finish(
                 request.side, request.call.stream, request.ids, request.out_format.code,
-                request.out, lambda i, rows, expected: self._gather(request, i, rows, expected))
+                request.out, lambda i, rows, expected: self._gather(
+                    request, i, rows, unwritten(expected, self.written)))
+            self.written = None  # consumed, or a prefetch of another shape dropped
             if target is None:
                 target = request.out
                 if target is None:
@@ -440,6 +455,7 @@ class EmbeddingTable:
         with request.call.on():
             self.storage.will_read(request.ids, self.row_start,
                                    cuda_stream() if request.side is DEVICE else None)
+            self.written = []
             self.prefetcher.issue(
                 request.side, request.call.stream, request.ids, request.shape,
                 public_dtype(request.side, request.out_format), request.out_format.code,

@@ -3,9 +3,10 @@ table (no gradient tensor for the weight) or gives the weight a sparse COO gradi
 row by ``embedding_backward``, for ``torch.optim.SparseAdam`` or ``SGD``.
 
 A prefetch of the next micro-step may gather rows before this step's update lands (the gather
-runs beside the backward and the optimizer step): the rows of every gradient since the last
-lookup are remembered, and a lookup that joined a prefetch gathers its tokens touching them
-again, so prefetching stays exact in training.
+runs beside the backward and the optimizer step): the rows an update may still change when the
+prefetch starts (those of the weight's accumulated gradient, not yet stepped) and those of every
+gradient after it are remembered, and a lookup that joined a prefetch gathers its tokens
+touching them again, so prefetching stays exact in training, gradient accumulation included.
 """
 
 from __future__ import annotations
@@ -64,6 +65,15 @@ class TrainableRows:
         again."""
         return torch.ops.ngram_cupy.trainable_lookup(self.handle, self.weights.weight, ids, dtype,
                                                      self.optimizer is not None)
+
+    def prefetch_started(self) -> None:
+        """A prefetch begins: the rows of the weight's accumulated gradient (micro-steps a
+        torch optimizer has not stepped yet) may change before its lookup, as may those of
+        every later gradient."""
+        self.prefetched = True
+        grad = self.weights.weight.grad
+        if grad is not None and grad.is_sparse:
+            self._touched.append(grad.coalesce().indices()[0])
 
     def fresh(self, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """``rows`` with the tokens that touch rows updated since the prefetch began gathered

@@ -44,7 +44,9 @@ def counting_order(ids: np.ndarray, low: int, rows: int):
 def sorted_order(ids: np.ndarray, low: int, rows: int):
     """``(order, unique, starts)``: a stable grouping of ``ids`` by row (all inside ``[low, low +
     rows)``); counting sort when the rows are few against the ids, else NumPy's stable sort."""
-    if rows <= COUNTING_ROWS_PER_ID * max(ids.shape[0], 1):
+    if not ids.shape[0]:  # an empty batch: no row, no term
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(1, np.int64)
+    if rows <= COUNTING_ROWS_PER_ID * ids.shape[0]:
         return counting_order(ids, low, rows)
     order = np.argsort(ids, kind="stable")
     ordered = ids[order]

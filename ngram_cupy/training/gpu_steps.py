@@ -90,6 +90,7 @@ def step_from_output_grad(optimizer, ids, grad_out) -> None:
             order, unique, starts = device_order(flat, table.row_start)
             values = DEVICE.empty((unique.shape[0], table.head_dim), np.float32)
             launch_segment_sums(grad, order, starts, values, stream)
+            check_finite(values)  # finite terms whose sum for a row overflows float32
             apply(optimizer, unique - table.row_start, values, stream)
 
 

@@ -8,6 +8,7 @@ from numba import njit, prange
 from ..codecs.dequant import float32_values
 from ..formats import find_format
 from ..runtime.checks import INDEX_DTYPES
+from . import backward_numba
 
 
 @njit(cache=True, nogil=True)
@@ -88,3 +89,33 @@ def check_finite(grad) -> None:
     if not finite:
         raise ValueError("grad_out holds NaN or infinite values: the step is refused and no row "
                          "changed")
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def largest_magnitude(grad: np.ndarray) -> float:
+    """The largest magnitude of a finite float32 ``[N, D]`` array (0 when empty)."""
+    top = np.zeros(grad.shape[0], np.float32)
+    for i in prange(grad.shape[0]):
+        for d in range(grad.shape[1]):
+            top[i] = max(top[i], abs(grad[i, d]))
+    return float(top.max()) if grad.shape[0] else 0.0
+
+
+# Below this bound no float64 sum of a row's terms rounds to an infinite float32 (FLT_MAX ~ 2**128).
+SAFE_SUM = 2.0**127
+
+
+def check_row_sums(grad: np.ndarray, order: np.ndarray, starts: np.ndarray) -> None:
+    """Finite float32 terms whose float64 sum for one row rounds past float32's range are
+    refused before any row changes (the update would write infinite rows); the sums are only
+    computed when the largest term times the longest run could reach that range."""
+    if starts.shape[0] < 2:
+        return
+    longest = int(np.diff(starts).max())
+    if longest * largest_magnitude(grad) < SAFE_SUM:
+        return
+    sums = np.empty((starts.shape[0] - 1, grad.shape[1]), np.float32)
+    backward_numba.segment_sums(grad, order, starts, sums)
+    if not all_finite(sums):
+        raise ValueError("grad_out's terms for one row sum past float32's range (finite terms, "
+                         "an infinite sum): the step is refused and no row changed")

@@ -8,26 +8,79 @@ Every check runs before any row changes: a refused step leaves rows and state as
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 
 from ..runtime.backends import HOST, bind
 from . import backward_numba, gpu_steps, updates_numba
-from .inputs import check_finite, check_ids_inside, flat_inputs
+from .inputs import check_finite, check_ids_inside, check_row_sums, flat_inputs
 from .sparse_rows import SparseRows
-from .table_rows import copy_into, host_copy, refresh_hot, state_array, writable_rows
+from .table_rows import (
+    check_trainable,
+    copy_into,
+    host_copy,
+    refresh_hot,
+    state_array,
+    writable_rows,
+)
 
 
 def finite_number(name: str, value, low: float = 0.0, high: float = math.inf,
-                  closed_high: bool = False) -> float:
-    """``value`` as a float in ``[low, high)`` (``]`` when ``closed_high``); errors name it."""
+                  closed_high: bool = False, open_low: bool = False) -> float:
+    """``value`` as a float in ``[low, high)`` (``(`` when ``open_low``, ``]`` when
+    ``closed_high``), finite in float32 too (the updates' arithmetic); errors name it."""
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise TypeError(f"{name} must be a number, got {value!r}")
     value = float(value)
-    inside = low <= value <= high if closed_high else low <= value < high
+    above = low < value if open_low else low <= value
+    inside = above and (value <= high if closed_high else value < high)
     if not math.isfinite(value) or not inside:
-        raise ValueError(f"{name} must be finite and in [{low}, {high}{']' if closed_high else ')'}"
-                         f", got {value}")
+        raise ValueError(f"{name} must be finite and in {'(' if open_low else '['}{low}, {high}"
+                         f"{']' if closed_high else ')'}, got {value}")
+    with np.errstate(over="ignore"):
+        if not np.isfinite(np.float32(value)):
+            raise ValueError(f"{name} must be finite in float32 (the updates' arithmetic), got "
+                             f"{value}")
+    return value
+
+
+def check_betas(betas) -> tuple[float, float]:
+    """Adam's ``(beta1, beta2)``, each in ``[0, 1)``."""
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"betas must be a pair, got {betas!r}")
+    return (finite_number("betas[0]", betas[0], 0.0, 1.0),
+            finite_number("betas[1]", betas[1], 0.0, 1.0))
+
+
+def check_flag(name: str, value) -> bool:
+    """A bool setting (a state dict's ``stochastic_rounding``, ``rowwise``)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return bool(value)
+
+
+def check_seed(value) -> int:
+    """A stochastic-rounding seed: an integer, kept modulo 2**64."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"seed must be an integer, got {value!r}")
+    return int(value) & ((1 << 64) - 1)
+
+
+def check_mode(value) -> str:
+    """A weight decay mode: ``"l2"`` or ``"decoupled"``."""
+    if value not in WEIGHT_DECAY_MODES:
+        raise ValueError(f"weight_decay_mode must be one of {WEIGHT_DECAY_MODES}, got {value!r}")
+    return value
+
+
+def check_max_norm(value) -> float | None:
+    """A row norm clamp: None, or a positive float32 number."""
+    if value is None:
+        return None
+    value = finite_number("max_norm", value)
+    if not np.float32(value) > 0:
+        raise ValueError(f"max_norm must be positive (None: no clamp), got {value}")
     return value
 
 
@@ -39,9 +92,10 @@ def hyper_array(lr: float, eps: float = 0.0, decay: float = 0.0,
                 decoupled: bool = False) -> np.ndarray:
     """The float32 hyper-parameters ``update_rows`` reads, in its slot order."""
     hyper = np.zeros(updates_numba.HYPER_SIZE, np.float32)
-    hyper[[updates_numba.LR, updates_numba.EPS, updates_numba.DECAY]] = lr, eps, decay
-    hyper[[updates_numba.ONE_MINUS_BETA1, updates_numba.ONE_MINUS_BETA2,
-           updates_numba.STEP_SIZE]] = adam
+    with np.errstate(over="ignore"):  # an overflow is +-inf, refused by ``step_hyper``
+        hyper[[updates_numba.LR, updates_numba.EPS, updates_numba.DECAY]] = lr, eps, decay
+        hyper[[updates_numba.ONE_MINUS_BETA1, updates_numba.ONE_MINUS_BETA2,
+               updates_numba.STEP_SIZE]] = adam
     hyper[updates_numba.MAX_NORM] = 0.0 if max_norm is None else max_norm
     hyper[updates_numba.DECOUPLED] = float(decoupled)
     return hyper
@@ -54,13 +108,8 @@ class DecayRules:
     def set_rules(self, weight_decay, weight_decay_mode: str, max_norm) -> None:
         """Check and keep the three settings (errors name the argument)."""
         self.weight_decay = finite_number("weight_decay", weight_decay)
-        if weight_decay_mode not in WEIGHT_DECAY_MODES:
-            raise ValueError(f"weight_decay_mode must be one of {WEIGHT_DECAY_MODES}, got "
-                             f"{weight_decay_mode!r}")
-        self.weight_decay_mode = weight_decay_mode
-        self.max_norm = None if max_norm is None else finite_number("max_norm", max_norm)
-        if self.max_norm is not None and not np.float32(self.max_norm) > 0:
-            raise ValueError(f"max_norm must be positive (None: no clamp), got {max_norm}")
+        self.weight_decay_mode = check_mode(weight_decay_mode)
+        self.max_norm = check_max_norm(max_norm)
 
     def rules_hyper(self, eps: float = 0.0) -> np.ndarray:
         """``hyper_array`` with the learning rate, ``eps`` and the three rules."""
@@ -71,6 +120,18 @@ class DecayRules:
         """The rules as a state dict records them."""
         return {"weight_decay": self.weight_decay, "weight_decay_mode": self.weight_decay_mode,
                 "max_norm": self.max_norm}
+
+
+# How each setting a state dict records is checked (as the constructors check it).
+SETTINGS = {"lr": lambda value: finite_number("lr", value),
+            "eps": lambda value: finite_number("eps", value, open_low=True),
+            "weight_decay": lambda value: finite_number("weight_decay", value),
+            "weight_decay_mode": check_mode, "max_norm": check_max_norm, "betas": check_betas,
+            "rowwise": lambda value: check_flag("rowwise", value),
+            "stochastic_rounding": lambda value: check_flag("stochastic_rounding", value),
+            "seed": check_seed}
+# State arrays that are sums of squares: a negative value would give NaN rows.
+SQUARES = ("sum", "exp_avg_sq")
 
 
 class RowOptimizer:
@@ -87,8 +148,9 @@ class RowOptimizer:
         self.on_gpu = table.storage.cold.device_resident  # rows and state in GPU memory
         self.code = table.format.code  # the row format the kernel loads and stores
         self.stochastic_rounding = bool(stochastic_rounding)
-        self.seed = int(seed) & ((1 << 64) - 1)
+        self.seed = check_seed(seed)
         self.steps = 0
+        self.closed = False
         self.state: dict[str, np.ndarray] = {}
         self.segments = []  # shared state segments, attached while the optimizer lives
         for key, rowwise in self.state_widths:
@@ -113,6 +175,8 @@ class RowOptimizer:
     def step(self, grads: SparseRows) -> None:
         """Update the rows of ``grads`` (global, sorted unique ``indices``, float32 ``values``
         ``[U, head_dim]``)."""
+        self.check_open()
+        self.step_hyper()
         if self.on_gpu:
             gpu_steps.step(self, grads)
             return
@@ -137,13 +201,19 @@ class RowOptimizer:
     def step_from_output_grad(self, ids, grad_out) -> None:
         """Backward and update in one pass: ``ids`` ``[N]`` / ``[T, H]`` (global rows) and the
         lookup's output gradient ``grad_out`` (as ``embedding_backward`` takes them)."""
+        self.checked_step(ids, grad_out)()
+
+    def checked_step(self, ids, grad_out) -> Callable[[], None]:
+        """Every check of ``step_from_output_grad(ids, grad_out)`` (errors raised here, nothing
+        changed), then the update to run: ranks that must all step or all refuse check first
+        (the GPU paths check inside the update)."""
+        self.check_open()
+        self.step_hyper()
         if self.on_gpu:
-            gpu_steps.step_from_output_grad(self, ids, grad_out)
-            return
+            return lambda: gpu_steps.step_from_output_grad(self, ids, grad_out)
         call = bind(ids=ids, grad_out=grad_out)
         if call.side is not HOST:  # summed on the GPU, the distinct rows applied here
-            self.step(gpu_steps.host_rows_of_device_grad(self, call))
-            return
+            return lambda: self.step(gpu_steps.host_rows_of_device_grad(self, call))
         flat, grad = flat_inputs(call["ids"], call["grad_out"], call.formats.get("grad_out"))
         if grad.shape[1] != self.table.head_dim:
             raise ValueError(f"grad_out has {grad.shape[1]} values per head, the table "
@@ -153,32 +223,59 @@ class RowOptimizer:
         check_finite(grad)
         order, unique, starts = backward_numba.sorted_order(flat.astype(np.int64, copy=False),
                                                             start, rows)
-        self.apply(unique - start, order, starts, np.ascontiguousarray(grad))
+        check_row_sums(grad, order, starts)
+        return lambda: self.apply(unique - start, order, starts, np.ascontiguousarray(grad))
 
     def apply(self, local, order, starts, grad) -> None:
-        """Run the update kernel on checked inputs, then refresh hot copies."""
+        """Run the update kernel on checked inputs, then refresh hot copies (an empty batch is
+        a step that changes no row: the count still advances, as for one process stepping on
+        every rank's batch)."""
+        self.check_open()
         step = self.steps + 1
+        hyper = self.step_hyper()
         empty = np.zeros((0, 1), np.float32)
         first = self.state.get(self.state_widths[0][0], empty) if self.state_widths else empty
         second = self.state.get(self.state_widths[1][0], empty) if len(self.state_widths) > 1 \
             else empty
-        updates_numba.update_rows(self.kind, self.rows, self.code, local, order, starts, grad,
-                                  first, second, self.hyper(step), self.stochastic_rounding,
-                                  np.uint64(self.seed), np.uint64(step))
+        if local.size:  # an empty step writes nothing
+            self.table.storage.cold.will_write()
+        updates_numba.update_rows(self.kind, self.rows, self.code, self.table.row_start, local,
+                                  order, starts, grad, first, second, hyper,
+                                  self.stochastic_rounding, np.uint64(self.seed),
+                                  np.uint64(step))
         self.steps = step
         refresh_hot(self.table, local)
+        self.table.rows_written(local + self.table.row_start)
+
+    def step_hyper(self) -> np.ndarray:
+        """The next step's float32 hyper-parameters; a ValueError when one overflows."""
+        step = self.steps + 1
+        hyper = self.hyper(step)
+        if not np.isfinite(hyper).all():
+            raise ValueError(f"step {step}'s hyper-parameters overflow float32 ({self.settings()}"
+                             "): the step is refused and no row changed")
+        return hyper
+
+    def check_open(self) -> None:
+        """A ValueError, before anything changes, once the optimizer or its table was closed."""
+        if self.closed:
+            raise ValueError("the optimizer is closed: it steps and loads no more")
+        check_trainable(self.table)
 
     def close(self) -> None:
-        """Detach the shared state segments (the last process to detach removes them)."""
+        """Detach the shared state segments (the last process to detach removes them); later
+        steps and loads are refused."""
         for segment in self.segments:
             segment.close()
         self.segments = []
+        self.closed = True
 
     # ---- state ----
 
     def settings(self) -> dict:
-        """The hyper-parameters a state dict records."""
-        return {"lr": self.lr}
+        """The hyper-parameters a state dict records (``load_state_dict`` restores them)."""
+        return {"lr": self.lr, "stochastic_rounding": self.stochastic_rounding,
+                "seed": self.seed}
 
     def state_dict(self) -> dict:
         """Copies of the state arrays, the step count and the hyper-parameters."""
@@ -188,8 +285,11 @@ class RowOptimizer:
                 "state": {key: host_copy(array) for key, array in self.state.items()}}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore ``state_dict()``'s state (copied in place); a ValueError for another
-        optimizer or table shape, before anything changes."""
+        """Restore ``state_dict()``'s state arrays, step count and settings (as torch's
+        optimizers restore theirs: a resumed run continues with the same bits); every part is
+        checked first, so a ValueError (another optimizer, table shape or version, a missing or
+        bad part, a closed optimizer or table) changes nothing."""
+        self.check_open()
         if not isinstance(state, dict) or state.get("optimizer") != self.name:
             got = state.get("optimizer") if isinstance(state, dict) else type(state).__name__
             raise ValueError(f"state is not a {self.name} state dict (got {got!r})")
@@ -197,15 +297,34 @@ class RowOptimizer:
         if list(state.get("shape", ())) != shape:
             raise ValueError(f"state is for a table of shape {state.get('shape')}, this one "
                              f"is {shape}")
+        steps = state.get("steps")
+        if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 0:
+            raise ValueError(f"state['steps'] must be a step count (an integer >= 0), got "
+                             f"{steps!r}")
+        settings = state.get("settings")
+        if not isinstance(settings, dict) or set(settings) != set(self.settings()):
+            raise ValueError(f"state['settings'] must hold {sorted(self.settings())} (a state "
+                             f"of another version?), got {settings!r}")
+        checked = {key: SETTINGS[key](value) for key, value in settings.items()}
+        if "rowwise" in checked and checked["rowwise"] != self.rowwise:
+            raise ValueError(f"state['settings'] has rowwise={checked['rowwise']}, this "
+                             f"optimizer {self.rowwise}")
         arrays = state.get("state", {})
+        given = {}
         for key, array in self.state.items():
-            given = np.asarray(arrays.get(key))
-            if given.shape != array.shape:
+            value = np.asarray(arrays.get(key), np.float32)
+            if value.shape != array.shape:
                 raise ValueError(f"state[{key!r}] must have shape {array.shape}, got "
-                                 f"{given.shape}")
+                                 f"{value.shape}")
+            if not np.isfinite(value).all() or (key in SQUARES and (value < 0).any()):
+                raise ValueError(f"state[{key!r}] holds NaN, infinite"
+                                 f"{' or negative' if key in SQUARES else ''} values")
+            given[key] = value
         for key, array in self.state.items():
-            copy_into(array, np.asarray(arrays[key], np.float32))
-        self.steps = int(state["steps"])
+            copy_into(array, given[key])
+        for key, value in checked.items():
+            setattr(self, key, value)
+        self.steps = int(steps)
 
 
 class SGD(DecayRules, RowOptimizer):
@@ -225,7 +344,7 @@ class SGD(DecayRules, RowOptimizer):
         return self.rules_hyper()
 
     def settings(self) -> dict:
-        return {"lr": self.lr, **self.rules_settings()}
+        return {**super().settings(), **self.rules_settings()}
 
 
 class RowwiseAdagrad(DecayRules, RowOptimizer):
@@ -240,7 +359,7 @@ class RowwiseAdagrad(DecayRules, RowOptimizer):
     def __init__(self, table, lr: float, eps: float = 1e-8, weight_decay: float = 0.0, *,
                  weight_decay_mode: str = "l2", max_norm: float | None = None,
                  stochastic_rounding: bool = False, seed: int = 0):
-        self.eps = finite_number("eps", eps)
+        self.eps = SETTINGS["eps"](eps)
         self.set_rules(weight_decay, weight_decay_mode, max_norm)
         super().__init__(table, lr, stochastic_rounding=stochastic_rounding, seed=seed)
 
@@ -248,7 +367,7 @@ class RowwiseAdagrad(DecayRules, RowOptimizer):
         return self.rules_hyper(self.eps)
 
     def settings(self) -> dict:
-        return {"lr": self.lr, "eps": self.eps, **self.rules_settings()}
+        return {**super().settings(), "eps": self.eps, **self.rules_settings()}
 
 
 class Adam(RowOptimizer):
@@ -260,11 +379,8 @@ class Adam(RowOptimizer):
 
     def __init__(self, table, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  rowwise: bool = False, *, stochastic_rounding: bool = False, seed: int = 0):
-        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-            raise ValueError(f"betas must be a pair, got {betas!r}")
-        self.betas = (finite_number("betas[0]", betas[0], 0.0, 1.0),
-                      finite_number("betas[1]", betas[1], 0.0, 1.0))
-        self.eps = finite_number("eps", eps)
+        self.betas = check_betas(betas)
+        self.eps = SETTINGS["eps"](eps)
         self.rowwise = bool(rowwise)
         self.kind = updates_numba.ROWWISE_ADAM if self.rowwise else updates_numba.ADAM
         self.name = "rowwise_adam" if self.rowwise else "adam"
@@ -277,7 +393,7 @@ class Adam(RowOptimizer):
         return hyper_array(self.lr, self.eps, adam=(1 - beta1, 1 - beta2, step_size))
 
     def settings(self) -> dict:
-        return {"lr": self.lr, "betas": list(self.betas), "eps": self.eps,
+        return {**super().settings(), "betas": list(self.betas), "eps": self.eps,
                 "rowwise": self.rowwise}
 
 

@@ -152,5 +152,6 @@ def load_resharded(paths: Sequence[str | os.PathLike], optimizer, rank=None,
                  state={key: gather_rows(shards, f"state.{key}", start, stop, array)
                         for key, array in optimizer.state.items()})
     optimizer.load_state_dict(state)  # checks the settings and shapes before anything changes
+    table.storage.cold.will_write()
     copy_into(optimizer.rows, rows)
     table.refresh_hot_rows()

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..runtime.atomic import atomic_file
-from .reshard import SHARD, load_resharded, shard_metadata
+from .reshard import SHARD, load_resharded, read_shard, shard_metadata
 from .table_rows import copy_into, on_host
 
 ROWS = "rows"
@@ -38,7 +38,8 @@ def save_training_state(path: str | os.PathLike, optimizer) -> str:
 def load_training_state(path: str | os.PathLike | Sequence[str | os.PathLike], optimizer, *,
                         rank: int | None = None, world_size: int | None = None) -> None:
     """Restore rows and state saved by ``save_training_state`` into ``optimizer`` and its table;
-    a ValueError (nothing changed) for a file of another optimizer, dtype or table shape.
+    a ValueError (nothing changed) for a file of another optimizer, dtype, table shape or
+    shard (its row range and total rows, recorded when saved, must be the table's).
 
     Resharding: ``path`` may list the files every rank saved (any rank count), and ``rank`` /
     ``world_size`` (as ``load_ngram_embedding`` takes them) then name the table's rows; this
@@ -57,6 +58,7 @@ def load_training_state(path: str | os.PathLike | Sequence[str | os.PathLike], o
             raise ValueError(f"{path} holds a {metadata.get('table_dtype')} table, this one is "
                              f"{optimizer.table.format.name}")
         header = json.loads(metadata["header"])
+        check_same_rows(path, read_shard(os.fspath(path), metadata), optimizer.table)
         rows = file.get_tensor(ROWS)
         state = dict(header, state={key.removeprefix("state."): file.get_tensor(key)
                                     for key in file.keys() if key.startswith("state.")})
@@ -64,5 +66,17 @@ def load_training_state(path: str | os.PathLike | Sequence[str | os.PathLike], o
         raise ValueError(f"{path} holds rows of shape {list(rows.shape)}, the table "
                          f"{list(optimizer.rows.shape)}")
     optimizer.load_state_dict(state)  # checks the state before anything changes
+    optimizer.table.storage.cold.will_write()
     copy_into(optimizer.rows, rows)
     optimizer.table.refresh_hot_rows()
+
+
+def check_same_rows(path, shard, table) -> None:
+    """A ValueError unless the saved state holds the table's rows of the same whole table."""
+    saved = (shard.row_start, shard.row_stop, shard.total_rows)
+    here = (table.row_start, table.row_start + table.num_rows, table.total_rows)
+    if saved != here:
+        raise ValueError(f"{path} holds rows [{saved[0]}, {saved[1]}) of {saved[2]}, the "
+                         f"optimizer's table [{here[0]}, {here[1]}) of {here[2]}: another "
+                         "shard's file (pass every rank's files with rank= and world_size= to "
+                         "reshard)")

@@ -14,19 +14,20 @@ THREADS = 128
 
 
 def _update_rows_kernel(kind, rows, code, local, values, first, second, hyper, stochastic,
-                        seed, step):
+                        seed, step, row_start):
     """Row ``local[u]`` updated from its summed gradient ``values[u]`` (overwritten: scratch)."""
     u = cuda.grid(1)
     if u < local.shape[0]:
         update_row(kind, rows, code, local[u], values[u], first, second, hyper, stochastic,
-                   seed, step)
+                   seed, step, row_start)
 
 
 update_rows_kernel = NumbaKernel(_update_rows_kernel)
 
 
 def launch_update_rows(kind: int, rows, code: int, local, values, first, second, hyper,
-                       stochastic: bool, seed: int, step: int, stream=None) -> None:
+                       stochastic: bool, seed: int, step: int, row_start: int = 0,
+                       stream=None) -> None:
     """Apply optimizer ``kind`` to the rows ``local`` (int64 ``[U]``, distinct) of raw ``rows``
     from their gradients ``values`` (float32 ``[U, D]``, used as scratch) on ``stream``; state
     in ``first`` / ``second``, hyper-parameters as ``updates_numba.update_rows`` reads them."""
@@ -34,5 +35,6 @@ def launch_update_rows(kind: int, rows, code: int, local, values, first, second,
     if count:
         update_rows_kernel((count + THREADS - 1) // THREADS, THREADS,
                            (np.int64(kind), rows, np.int64(code), local, values, first, second,
-                            hyper, np.bool_(stochastic), np.uint64(seed), np.uint64(step)),
+                            hyper, np.bool_(stochastic), np.uint64(seed), np.uint64(step),
+                            np.int64(row_start)),
                            stream)

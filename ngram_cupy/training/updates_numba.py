@@ -66,17 +66,20 @@ def load(rows, r, d, code):
 
 
 @inline_jitable
-def store(rows, r, d, value, code, stochastic, seed, step):
-    """Write float32 ``value`` to row ``r``'s value ``d`` in the table's format ``code``."""
+def store(rows, r, d, value, code, stochastic, seed, step, row_start):
+    """Write float32 ``value`` to local row ``r``'s value ``d`` in the table's format ``code``
+    (the rounding noise hashes the global row, ``row_start + r``: a shard rounds as the whole
+    table does)."""
     if code == BFLOAT16:
-        noise = noise16(seed, step, r * rows.shape[1] + d) if stochastic else np.uint32(0)
+        position = (row_start + r) * rows.shape[1] + d
+        noise = noise16(seed, step, position) if stochastic else np.uint32(0)
         rows[r, d] = bfloat16_bits(value, noise, stochastic)
     else:
         rows[r, d] = float32_to_bits(value)
 
 
 @inline_jitable
-def update_row(kind, rows, code, r, g, first, second, hyper, stochastic, seed, step):
+def update_row(kind, rows, code, r, g, first, second, hyper, stochastic, seed, step, row_start):
     """Row ``r``'s update by optimizer ``kind`` from its summed gradient ``g`` (float32 ``[D]``,
     overwritten with the new row): the formula in float32, each operation rounded on its own
     (``float_ops``: the same bits on the CPU and a GPU), the row scaled down to
@@ -137,15 +140,15 @@ def update_row(kind, rows, code, r, g, first, second, hyper, stochastic, seed, s
             for d in range(width):
                 g[d] = mul(g[d], factor)
     for d in range(width):
-        store(rows, r, d, g[d], code, stochastic, seed, step)
+        store(rows, r, d, g[d], code, stochastic, seed, step, row_start)
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def update_rows(kind, rows, code, local, order, starts, grad, first, second, hyper,
+def update_rows(kind, rows, code, row_start, local, order, starts, grad, first, second, hyper,
                 stochastic, seed, step):
-    """Apply optimizer ``kind`` to local rows ``local[u]``, whose gradient is the float64 sum of
-    ``grad[order[starts[u]:starts[u + 1]]]`` rounded to float32; state in ``first`` /
-    ``second`` (float32 ``[rows, D]`` or ``[rows, 1]``)."""
+    """Apply optimizer ``kind`` to local rows ``local[u]`` (global ``row_start + local[u]``),
+    whose gradient is the float64 sum of ``grad[order[starts[u]:starts[u + 1]]]`` rounded to
+    float32; state in ``first`` / ``second`` (float32 ``[rows, D]`` or ``[rows, 1]``)."""
     count, width = local.shape[0], grad.shape[1]
     for block in prange((count + BLOCK - 1) // BLOCK):
         acc = np.empty(width, np.float64)
@@ -159,4 +162,5 @@ def update_rows(kind, rows, code, local, order, starts, grad, first, second, hyp
                     acc[d] += grad[source, d]
             for d in range(width):
                 g[d] = np.float32(acc[d])
-            update_row(kind, rows, code, r, g, first, second, hyper, stochastic, seed, step)
+            update_row(kind, rows, code, r, g, first, second, hyper, stochastic, seed, step,
+                       row_start)

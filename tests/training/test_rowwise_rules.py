@@ -135,7 +135,8 @@ def test_the_rules_are_in_the_state_dict():
     state = nc.RowwiseAdagrad(table, 0.1, weight_decay=0.01, weight_decay_mode="decoupled",
                               max_norm=3.0).state_dict()
     assert state["settings"] == {"lr": 0.1, "eps": 1e-8, "weight_decay": 0.01,
-                                 "weight_decay_mode": "decoupled", "max_norm": 3.0}
+                                 "weight_decay_mode": "decoupled", "max_norm": 3.0,
+                                 "stochastic_rounding": False, "seed": 0}
     assert nc.SGD(table, 0.1).state_dict()["settings"]["max_norm"] is None
 
 

@@ -39,7 +39,7 @@ def setup(kind, dtype, seed=0):
 
 def cpu_update(kind, code, rows, states, batch, hyper, stochastic):
     local, order, starts, grad = batch
-    updates_numba.update_rows(kind, rows, code, local, order, starts, grad, states[0],
+    updates_numba.update_rows(kind, rows, code, 0, local, order, starts, grad, states[0],
                               states[1], hyper, stochastic, np.uint64(7), np.uint64(3))
 
 
@@ -84,7 +84,7 @@ def test_compiled_kernel_rounds_every_float32_operation(raw):
     args = (np.int64(1), np.zeros((4, 3), raw), np.int64(0), np.zeros(2, np.int64),
             np.zeros((2, 3), np.float32), np.zeros((4, 1), np.float32),
             np.zeros((4, 1), np.float32), np.zeros(8, np.float32), np.bool_(False),
-            np.uint64(1), np.uint64(1))
+            np.uint64(1), np.uint64(1), np.int64(0))
     ptx = kernel_builds.build_for(updates_cuda.update_rows_kernel, args).ptx
     check_abi(ptx, args, "update_rows")
     operations = re.findall(r"\b((?:add|sub|mul|div|fma|sqrt)(?:\.\w+)*\.f32)\b", ptx)

@@ -44,7 +44,8 @@ The interface (``Storage`` in ``base``; each placement is one module: ``cpu``, `
   hot tier, else itself), ``device_tier``, ``counters``, ``refresh_hot_rows()`` and
   ``rows_changed(local_rows)`` (a hot tier's), ``page_locked`` (host memory the GPU reads over
   UVA), ``device_resident`` (rows in GPU memory), ``shared_segment`` (the node-wide segment the
-  rows are in), ``training_refusal()`` and ``training_rows()`` (what a row optimizer updates).
+  rows are in), ``training_refusal()``, ``training_rows()`` (what a row optimizer updates) and
+  ``will_write()`` (called before each update).
 
 A new placement is one more class: a tiered storage (hot rows in GPU memory over a cold storage)
 implements the same methods, gathering hot rows itself and the rest through the cold storage,

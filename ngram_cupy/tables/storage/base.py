@@ -60,6 +60,7 @@ class Storage:
     page_locked = False  # rows in page-locked host memory the GPU reads over UVA
     device_resident = False  # rows in GPU memory: lookups there need no prefetch
     shared_segment: Any = None  # the node-wide segment holding the rows (``shared_memory``)
+    serves_after_close = True  # lookups still read the rows after ``close`` (process memory)
 
     def __init__(self, num_rows: int, head_dim: int, fmt: Format):
         self.num_rows, self.head_dim, self.format = num_rows, head_dim, fmt
@@ -133,6 +134,9 @@ class Storage:
     def training_rows(self) -> np.ndarray:
         """The raw rows ``[num_rows, head_dim]`` a row optimizer updates in place."""
         return self.host_view.view(self.format.raw)
+
+    def will_write(self) -> None:
+        """A row optimizer is about to write ``training_rows``: nothing to note by default."""
 
     def close(self) -> None:
         """Nothing to release by default."""

@@ -69,6 +69,7 @@ class MappedStorage(Storage):
 
     placement = "mmap"
     writable = False
+    serves_after_close = False  # detached / unmapped: a closed table refuses lookups
 
     def __init__(self, blocks: Sequence[tuple], head_dim: int, fmt: Format,
                  guard: Callable[[], None] | None = None, pageable: bool | None = None):

@@ -12,6 +12,7 @@ cannot hold the rows they are in private memory (``segment.shared`` False, with 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import mmap
 from collections.abc import Callable
@@ -25,6 +26,9 @@ from ...runtime.backends import HOST, gpu_available
 from .base import Gather, Storage, placement_list
 from .cpu import gather_host
 from .gpu import gather_device
+
+# Bytes after the rows in a segment; the first is 1 once a row optimizer wrote the rows.
+FLAG_BYTES = 64
 
 
 def block_scales_refusal(fmt: Format) -> str:
@@ -50,6 +54,7 @@ class SharedStorage(Storage):
 
     placement = "shared"
     writable = False
+    serves_after_close = False  # detached / unmapped: a closed table refuses lookups
 
     def __init__(self, key: str, num_rows: int, head_dim: int, fmt: Format,
                  fill: Callable[[np.ndarray], None], *, huge_pages: bool | None = None,
@@ -62,10 +67,15 @@ class SharedStorage(Storage):
         def fill_memory(memory: mmap.mmap) -> None:
             fill(np.frombuffer(memory, fmt.raw, count=num_rows * head_dim).reshape(shape))
 
-        key = json.dumps({"rows": key, "shape": list(shape), "format": fmt.name})
-        self.segment = shared_memory.attach(key, self.nbytes, fill_memory,
-                                            huge_pages=huge_pages, timeout=timeout,
-                                            strict=strict)
+        for generation in itertools.count():  # the first whose rows were never written
+            named = json.dumps({"rows": key, "shape": list(shape), "format": fmt.name,
+                                "generation": generation})
+            self.segment = shared_memory.attach(named, self.nbytes + FLAG_BYTES, fill_memory,
+                                                huge_pages=huge_pages, timeout=timeout,
+                                                strict=strict)
+            if not self.segment.memory[self.nbytes]:
+                break
+            self.segment.close()
         try:
             self.buffer = (PinnedBuffer(self.nbytes, memory=self.segment.memory)
                            if gpu_available() else None)
@@ -93,6 +103,10 @@ class SharedStorage(Storage):
         if self.segment.attached:
             return None
         return "the table is closed: its shared segment is detached"
+
+    def will_write(self) -> None:
+        """Flag the rows as written: the segment no longer answers to their name."""
+        self.segment.memory[self.nbytes] = 1
 
     def training_rows(self) -> np.ndarray:
         """The raw rows in the segment's mapping, writable in every process."""
