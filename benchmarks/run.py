@@ -33,6 +33,7 @@ def sections() -> list[Bench]:
     from . import sections_gpu as gpu
     from . import sections_mmap as mapped
     from . import sections_packed as packed
+    from . import sections_pipeline as pipeline
     from . import sections_quantize as quantize
     from . import sections_shared as shared
     from . import sections_tiered as tiered
@@ -70,6 +71,9 @@ def sections() -> list[Bench]:
         Bench("train-cpu", "cpu", "backward + RowwiseAdagrad step of 65,536 x 16 x 160 on a 4 M-row"
               " table against torch SparseAdam and the gather; state bytes; shared Hogwild",
               training.bench_train_cpu),
+        Bench("train-pipeline", "cpu", "per micro-step lookup + RowwiseAdagrad step, overlapped "
+              "(asynchronous, prefetched) against synchronous against the lookup alone",
+              pipeline.bench_train_pipeline),
         Bench("transformers-cpu", "cpu", "transformers Qwen4Exp: PLE table RSS fp8 / bf16 at "
               ">= 1 GiB, generate tokens/s with and without", hf.bench_transformers_cpu),
         Bench("packed-rows", "cpu", "NVFP4 / MXFP8 rows packed with their block scales against "

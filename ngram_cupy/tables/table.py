@@ -38,6 +38,7 @@ from .prefetch import Prefetcher
 from .quantize import QuantizedTable
 from .storage import Gather, Storage, adopt, allocate, canonical_placement
 from .storage.tiered import TieredStorage
+from .writers import Writers, regather_written
 
 
 def scale_value(scale) -> np.float32 | None:
@@ -257,6 +258,7 @@ class EmbeddingTable:
         self.nbytes = self.num_rows * self.format.row_bytes(self.head_dim)
         self.dedup = bool(dedup)
         self.prefetcher = Prefetcher()
+        self.writers = Writers()  # asynchronous optimizers updating the rows
         self.closed = False
         weakref.finalize(self, self.prefetcher.close, False)  # never joins the worker
 
@@ -345,6 +347,7 @@ class EmbeddingTable:
                 f"{self.row_start + self.num_rows})")
         if not self.storage.writable:
             raise ValueError("the table's storage is read-only")
+        self.writers.wait()
         self.storage.wait_for_readers("write rows")
         with call.on():
             self.storage.write_rows(int(start) - self.row_start, rows.view(self.format.raw),
@@ -447,12 +450,18 @@ class EmbeddingTable:
         ``[0, total_rows)``) give zero rows; an id outside ``[0, total_rows)`` is an IndexError
         naming the first (``row_ids``; a GPU lookup then waits for its stream to read the
         kernel's error word, except during a CUDA graph capture, where ids are not checked).
+        A lookup waits for the row updates an asynchronous optimizer has pending (and raises an
+        error one of them raised); heads whose rows were updated after the joined prefetch
+        began are gathered again.
         """
         request = self._request(ids, out, out_dtype, stream)
+        self.writers.wait()  # every update issued before this lookup lands first
+        written = self.writers.take()
         with request.call.on():
             target = self.prefetcher.finish(
                 request.side, request.call.stream, request.ids, request.out_format.code,
-                request.out, lambda i, rows, expected: self._gather(request, i, rows, expected))
+                request.out, lambda i, rows, expected: self._gather(
+                    request, i, rows, regather_written(written, i, expected)))
             if target is None:
                 target = request.out
                 if target is None:
@@ -470,7 +479,8 @@ class EmbeddingTable:
         ``lookup`` on the CPU). Rows go to ``out`` when given (pass the same ``out`` to
         ``lookup``), else to a staging buffer kept per shape (see ``keep_staging``). Errors in
         the worker surface at the next ``lookup`` or ``prefetch``. In a CUDA graph capture,
-        capture the ``lookup`` that consumes a prefetch in the same graph.
+        capture the ``lookup`` that consumes a prefetch in the same graph. The gather first
+        waits (on the worker) for the row updates issued before it.
         """
         request = self._request(ids, out, out_dtype, stream)
         with request.call.on():
@@ -480,7 +490,9 @@ class EmbeddingTable:
                 request.side, request.call.stream, request.ids, request.shape,
                 public_dtype(request.side, request.out_format), request.out_format.code,
                 request.out,
-                lambda i, rows, worker: self._gather(request, i, rows, worker=worker))
+                lambda i, rows, worker: (self.writers.settle(),  # updates issued before it
+                                         self._gather(request, i, rows, worker=worker)))
+            self.writers.prefetching()
 
     start_prefetch = prefetch
 
@@ -499,6 +511,7 @@ class EmbeddingTable:
             raise RuntimeError("cannot close the table while a stream that looks it up is "
                                "capturing a CUDA graph: close it after the capture (and after "
                                "the graph's last replay)")
+        self.writers.settle()
         self.prefetcher.close()
         self.storage.wait_for_readers("close the table")
         self.storage.close()

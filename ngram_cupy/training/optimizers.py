@@ -3,6 +3,9 @@
 Each step takes sparse row gradients (``step``) or the lookup's output gradient
 (``step_from_output_grad``: the backward fused into the update, no ``[U, D]`` gradient made).
 Every check runs before any row changes: a refused step leaves rows and state as they were.
+With ``asynchronous=True`` a step copies its ids and returns; a worker thread checks and applies
+it (``worker.py``), reading the gradient in place (the caller leaves it unchanged until its next
+call), and lookups of the table wait for it.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from . import backward_numba, updates_numba
 from .inputs import check_finite, check_ids_inside, flat_inputs
 from .sparse_rows import SparseRows
 from .table_rows import refresh_hot, state_array, writable_rows
+from .worker import UpdateWorker
 
 
 def finite_number(name: str, value, low: float = 0.0, high: float = math.inf,
@@ -32,13 +36,15 @@ def finite_number(name: str, value, low: float = 0.0, high: float = math.inf,
 
 
 class RowOptimizer:
-    """The common part: the table's writable rows, named float32 state arrays, a step count."""
+    """The common part: the table's writable rows, named float32 state arrays, a step count;
+    ``asynchronous=True`` applies the steps on a worker thread (``synchronize`` waits)."""
 
     kind = -1
     name = ""
     state_widths: tuple[tuple[str, bool], ...] = ()  # (name, one value per row)
 
-    def __init__(self, table, lr: float, *, stochastic_rounding: bool = False, seed: int = 0):
+    def __init__(self, table, lr: float, *, stochastic_rounding: bool = False, seed: int = 0,
+                 asynchronous: bool = False):
         self.table = table
         self.lr = finite_number("lr", lr)
         self.rows = writable_rows(table)
@@ -54,6 +60,9 @@ class RowOptimizer:
             self.state[key] = array
             if segment is not None:
                 self.segments.append(segment)
+        self.worker = UpdateWorker() if asynchronous else None
+        if self.worker is not None:
+            table.writers.workers.append(self.worker)
 
     @property
     def state_bytes_per_row(self) -> int:
@@ -80,6 +89,12 @@ class RowOptimizer:
         if values.dtype != np.float32 or values.shape != (indices.shape[0], self.table.head_dim):
             raise ValueError(f"grads.values must be float32 [{indices.shape[0]}, "
                              f"{self.table.head_dim}], got {values.dtype} {tuple(values.shape)}")
+        if self.worker is not None:
+            indices = indices.copy()  # grads.values is read in place
+        self.issue(indices, lambda: self.step_rows(indices, values))
+
+    def step_rows(self, indices: np.ndarray, values: np.ndarray) -> None:
+        """``step``'s data checks and update, on shape-checked host arrays."""
         if indices.size > 1 and not bool((np.diff(indices) > 0).all()):
             raise ValueError("grads.indices must be sorted and unique (embedding_backward's)")
         start = self.table.row_start
@@ -99,12 +114,34 @@ class RowOptimizer:
         if grad.shape[1] != self.table.head_dim:
             raise ValueError(f"grad_out has {grad.shape[1]} values per head, the table "
                              f"{self.table.head_dim}")
+        ids = call["ids"]
+        if self.worker is not None:
+            ids = ids.copy()  # the caller may reuse its ids buffer; grad_out is read in place
+            flat = ids.reshape(-1)
+        self.issue(flat, lambda: self.step_ids(ids, flat, grad))
+
+    def step_ids(self, ids, flat: np.ndarray, grad: np.ndarray) -> None:
+        """``step_from_output_grad``'s data checks and update, on shape-checked host arrays."""
         start, rows = self.table.row_start, self.table.num_rows
-        check_ids_inside(call["ids"], start, start + rows)
+        check_ids_inside(ids, start, start + rows)
         check_finite(grad)
         order, unique, starts = backward_numba.sorted_order(flat.astype(np.int64, copy=False),
                                                             start, rows)
         self.apply(unique - start, order, starts, np.ascontiguousarray(grad))
+
+    def issue(self, ids, update) -> None:
+        """Run ``update`` of the rows ``ids``: now, or on the worker (``asynchronous``)."""
+        self.table.writers.wrote(ids)
+        if self.worker is None:
+            update()
+        else:
+            self.worker.submit(update)
+
+    def synchronize(self) -> None:
+        """Wait until every issued update is applied; an error a pending update raised (it
+        changed nothing) is raised here. Synchronous optimizers return at once."""
+        if self.worker is not None:
+            self.worker.wait()
 
     def apply(self, local, order, starts, grad) -> None:
         """Run the update kernel on checked inputs, then refresh hot copies."""
@@ -120,10 +157,17 @@ class RowOptimizer:
         refresh_hot(self.table, local)
 
     def close(self) -> None:
-        """Detach the shared state segments (the last process to detach removes them)."""
-        for segment in self.segments:
-            segment.close()
-        self.segments = []
+        """Finish the pending update (raising its error) and detach the shared state segments
+        (the last process to detach removes them)."""
+        try:
+            if self.worker is not None:
+                self.worker.close()
+                self.table.writers.workers.remove(self.worker)
+                self.worker = None
+        finally:
+            for segment in self.segments:
+                segment.close()
+            self.segments = []
 
     # ---- state ----
 
@@ -132,7 +176,9 @@ class RowOptimizer:
         return {"lr": self.lr}
 
     def state_dict(self) -> dict:
-        """Copies of the state arrays, the step count and the hyper-parameters."""
+        """Copies of the state arrays, the step count and the hyper-parameters (after every
+        issued update)."""
+        self.synchronize()
         return {"optimizer": self.name, "steps": self.steps,
                 "shape": [self.table.num_rows, self.table.head_dim],
                 "settings": self.settings(),
@@ -144,6 +190,7 @@ class RowOptimizer:
         if not isinstance(state, dict) or state.get("optimizer") != self.name:
             got = state.get("optimizer") if isinstance(state, dict) else type(state).__name__
             raise ValueError(f"state is not a {self.name} state dict (got {got!r})")
+        self.synchronize()
         shape = [self.table.num_rows, self.table.head_dim]
         if list(state.get("shape", ())) != shape:
             raise ValueError(f"state is for a table of shape {state.get('shape')}, this one "
@@ -175,10 +222,11 @@ class RowwiseAdagrad(RowOptimizer):
     state_widths = (("sum", True),)
 
     def __init__(self, table, lr: float, eps: float = 1e-8, weight_decay: float = 0.0, *,
-                 stochastic_rounding: bool = False, seed: int = 0):
+                 stochastic_rounding: bool = False, seed: int = 0, asynchronous: bool = False):
         self.eps = finite_number("eps", eps)
         self.weight_decay = finite_number("weight_decay", weight_decay)
-        super().__init__(table, lr, stochastic_rounding=stochastic_rounding, seed=seed)
+        super().__init__(table, lr, stochastic_rounding=stochastic_rounding, seed=seed,
+                         asynchronous=asynchronous)
 
     def hyper(self, step: int) -> np.ndarray:
         return np.array([self.lr, self.eps, self.weight_decay, 0, 0, 0], np.float32)
@@ -194,7 +242,8 @@ class Adam(RowOptimizer):
     kind = updates_numba.ADAM
 
     def __init__(self, table, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 rowwise: bool = False, *, stochastic_rounding: bool = False, seed: int = 0):
+                 rowwise: bool = False, *, stochastic_rounding: bool = False, seed: int = 0,
+                 asynchronous: bool = False):
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
             raise ValueError(f"betas must be a pair, got {betas!r}")
         self.betas = (finite_number("betas[0]", betas[0], 0.0, 1.0),
@@ -204,7 +253,8 @@ class Adam(RowOptimizer):
         self.kind = updates_numba.ROWWISE_ADAM if self.rowwise else updates_numba.ADAM
         self.name = "rowwise_adam" if self.rowwise else "adam"
         self.state_widths = (("exp_avg", self.rowwise), ("exp_avg_sq", self.rowwise))
-        super().__init__(table, lr, stochastic_rounding=stochastic_rounding, seed=seed)
+        super().__init__(table, lr, stochastic_rounding=stochastic_rounding, seed=seed,
+                         asynchronous=asynchronous)
 
     def hyper(self, step: int) -> np.ndarray:
         beta1, beta2 = self.betas
