@@ -54,7 +54,7 @@ def train(table_options: dict, optimizer_class, options: dict, asynchronous: boo
         slowed(optimizer)
     data = batches(steps + 1)
     seen = []
-    for (ids, grad), (following, _) in zip(data, data[1:]):
+    for (ids, grad), (following, _) in zip(data, data[1:], strict=False):
         table.lookup(ids)
         if prefetch_first:  # gathered while this step's update may land
             table.prefetch(following)
@@ -78,7 +78,7 @@ def test_overlapped_lookups_match_synchronous_bits(optimizer_class, options, tab
     reference, rows = train({"placement": "cpu"}, optimizer_class, options, False, False)
     seen, overlapped = train(table_options, optimizer_class, options, True, prefetch_first)
     assert overlapped.tobytes() == rows.tobytes()
-    for step, (want, got) in enumerate(zip(reference, seen)):
+    for step, (want, got) in enumerate(zip(reference, seen, strict=True)):
         assert got.tobytes() == want.tobytes(), f"lookup {step} differs"
 
 
@@ -88,7 +88,7 @@ def test_bfloat16_stochastic_rounding_overlapped_matches():
     reference, rows = train({"placement": "cpu"}, nc.RowwiseAdagrad, options, False, False, dtype)
     seen, overlapped = train({"placement": "cpu"}, nc.RowwiseAdagrad, options, True, True, dtype)
     assert overlapped.tobytes() == rows.tobytes()
-    assert all(a.tobytes() == b.tobytes() for a, b in zip(reference, seen))
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(reference, seen, strict=True))
 
 
 def test_a_prefetch_before_a_synchronous_step_is_gathered_again():
