@@ -8,6 +8,8 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from ..runtime.cpu_threads import threading_layer
+
 
 class UpdateWorker:
     """Runs each submitted update on a worker thread; an error it raised (the update changed
@@ -15,6 +17,11 @@ class UpdateWorker:
     ``wait`` or lookup of the table."""
 
     def __init__(self) -> None:
+        if threading_layer() == "workqueue":
+            raise ValueError("asynchronous=True needs Numba's tbb or omp threading layer: its "
+                             "update kernels run beside the caller's, and the workqueue layer "
+                             "aborts the process on concurrent parallel kernels (pip install "
+                             "tbb)")
         self._executor: ThreadPoolExecutor | None = None
         self._pid = os.getpid()  # the process whose thread the executor's is
         self._future: Future | None = None

@@ -198,3 +198,11 @@ def test_close_waits_and_the_table_stops_waiting_for_it():
     optimizer.close()
     assert optimizer.steps == 1 and table.writers.workers == []
     table.lookup(ids)
+
+
+def test_the_workqueue_layer_is_refused_clearly(monkeypatch):
+    from ngram_cupy.training import worker
+
+    monkeypatch.setattr(worker, "threading_layer", lambda: "workqueue")
+    with pytest.raises(ValueError, match="asynchronous=True needs Numba's tbb or omp"):
+        nc.SGD(nc.EmbeddingTable(weight()), lr=0.1, asynchronous=True)
