@@ -152,7 +152,7 @@ def bench_train_model(quick: bool) -> Section:
     within = int(over[0]) if over.size else steps
     section.rows.append(Row(case="loss difference", seconds=0.0,
                             notes=f"within 1e-5 relative for the first {within} steps "
-                                  f"(largest {relative[:within].max():.1e}); final |b - a| = "
+                                  f"(largest {relative[:within].max():.1e}); final abs(b - a) = "
                                   f"{abs(losses[1, -1] - losses[0, -1]):.2e} "
                                   f"({relative[-1]:.1e} relative), largest over the run "
                                   f"{relative.max():.1e} (target 1e-5 at every step)"))

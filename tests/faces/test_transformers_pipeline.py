@@ -39,15 +39,18 @@ def corpus_batches() -> list[torch.Tensor]:
 
 
 def train(model) -> list[float]:
+    """SGD on the language-model loss (the step's closure runs forward and backward)."""
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for ids in corpus_batches():
-        optimizer.zero_grad()
-        loss = model(ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
+
+    def loss_of(ids: torch.Tensor):
+        def closure() -> torch.Tensor:
+            optimizer.zero_grad()
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+            return loss
+        return closure
+
+    return [optimizer.step(loss_of(ids)).item() for ids in corpus_batches()]
 
 
 def patched(asynchronous: bool):
