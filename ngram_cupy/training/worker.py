@@ -37,6 +37,12 @@ class UpdateWorker:
                 self._pid = os.getpid()
             self._future = self._executor.submit(update)
 
+    @property
+    def busy(self) -> bool:
+        """Whether an update is running or queued."""
+        future = self._future
+        return future is not None and not future.done() and self._pid == os.getpid()
+
     def settle(self) -> None:
         """Wait until the pending update, if any, has finished; raise nothing."""
         future = self._future
