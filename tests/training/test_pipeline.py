@@ -121,9 +121,11 @@ def test_step_returns_before_the_update_and_synchronize_waits():
     ids, grad = batches(1)[0]
     optimizer.step_from_output_grad(ids, grad)  # returns with the update held
     assert optimizer.steps == 0 and table.host_view.tobytes() == before.tobytes()
+    assert optimizer.worker.busy
     threading.Timer(0.05, gate.set).start()
     optimizer.synchronize()
     assert optimizer.steps == 1 and table.host_view.tobytes() != before.tobytes()
+    assert not optimizer.worker.busy
     optimizer.close()
 
 
