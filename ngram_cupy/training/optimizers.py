@@ -60,6 +60,8 @@ class RowOptimizer:
             self.state[key] = array
             if segment is not None:
                 self.segments.append(segment)
+        if not isinstance(asynchronous, bool):
+            raise TypeError(f"asynchronous must be True or False, got {asynchronous!r}")
         self.worker = UpdateWorker() if asynchronous else None
         if self.worker is not None:
             table.writers.workers.append(self.worker)
@@ -130,8 +132,11 @@ class RowOptimizer:
         self.apply(unique - start, order, starts, np.ascontiguousarray(grad))
 
     def issue(self, ids, update) -> None:
-        """Run ``update`` of the rows ``ids``: now, or on the worker (``asynchronous``)."""
-        self.table.writers.wrote(ids)
+        """Run ``update`` of the rows ``ids``: now, or on the worker (``asynchronous``) once
+        the previous update is applied (its error, if any, is raised instead)."""
+        if self.worker is not None:
+            self.worker.wait()
+        self.table.writers.wrote(ids)  # a pending prefetch gathers these rows again
         if self.worker is None:
             update()
         else:

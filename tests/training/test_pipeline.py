@@ -188,6 +188,8 @@ def test_shape_errors_stay_immediate_and_default_is_synchronous():
     with pytest.raises(ValueError, match="grad_out must have shape"):
         optimizer.step_from_output_grad(ids, grad[:, :DIM])
     assert nc.SGD(table, lr=0.1).worker is None
+    with pytest.raises(TypeError, match="asynchronous must be True or False"):
+        nc.SGD(table, lr=0.1, asynchronous="yes")
 
 
 def test_close_waits_and_the_table_stops_waiting_for_it():
