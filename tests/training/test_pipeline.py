@@ -16,7 +16,7 @@ import ngram_cupy as nc
 ROWS, DIM, HEADS = 64, 8, 3
 OPTIMIZERS = [(nc.SGD, {"lr": 0.1}), (nc.RowwiseAdagrad, {"lr": 0.1}),
               (nc.Adam, {"lr": 0.01}), (nc.Adam, {"lr": 0.01, "rowwise": True})]
-PLACEMENTS = [{"placement": "cpu"}, {"placement": "pinned"},
+PLACEMENTS = [{"placement": "cpu"}, {"placement": "pinned"}, {"placement": "shared"},
               {"placement": "cpu", "hot_rows": np.arange(0, ROWS, 3)}]
 
 
@@ -66,12 +66,13 @@ def train(table_options: dict, optimizer_class, options: dict, asynchronous: boo
         seen.append(table.lookup(ids).copy())  # a plain lookup of the rows just updated
     optimizer.synchronize()
     rows = table.host_view.copy()
+    optimizer.close()  # a shared table's state segment is detached
     table.close()
     return seen, rows
 
 
 @pytest.mark.parametrize("optimizer_class, options", OPTIMIZERS)
-@pytest.mark.parametrize("table_options", PLACEMENTS, ids=["cpu", "pinned", "hot_rows"])
+@pytest.mark.parametrize("table_options", PLACEMENTS, ids=["cpu", "pinned", "shared", "hot_rows"])
 @pytest.mark.parametrize("prefetch_first", [True, False], ids=["prefetch-step", "step-prefetch"])
 def test_overlapped_lookups_match_synchronous_bits(optimizer_class, options, table_options,
                                                    prefetch_first):
