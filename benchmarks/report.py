@@ -41,6 +41,7 @@ class Section:
     title: str
     device: str
     rows: list[Row] = field(default_factory=list)
+    curves: np.ndarray | None = None  # loss curves [arms, steps] (train-model), plotted apart
 
     @property
     def by_condition(self) -> bool:

@@ -32,12 +32,15 @@ def sections() -> list[Bench]:
     from . import sections_compile as compiled
     from . import sections_cpu as cpu
     from . import sections_gpu as gpu
+    from . import sections_hogwild as hogwild
     from . import sections_jax as jax
     from . import sections_mmap as mapped
     from . import sections_packed as packed
+    from . import sections_pipeline as pipeline
     from . import sections_quantize as quantize
     from . import sections_shared as shared
     from . import sections_tiered as tiered
+    from . import sections_train_model as train_model
     from . import sections_training as training
     from . import sections_transformers as hf
 
@@ -72,6 +75,15 @@ def sections() -> list[Bench]:
         Bench("train-cpu", "cpu", "backward + RowwiseAdagrad step of 65,536 x 16 x 160 on a 4 M-row"
               " table against torch SparseAdam and the gather; state bytes; shared Hogwild",
               training.bench_train_cpu),
+        Bench("train-pipeline", "cpu", "per micro-step lookup + RowwiseAdagrad step, overlapped "
+              "(asynchronous, prefetched) against synchronous against the lookup alone",
+              pipeline.bench_train_pipeline),
+        Bench("hogwild", "cpu", "two processes step on disjoint rows of one shared table "
+              "against one process, alternating repeats, with the load average",
+              hogwild.bench_hogwild),
+        Bench("train-model", "cpu", "tiny Qwen4Exp trained 200 steps on data/: nn.Embedding "
+              "tables + torch SGD against ngram_cupy tables + fused asynchronous SGD; loss "
+              "curves (-losses.png), step-time ratio", train_model.bench_train_model),
         Bench("transformers-cpu", "cpu", "transformers Qwen4Exp: PLE table RSS fp8 / bf16 at "
               ">= 1 GiB, generate tokens/s with and without", hf.bench_transformers_cpu),
         Bench("packed-rows", "cpu", "NVFP4 / MXFP8 rows packed with their block scales against "
@@ -199,6 +211,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {markdown}", flush=True)
     if png is not None and measured and plot(measured, png):
         print(f"wrote {png}")
+    for section in measured:
+        if png is not None and section.curves is not None:
+            from .sections_train_model import plot_losses
+
+            losses = os.path.splitext(png)[0] + "-losses.png"
+            if plot_losses(section.curves, losses):
+                print(f"wrote {losses}")
     print(f"bench.py: the run took {(time.perf_counter() - run_start) / 60:.1f} min", flush=True)
     if failed:
         print(f"bench.py: sections failed: {', '.join(failed)}", file=sys.stderr)

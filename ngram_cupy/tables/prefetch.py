@@ -306,21 +306,3 @@ class Prefetcher:
             self.streams.close()
             self.streams = None
         self.threads.close(wait)
-
-
-
-def unwritten(expected, written: list | None):
-    """A finished prefetch's ids with the heads reading rows written since it began (``written``:
-    ``(start, stop)`` ranges or arrays of rows) set to -1, never a row: the lookup gathers them
-    again."""
-    if not written:
-        return expected
-    xp = np if isinstance(expected, np.ndarray) else cupy_module()
-    stale = xp.zeros(expected.shape, bool)
-    for rows in written:
-        if isinstance(rows, tuple):
-            stale |= (expected >= rows[0]) & (expected < rows[1])
-        else:
-            stale |= xp.isin(expected, xp.asarray(rows))
-    expected[stale] = -1
-    return expected

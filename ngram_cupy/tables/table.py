@@ -36,7 +36,7 @@ from ..runtime.checks import (
 )
 from .captured_ids import CapturedIds
 from .hot_rows import check_hot_rows
-from .prefetch import Prefetcher, unwritten
+from .prefetch import Prefetcher
 from .storage import (
     TABLE_PLACEMENT,
     Gather,
@@ -47,6 +47,7 @@ from .storage import (
     placement_list,
 )
 from .storage.tiered import TieredStorage
+from .writers import Writers, regather_written
 
 
 def public_dtype(side: Backend, fmt: Format):
@@ -212,7 +213,7 @@ class EmbeddingTable:
         self.dedup = bool(dedup)
         self.prefetcher = Prefetcher()
         self.captured_ids = CapturedIds()
-        self.written: list | None = None  # rows written since the pending prefetch began
+        self.writers = Writers()  # row updates: asynchronous optimizers, writes since a prefetch
         self.closed = False
         weakref.finalize(self, self.prefetcher.close, False)  # never joins the worker
 
@@ -301,18 +302,12 @@ class EmbeddingTable:
                 f"{self.row_start + self.num_rows})")
         if not self.storage.writable:
             raise ValueError("the table's storage is read-only")
+        self.writers.wait()
         self.storage.wait_for_readers("write rows")
         with call.on():
             self.storage.write_rows(int(start) - self.row_start, rows.view(self.format.raw),
                                     scales)
-        self.rows_written((int(start), end))
-
-    def rows_written(self, rows) -> None:
-        """Note global rows changed since a prefetch began (``write_rows``, an optimizer step:
-        ``(start, stop)`` or an array of rows): its lookup gathers the heads reading them again,
-        so the rows it returns are the ones written."""
-        if self.written is not None:
-            self.written.append(rows)
+        self.writers.wrote((int(start), end))  # a pending prefetch gathers these again
 
     def refresh_hot_rows(self) -> None:
         """Copy the hot tier's rows again from the table's rows (nothing without ``hot_rows``).
@@ -424,14 +419,18 @@ class EmbeddingTable:
         naming the first (``row_ids``; a GPU lookup then waits for its stream to read the
         kernel's error word; a lookup captured in a CUDA graph notes it in a persistent word
         instead, raised at the next GPU lookup outside a capture or by ``check_errors``).
+        A lookup waits for the row updates an asynchronous optimizer has pending (and raises an
+        error one of them raised); heads whose rows were updated after the joined prefetch
+        began are gathered again.
         """
         request = self._request(ids, out, out_dtype, stream)
+        self.writers.wait()  # every update issued before this lookup lands first
+        written = self.writers.take()
         with request.call.on():
             target = self.prefetcher.finish(
                 request.side, request.call.stream, request.ids, request.out_format.code,
                 request.out, lambda i, rows, expected: self._gather(
-                    request, i, rows, unwritten(expected, self.written)))
-            self.written = None  # consumed, or a prefetch of another shape dropped
+                    request, i, rows, regather_written(written, expected)))
             if target is None:
                 target = request.out
                 if target is None:
@@ -449,18 +448,20 @@ class EmbeddingTable:
         ``lookup`` on the CPU). Rows go to ``out`` when given (pass the same ``out`` to
         ``lookup``), else to a staging buffer kept per shape (see ``keep_staging``). Errors in
         the worker surface at the next ``lookup`` or ``prefetch``. In a CUDA graph capture,
-        capture the ``lookup`` that consumes a prefetch in the same graph.
+        capture the ``lookup`` that consumes a prefetch in the same graph. The gather first
+        waits (on the worker) for the row updates issued before it.
         """
         request = self._request(ids, out, out_dtype, stream)
         with request.call.on():
             self.storage.will_read(request.ids, self.row_start,
                                    cuda_stream() if request.side is DEVICE else None)
-            self.written = []
             self.prefetcher.issue(
                 request.side, request.call.stream, request.ids, request.shape,
                 public_dtype(request.side, request.out_format), request.out_format.code,
                 request.out,
-                lambda i, rows, worker: self._gather(request, i, rows, worker=worker))
+                lambda i, rows, worker: (self.writers.settle(),  # updates issued before it
+                                         self._gather(request, i, rows, worker=worker)))
+            self.writers.prefetching()
 
     start_prefetch = prefetch
 
@@ -479,6 +480,7 @@ class EmbeddingTable:
             raise RuntimeError("cannot close the table while a stream that looks it up is "
                                "capturing a CUDA graph: close it after the capture (and after "
                                "the graph's last replay)")
+        self.writers.settle()
         self.prefetcher.close()
         self.storage.wait_for_readers("close the table")
         self.storage.close()

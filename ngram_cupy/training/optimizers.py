@@ -3,6 +3,9 @@
 Each step takes sparse row gradients (``step``) or the lookup's output gradient
 (``step_from_output_grad``: the backward fused into the update, no ``[U, D]`` gradient made).
 Every check runs before any row changes: a refused step leaves rows and state as they were.
+With ``asynchronous=True`` a step copies its ids and returns; a worker thread checks and applies
+it (``worker.py``), reading the gradient in place (the caller leaves it unchanged until its next
+call), and lookups of the table wait for it.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from .table_rows import (
     state_array,
     writable_rows,
 )
+from .worker import UpdateWorker
 
 
 def finite_number(name: str, value, low: float = 0.0, high: float = math.inf,
@@ -135,13 +139,15 @@ SQUARES = ("sum", "exp_avg_sq")
 
 
 class RowOptimizer:
-    """The common part: the table's writable rows, named float32 state arrays, a step count."""
+    """The common part: the table's writable rows, named float32 state arrays, a step count;
+    ``asynchronous=True`` applies the steps on a worker thread (``synchronize`` waits)."""
 
     kind = -1
     name = ""
     state_widths: tuple[tuple[str, bool], ...] = ()  # (name, one value per row)
 
-    def __init__(self, table, lr: float, *, stochastic_rounding: bool = False, seed: int = 0):
+    def __init__(self, table, lr: float, *, stochastic_rounding: bool = False, seed: int = 0,
+                 asynchronous: bool = False):
         self.table = table
         self.lr = finite_number("lr", lr)
         self.rows = writable_rows(table)
@@ -159,6 +165,11 @@ class RowOptimizer:
             self.state[key] = array
             if segment is not None:
                 self.segments.append(segment)
+        if not isinstance(asynchronous, bool):
+            raise TypeError(f"asynchronous must be True or False, got {asynchronous!r}")
+        self.worker = UpdateWorker() if asynchronous else None
+        if self.worker is not None:
+            table.writers.workers.append(self.worker)
 
     @property
     def state_bytes_per_row(self) -> int:
@@ -189,6 +200,12 @@ class RowOptimizer:
         if values.dtype != np.float32 or values.shape != (indices.shape[0], self.table.head_dim):
             raise ValueError(f"grads.values must be float32 [{indices.shape[0]}, "
                              f"{self.table.head_dim}], got {values.dtype} {tuple(values.shape)}")
+        if self.worker is not None:
+            indices = indices.copy()  # grads.values is read in place
+        self.issue(indices, lambda: self.step_rows(indices, values))
+
+    def step_rows(self, indices: np.ndarray, values: np.ndarray) -> None:
+        """``step``'s data checks and update, on shape-checked host arrays."""
         if indices.size > 1 and not bool((np.diff(indices) > 0).all()):
             raise ValueError("grads.indices must be sorted and unique (embedding_backward's)")
         start = self.table.row_start
@@ -201,12 +218,28 @@ class RowOptimizer:
     def step_from_output_grad(self, ids, grad_out) -> None:
         """Backward and update in one pass: ``ids`` ``[N]`` / ``[T, H]`` (global rows) and the
         lookup's output gradient ``grad_out`` (as ``embedding_backward`` takes them)."""
-        self.checked_step(ids, grad_out)()
+        inputs = self.step_inputs(ids, grad_out)
+        if callable(inputs):
+            inputs()
+            return
+        ids, flat, grad = inputs
+        self.issue(flat, lambda: self.step_ids(ids, flat, grad)())
 
     def checked_step(self, ids, grad_out) -> Callable[[], None]:
         """Every check of ``step_from_output_grad(ids, grad_out)`` (errors raised here, nothing
         changed), then the update to run: ranks that must all step or all refuse check first
-        (the GPU paths check inside the update)."""
+        (the GPU paths check inside the update). Pending asynchronous updates land first."""
+        self.synchronize()
+        inputs = self.step_inputs(ids, grad_out)
+        if callable(inputs):
+            return inputs
+        ids, flat, grad = inputs
+        update = self.step_ids(ids, flat, grad)
+        return lambda: self.issue(flat, update)
+
+    def step_inputs(self, ids, grad_out):
+        """A step's shape-checked host ``(ids, flat ids, gradient [N, head_dim])``, copied
+        where a worker reads them later; for a GPU table or GPU gradients, the whole step."""
         self.check_open()
         self.step_hyper()
         if self.on_gpu:
@@ -218,13 +251,39 @@ class RowOptimizer:
         if grad.shape[1] != self.table.head_dim:
             raise ValueError(f"grad_out has {grad.shape[1]} values per head, the table "
                              f"{self.table.head_dim}")
+        ids = call["ids"]
+        if self.worker is not None:
+            ids = ids.copy()  # the caller may reuse its ids buffer; grad_out is read in place
+            flat = ids.reshape(-1)
+        return ids, flat, grad
+
+    def step_ids(self, ids, flat: np.ndarray, grad: np.ndarray) -> Callable[[], None]:
+        """The data checks of a step on shape-checked host arrays (errors raised here), then
+        its update to run."""
         start, rows = self.table.row_start, self.table.num_rows
-        check_ids_inside(call["ids"], start, start + rows)
+        check_ids_inside(ids, start, start + rows)
         check_finite(grad)
         order, unique, starts = backward_numba.sorted_order(flat.astype(np.int64, copy=False),
                                                             start, rows)
         check_row_sums(grad, order, starts)
         return lambda: self.apply(unique - start, order, starts, np.ascontiguousarray(grad))
+
+    def issue(self, ids, update) -> None:
+        """Run ``update`` of the rows ``ids``: now, or on the worker (``asynchronous``) once
+        the previous update is applied (its error, if any, is raised instead)."""
+        if self.worker is not None:
+            self.worker.wait()
+        self.table.writers.wrote(ids)  # a pending prefetch gathers these rows again
+        if self.worker is None:
+            update()
+        else:
+            self.worker.submit(update)
+
+    def synchronize(self) -> None:
+        """Wait until every issued update is applied; an error a pending update raised (it
+        changed nothing) is raised here. Synchronous optimizers return at once."""
+        if self.worker is not None:
+            self.worker.wait()
 
     def apply(self, local, order, starts, grad) -> None:
         """Run the update kernel on checked inputs, then refresh hot copies (an empty batch is
@@ -245,7 +304,6 @@ class RowOptimizer:
                                   np.uint64(step))
         self.steps = step
         refresh_hot(self.table, local)
-        self.table.rows_written(local + self.table.row_start)
 
     def step_hyper(self) -> np.ndarray:
         """The next step's float32 hyper-parameters; a ValueError when one overflows."""
@@ -263,12 +321,18 @@ class RowOptimizer:
         check_trainable(self.table)
 
     def close(self) -> None:
-        """Detach the shared state segments (the last process to detach removes them); later
-        steps and loads are refused."""
-        for segment in self.segments:
-            segment.close()
-        self.segments = []
-        self.closed = True
+        """Finish the pending update (raising its error) and detach the shared state segments
+        (the last process to detach removes them); later steps and loads are refused."""
+        try:
+            if self.worker is not None:
+                self.worker.close()
+                self.table.writers.workers.remove(self.worker)
+                self.worker = None
+        finally:
+            for segment in self.segments:
+                segment.close()
+            self.segments = []
+            self.closed = True
 
     # ---- state ----
 
@@ -278,7 +342,9 @@ class RowOptimizer:
                 "seed": self.seed}
 
     def state_dict(self) -> dict:
-        """Copies of the state arrays, the step count and the hyper-parameters."""
+        """Copies of the state arrays, the step count and the hyper-parameters (after every
+        issued update)."""
+        self.synchronize()
         return {"optimizer": self.name, "steps": self.steps,
                 "shape": [self.table.num_rows, self.table.head_dim],
                 "settings": self.settings(),
@@ -293,6 +359,7 @@ class RowOptimizer:
         if not isinstance(state, dict) or state.get("optimizer") != self.name:
             got = state.get("optimizer") if isinstance(state, dict) else type(state).__name__
             raise ValueError(f"state is not a {self.name} state dict (got {got!r})")
+        self.synchronize()
         shape = [self.table.num_rows, self.table.head_dim]
         if list(state.get("shape", ())) != shape:
             raise ValueError(f"state is for a table of shape {state.get('shape')}, this one "
@@ -336,9 +403,10 @@ class SGD(DecayRules, RowOptimizer):
 
     def __init__(self, table, lr: float, weight_decay: float = 0.0, *,
                  weight_decay_mode: str = "l2", max_norm: float | None = None,
-                 stochastic_rounding: bool = False, seed: int = 0):
+                 stochastic_rounding: bool = False, seed: int = 0, asynchronous: bool = False):
         self.set_rules(weight_decay, weight_decay_mode, max_norm)
-        super().__init__(table, lr, stochastic_rounding=stochastic_rounding, seed=seed)
+        super().__init__(table, lr, stochastic_rounding=stochastic_rounding, seed=seed,
+                         asynchronous=asynchronous)
 
     def hyper(self, step: int) -> np.ndarray:
         return self.rules_hyper()
@@ -358,10 +426,11 @@ class RowwiseAdagrad(DecayRules, RowOptimizer):
 
     def __init__(self, table, lr: float, eps: float = 1e-8, weight_decay: float = 0.0, *,
                  weight_decay_mode: str = "l2", max_norm: float | None = None,
-                 stochastic_rounding: bool = False, seed: int = 0):
+                 stochastic_rounding: bool = False, seed: int = 0, asynchronous: bool = False):
         self.eps = SETTINGS["eps"](eps)
         self.set_rules(weight_decay, weight_decay_mode, max_norm)
-        super().__init__(table, lr, stochastic_rounding=stochastic_rounding, seed=seed)
+        super().__init__(table, lr, stochastic_rounding=stochastic_rounding, seed=seed,
+                         asynchronous=asynchronous)
 
     def hyper(self, step: int) -> np.ndarray:
         return self.rules_hyper(self.eps)
@@ -378,14 +447,16 @@ class Adam(RowOptimizer):
     name = "adam"  # "rowwise_adam" for one moment pair per row
 
     def __init__(self, table, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 rowwise: bool = False, *, stochastic_rounding: bool = False, seed: int = 0):
+                 rowwise: bool = False, *, stochastic_rounding: bool = False, seed: int = 0,
+                 asynchronous: bool = False):
         self.betas = check_betas(betas)
         self.eps = SETTINGS["eps"](eps)
         self.rowwise = bool(rowwise)
         self.kind = updates_numba.ROWWISE_ADAM if self.rowwise else updates_numba.ADAM
         self.name = "rowwise_adam" if self.rowwise else "adam"
         self.state_widths = (("exp_avg", self.rowwise), ("exp_avg_sq", self.rowwise))
-        super().__init__(table, lr, stochastic_rounding=stochastic_rounding, seed=seed)
+        super().__init__(table, lr, stochastic_rounding=stochastic_rounding, seed=seed,
+                         asynchronous=asynchronous)
 
     def hyper(self, step: int) -> np.ndarray:
         beta1, beta2 = self.betas

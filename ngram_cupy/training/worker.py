@@ -1,0 +1,75 @@
+"""Asynchronous row updates: one worker thread applies an optimizer's updates in issue order
+while the caller goes on (the update kernels release the GIL), one update in flight at a time."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from ..runtime.cpu_threads import threading_layer
+
+
+class UpdateWorker:
+    """Runs each submitted update on a worker thread; an error it raised (the update changed
+    nothing: its checks run before any row is written) surfaces once, at the next ``submit``,
+    ``wait`` or lookup of the table."""
+
+    def __init__(self) -> None:
+        if threading_layer() == "workqueue":
+            raise ValueError("asynchronous=True needs Numba's tbb or omp threading layer: its "
+                             "update kernels run beside the caller's, and the workqueue layer "
+                             "aborts the process on concurrent parallel kernels (pip install "
+                             "tbb)")
+        self._executor: ThreadPoolExecutor | None = None
+        self._pid = os.getpid()  # the process whose thread the executor's is
+        self._future: Future | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, update: Callable[[], None]) -> None:
+        """Wait for the previous update (raising its error, if any), then start ``update``."""
+        self.wait()
+        with self._lock:
+            if self._executor is None or self._pid != os.getpid():  # a forked child: no worker
+                self._executor = ThreadPoolExecutor(max_workers=1,
+                                                    thread_name_prefix="ngram-update")
+                self._pid = os.getpid()
+            self._future = self._executor.submit(update)
+
+    @property
+    def busy(self) -> bool:
+        """Whether an update is running or queued."""
+        future = self._future
+        return future is not None and not future.done() and self._pid == os.getpid()
+
+    def settle(self) -> None:
+        """Wait until the pending update, if any, has finished; raise nothing."""
+        future = self._future
+        if future is not None and self._pid == os.getpid():
+            future.exception()
+
+    def wait(self) -> None:
+        """Wait until the pending update, if any, has finished; re-raise its error once."""
+        future = self._future
+        if future is None:
+            return
+        if self._pid != os.getpid():  # forked while it ran: its thread is not in this process
+            self._future = None
+            return
+        error = future.exception()
+        with self._lock:
+            if self._future is not future:
+                return  # another thread took it (and its error)
+            self._future = None
+        if error is not None:
+            raise error
+
+    def close(self) -> None:
+        """Wait for the pending update (raising its error) and stop the thread."""
+        try:
+            self.wait()
+        finally:
+            if self._executor is not None and self._pid == os.getpid():
+                self._executor.shutdown(wait=True)
+            self._executor = None
