@@ -109,7 +109,7 @@ def cmd_ids(args: argparse.Namespace) -> int:
 
 def cmd_engram_ids(args: argparse.Namespace) -> int:
     """``ids --scheme engram``: every row a whole sequence, ``[T, L, H]`` int32 ids per row."""
-    from ..arrow import TextTokens
+    from ..arrow import TextError, TextTokens
     from ..files.engram_parquet import EngramIds, write_engram_ids
     from ..files.token_files import open_tokens
 
@@ -148,8 +148,11 @@ def cmd_engram_ids(args: argparse.Namespace) -> int:
             tokens += token_count(batch, args.column)
             bar.update(batch.num_rows)
 
-        write_engram_ids(source.batches(), mapper, tmp, source.schema, args.compression,
-                         progress)
+        try:
+            write_engram_ids(source.batches(), mapper, tmp, source.schema, args.compression,
+                             progress)
+        except TextError as e:
+            raise UserError(f"{args.input}: {e}") from None
     if not args.quiet:
         elapsed = time.perf_counter() - start
         print(f"wrote {args.output}: {rows:,} rows, {tokens:,} tokens, Engram layers "

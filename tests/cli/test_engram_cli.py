@@ -139,14 +139,16 @@ def test_flags_it_cannot_honour_are_refused_and_the_metadata_is_the_qwen_ids(mod
                                  "engram_layer_ids": list(layout.layer_ids)}]
 
 
-def test_a_token_past_the_vocabulary_names_its_row_and_column(model, tmp_path, capsys):
+def test_a_token_past_the_vocabulary_names_its_file_row_and_column(model, tmp_path, capsys):
+    """The row among the file's rows, not within the batch that held it."""
     folder, tokenizer, layout = model
     source = tmp_path / "tokens.parquet"
-    rows = [[1, 2, 3], [4, layout.vocab_size]]
+    rows = [[1, 2, 3], [4], [5, 6], [7, layout.vocab_size]]
     pq.write_table(pa.table({"tokens": pa.array(rows, pa.list_(pa.int32()))}), source)
     output = tmp_path / "ids.parquet"
-    status, _, err = run(["ids", source, output, "--scheme", "engram", "--config", folder,
-                          "--tokenizer", tokenizer, "--quiet"], capsys)
-    assert status == 2 and not output.exists()
-    assert (f"column 'tokens', row 1 of a batch, token 1: {layout.vocab_size} is not an id of "
-            f"the tokenizer") in err and "input_ids" not in err
+    status, out, err = run(["ids", source, output, "--scheme", "engram", "--config", folder,
+                            "--tokenizer", tokenizer, "--quiet", "--batch-rows", 2], capsys)
+    assert status == 2 and out == "" and not output.exists()
+    assert err == (f"ngram-cupy: error: {source}: column 'tokens', row 3 (0-based, in reading "
+                   f"order), token 1: {layout.vocab_size} is not an id of the tokenizer (ids "
+                   f"0..{layout.vocab_size - 1})\n")
