@@ -152,3 +152,14 @@ def test_a_token_past_the_vocabulary_names_its_file_row_and_column(model, tmp_pa
     assert err == (f"ngram-cupy: error: {source}: column 'tokens', row 3 (0-based, in reading "
                    f"order), token 1: {layout.vocab_size} is not an id of the tokenizer (ids "
                    f"0..{layout.vocab_size - 1})\n")
+
+
+@pytest.mark.parametrize("flag", [["--layer", 1], ["--gpu-budget", "80GiB"],
+                                  ["--host-budget", "1TB"], ["--dtype", "float32"],
+                                  ["--num-layers", 2], ["--processes-per-node", 8]])
+def test_layout_refuses_the_options_it_cannot_honour(model, flag, capsys):
+    folder, _, _ = model
+    status, out, err = run(["layout", "--scheme", "engram", "--config", folder, *flag], capsys)
+    assert status == 2 and out == "", out
+    assert err.startswith(f"ngram-cupy: error: {flag[0]}") and err.count("\n") == 1, err
+    assert "--scheme engram" in err
