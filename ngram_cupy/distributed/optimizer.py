@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..hashing.layout import split_rows
+from ..tables.row_ids import check_row_ids
 from .lookup import ShardedLookup
 
 __all__ = ["ShardedOptimizer"]
@@ -51,14 +52,14 @@ class ShardedOptimizer:
     def step_from_output_grad(self, ids, grad_out) -> None:
         """One step from ``grad_out`` ``[T, H * D]`` (float32 or bfloat16) of this rank's
         lookup of ``ids`` ``[T, H]`` (NumPy or torch; CUDA tensors with NCCL)."""
-        ids = torch.as_tensor(ids).reshape(-1).to(torch.int64)
+        ids = torch.as_tensor(ids).to(torch.int64)
         grad_out = torch.as_tensor(grad_out)
         head_dim, total = self.table.head_dim, self.table.total_rows
         if grad_out.ndim == 0 or grad_out.numel() != ids.numel() * head_dim:
             raise ValueError(f"grad_out must hold {ids.numel()} rows of head_dim={head_dim} "
                              f"(one per id), got shape {tuple(grad_out.shape)}")
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= total):
-            raise IndexError(f"ids must lie in [0, {total}), the table's rows")
+        check_row_ids(ids, total)  # the lookup's IndexError: the first bad id and its position
+        ids = ids.reshape(-1)
         grad_out = grad_out.reshape(ids.numel(), head_dim)
         if self.data_parallel:
             ids, grad_out = self._route(ids, grad_out)
