@@ -36,7 +36,8 @@ def test_a_damaged_file_is_a_value_error_naming_it(tmp_path, damage):
     nc.save_training_state(path, optimizer(1.0))
     path.write_bytes(damage(path.read_bytes()))
     target = optimizer()
-    with pytest.raises(ValueError, match=f"^{re.escape(str(path))} is not a readable training state file") as e:
+    unreadable = f"^{re.escape(str(path))} is not a readable training state file"
+    with pytest.raises(ValueError, match=unreadable) as e:
         nc.load_training_state(path, target)
     assert e.value.__cause__ is not None  # the safetensors error, kept
     assert not target.table.host_view.any()
@@ -48,7 +49,8 @@ def test_a_corrupted_header_record_is_a_value_error_naming_it(tmp_path):
                      {"format": FORMAT, "table_dtype": "float32"}):
         save_file({"rows": np.ones((8, 4), np.float32)}, path, metadata=metadata)
         target = optimizer()
-        with pytest.raises(ValueError, match=f"^{re.escape(str(path))} is not a readable training state") as e:
+        unreadable = f"^{re.escape(str(path))} is not a readable training state file"
+        with pytest.raises(ValueError, match=unreadable) as e:
             nc.load_training_state(path, target)
         assert isinstance(e.value.__cause__, (json.JSONDecodeError, KeyError))
         assert not target.table.host_view.any()
