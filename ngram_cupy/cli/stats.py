@@ -78,9 +78,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
     if args.plot is not None:
         check_output(args.plot, [args.input])
     (layout,) = layouts_for(load_config(args.config), [args.layer])
-    source = open_tokens(args.input, args.batch_rows)
+    source = open_tokens(args.input, args.batch_rows, args.text_column)
     mapper = NGramIds(layout, args.column, doc_id_column=args.doc_id_column,
-                      **text_options(args))
+                      **text_options(args, source))
     check_files(source, mapper)
     schema = mapper.output_schema(source.schema)
     check_input_schema(schema, args.column, args.doc_id_column)

@@ -67,6 +67,20 @@ def test_text_column_is_tokenized_with_the_same_tokenizer(model, tmp_path, capsy
     np.testing.assert_array_equal(got.reshape(expected.shape), expected)
 
 
+def test_plain_text_lines_get_the_ids_of_the_same_texts_in_parquet(model, tmp_path, capsys):
+    folder, tokenizer, _ = model
+    texts = ["Hello, Engram!", "", "the THE The"]
+    (tmp_path / "docs.txt").write_text("\n".join(texts) + "\n")
+    pq.write_table(pa.table({"text": texts}), tmp_path / "docs.parquet")
+    for name, text_column in (("docs.txt", []), ("docs.parquet", ["--text-column", "text"])):
+        status, _, err = run(["ids", tmp_path / name, tmp_path / f"{name}.ids", "--scheme",
+                              "engram", "--config", folder, "--tokenizer", tokenizer, "--quiet",
+                              *text_column], capsys)
+        assert status == 0, err
+    assert pq.read_table(tmp_path / "docs.txt.ids").equals(
+        pq.read_table(tmp_path / "docs.parquet.ids"))
+
+
 def test_layout_lists_every_layer(model, capsys):
     folder, tokenizer, layout = model
     status, out, _ = run(["layout", "--scheme", "engram", "--config", folder], capsys)
