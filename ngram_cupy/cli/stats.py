@@ -143,7 +143,8 @@ def add_parser(commands) -> None:
         "alternate between a profile and a measured part): the share of lookups the K hottest "
         "rows serve, distinct rows within batches, and rank-frequency slopes.")
     stats.add_argument("input", metavar="INPUT", help="Parquet file or folder, or an Arrow IPC "
-                       "file or stream, with a token (or text) column")
+                       "file or stream, with a token (or text) column; or plain text (.txt: "
+                       "one document per line) or JSON Lines (.jsonl)")
     add_input_options(stats)
     stats.add_argument("--layer", type=int, default=0, help="PLE layer (default 0)")
     stats.add_argument("--hot-rows", type=int, nargs="+", metavar="K",

@@ -64,6 +64,18 @@ def test_json_lines_text_column_and_documents(tmp_path, capsys):
     assert got.column("ngram_ids").equals(want.column("ngram_ids"))
 
 
+def test_stats_of_plain_text_are_those_of_the_same_texts_in_parquet(tmp_path, capsys):
+    (tmp_path / "docs.txt").write_text("\n".join(TEXTS) + "\n")
+    pq.write_table(pa.table({"text": TEXTS}), tmp_path / "docs.parquet")
+    printed = []
+    for name, text_column in (("docs.txt", []), ("docs.parquet", ["--text-column", "text"])):
+        status, out, err = run(["stats", tmp_path / name, "--config", CONFIG, "--tokenizer",
+                                "qwen3.5", "--quiet", *text_column], capsys)
+        assert status == 0, err
+        printed.append(out)
+    assert printed[0] == printed[1]
+
+
 @pytest.mark.parametrize("name, data, argv, words", [
     ("docs.txt", "a\nb\n", [], "docs.txt is plain text (one document per line): its lines need "
                               "--tokenizer"),
