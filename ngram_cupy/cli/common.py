@@ -178,13 +178,21 @@ def progress_bar(total: int | None, quiet: bool, what: str):
                 ncols=None if width > 0 else 80)
 
 
-def text_options(args: argparse.Namespace, source: Any) -> dict[str, Any]:
-    """``text_column`` and ``tokenizer`` keywords from ``--text-column`` and ``--tokenizer``; the
-    lines of a plain text ``source`` are its text column."""
-    text_column = args.text_column if source.text_column is None else source.text_column
-    if source.text_column is not None and args.tokenizer is None:
+def text_column_of(args: argparse.Namespace, source: Any) -> str | None:
+    """The column to tokenize: ``--text-column``'s, or the lines of a plain text ``source``
+    (which need ``--tokenizer``)."""
+    if source.text_column is None:
+        return args.text_column
+    if args.tokenizer is None:
         raise UserError(f"{args.input} is plain text (one document per line): its lines need "
                         f"--tokenizer")
+    return source.text_column
+
+
+def text_options(args: argparse.Namespace, source: Any) -> dict[str, Any]:
+    """``text_column`` and ``tokenizer`` keywords from ``--text-column`` and ``--tokenizer``, or
+    a plain text ``source``'s lines."""
+    text_column = text_column_of(args, source)
     if (text_column is None) != (args.tokenizer is None):
         raise UserError("--text-column and --tokenizer go together")
     return {"text_column": text_column, "tokenizer": args.tokenizer}

@@ -23,6 +23,7 @@ from .common import (
     load_config,
     load_engram,
     progress_bar,
+    text_column_of,
     text_options,
     token_count,
 )
@@ -127,7 +128,7 @@ def cmd_engram_ids(args: argparse.Namespace) -> int:
     check_device(args.device)
     source = open_tokens(args.input, args.batch_rows, args.text_column)
     check_output_is_not_read(args.output, source)
-    text_column = text_options(args, source)["text_column"]
+    text_column = text_column_of(args, source)
     text = None if text_column is None else TextTokens(args.tokenizer, text_column, args.column)
     to_device = None
     if args.device == "gpu":
