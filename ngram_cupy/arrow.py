@@ -250,8 +250,8 @@ def check_text_type(column: str, arrow_type: pa.DataType) -> None:
 
 
 class TextError(ValueError):
-    """A text row that cannot become tokens (invalid UTF-8, or a token id past int32), named by
-    column and row; the command line adds the file."""
+    """A row that cannot become ids (invalid UTF-8, a token id past int32 or outside the
+    tokenizer's), named by column and row; the command line adds the file."""
 
 
 def token_list_array(encoded: Sequence[Sequence[int]], tokenizer: str = "tokenizer",

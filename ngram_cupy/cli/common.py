@@ -178,11 +178,24 @@ def progress_bar(total: int | None, quiet: bool, what: str):
                 ncols=None if width > 0 else 80)
 
 
-def text_options(args: argparse.Namespace) -> dict[str, Any]:
-    """``text_column`` and ``tokenizer`` keywords from ``--text-column`` and ``--tokenizer``."""
-    if (args.text_column is None) != (args.tokenizer is None):
+def text_column_of(args: argparse.Namespace, source: Any) -> str | None:
+    """The column to tokenize: ``--text-column``'s, or the lines of a plain text ``source``
+    (which need ``--tokenizer``)."""
+    if source.text_column is None:
+        return args.text_column
+    if args.tokenizer is None:
+        raise UserError(f"{args.input} is plain text (one document per line): its lines need "
+                        f"--tokenizer")
+    return source.text_column
+
+
+def text_options(args: argparse.Namespace, source: Any) -> dict[str, Any]:
+    """``text_column`` and ``tokenizer`` keywords from ``--text-column`` and ``--tokenizer``, or
+    a plain text ``source``'s lines."""
+    text_column = text_column_of(args, source)
+    if (text_column is None) != (args.tokenizer is None):
         raise UserError("--text-column and --tokenizer go together")
-    return {"text_column": args.text_column, "tokenizer": args.tokenizer}
+    return {"text_column": text_column, "tokenizer": args.tokenizer}
 
 
 def add_input_options(sub: argparse.ArgumentParser) -> None:
@@ -192,7 +205,8 @@ def add_input_options(sub: argparse.ArgumentParser) -> None:
     sub.add_argument("--column", default="tokens", help="token column (default: tokens); "
                      "with --text-column, the name of the token column written")
     sub.add_argument("--text-column", metavar="NAME",
-                     help="tokenize this text column (string) first, with --tokenizer")
+                     help="tokenize this text column (string) first, with --tokenizer (a JSON "
+                     "Lines field; plain text: the name of its lines' column, default text)")
     sub.add_argument("--tokenizer", metavar="SPEC",
                      help="qwen3.5 (alias qwen3.6: the released model's tokenizer) or a path "
                      "to a tokenizer.json (needs the text extra)")

@@ -23,6 +23,7 @@ from .common import (
     load_config,
     load_engram,
     progress_bar,
+    text_column_of,
     text_options,
     token_count,
 )
@@ -61,11 +62,11 @@ def cmd_ids(args: argparse.Namespace) -> int:
     check_output(args.output, [args.input])
     layouts = layouts_for(load_config(args.config), args.layers or [0])
     check_device(args.device)
-    source = open_tokens(args.input, args.batch_rows)
+    source = open_tokens(args.input, args.batch_rows, args.text_column)
     check_output_is_not_read(args.output, source)
     mapper = NGramIds(layouts[0] if len(layouts) == 1 else layouts, args.column,
                       args.out_column, args.doc_id_column, args.device,
-                      id_type=args.id_type, **text_options(args))
+                      id_type=args.id_type, **text_options(args, source))
     check_files(source, mapper)
     schema = mapper.output_schema(source.schema)
     schema = schema.with_metadata({**(schema.metadata or {}), **ids_metadata(
@@ -109,7 +110,7 @@ def cmd_ids(args: argparse.Namespace) -> int:
 
 def cmd_engram_ids(args: argparse.Namespace) -> int:
     """``ids --scheme engram``: every row a whole sequence, ``[T, L, H]`` int32 ids per row."""
-    from ..arrow import TextTokens
+    from ..arrow import TextError, TextTokens
     from ..files.engram_parquet import EngramIds, write_engram_ids
     from ..files.token_files import open_tokens
 
@@ -125,10 +126,10 @@ def cmd_engram_ids(args: argparse.Namespace) -> int:
     check_output(args.output, [args.input])
     _, layout = load_engram(args, need_tokenizer=True)
     check_device(args.device)
-    source = open_tokens(args.input, args.batch_rows)
+    source = open_tokens(args.input, args.batch_rows, args.text_column)
     check_output_is_not_read(args.output, source)
-    text = None if args.text_column is None else TextTokens(args.tokenizer, args.text_column,
-                                                            args.column)
+    text_column = text_column_of(args, source)
+    text = None if text_column is None else TextTokens(args.tokenizer, text_column, args.column)
     to_device = None
     if args.device == "gpu":
         import cupy
@@ -148,8 +149,11 @@ def cmd_engram_ids(args: argparse.Namespace) -> int:
             tokens += token_count(batch, args.column)
             bar.update(batch.num_rows)
 
-        write_engram_ids(source.batches(), mapper, tmp, source.schema, args.compression,
-                         progress)
+        try:
+            write_engram_ids(source.batches(), mapper, tmp, source.schema, args.compression,
+                             progress)
+        except TextError as e:
+            raise UserError(f"{args.input}: {e}") from None
     if not args.quiet:
         elapsed = time.perf_counter() - start
         print(f"wrote {args.output}: {rows:,} rows, {tokens:,} tokens, Engram layers "
@@ -159,11 +163,14 @@ def cmd_engram_ids(args: argparse.Namespace) -> int:
 
 def add_parser(commands) -> None:
     """Add the ``ids`` command to the sub-parsers ``commands``."""
-    ids = commands.add_parser("ids", help="write n-gram ids of a Parquet/Arrow token file",
-                              description="Stream INPUT (Parquet file or folder, Arrow IPC) and "
-                              "write it to OUTPUT (Parquet) with n-gram id columns.")
-    ids.add_argument("input", metavar="INPUT", help="Parquet file or folder of Parquet files, or "
-                     "an Arrow IPC file or stream, with a token (or text) column")
+    ids = commands.add_parser("ids", help="write n-gram ids of a token or text file",
+                              description="Stream INPUT (Parquet file or folder, Arrow IPC, "
+                              "plain text or JSON Lines) and write it to OUTPUT (Parquet) with "
+                              "n-gram id columns.")
+    ids.add_argument("input", metavar="INPUT", help="Parquet file or folder of Parquet files, an "
+                     "Arrow IPC file or stream, with a token (or text) column; or plain text "
+                     "(.txt: one document per line) or JSON Lines (.jsonl, .ndjson, .json), "
+                     "either maybe compressed (.gz, .zst, ...)")
     ids.add_argument("output", metavar="OUTPUT", help="Parquet file to write (replaced "
                      "atomically): INPUT's columns plus the id columns")
     add_input_options(ids)

@@ -79,15 +79,40 @@ def describe_layout(layout: LayerLayout) -> list[str]:
     return lines
 
 
+# The placement plan's options: refused without a budget, or with --scheme engram.
+PLAN_OPTIONS = (("num_layers", "--num-layers"), ("dtype", "--dtype"),
+                ("processes_per_node", "--processes-per-node"))
+
+
+def refuse_unused(args: argparse.Namespace) -> None:
+    """A ``UserError`` for an option this scheme (or a layout without budgets) would ignore."""
+    budgets = args.gpu_budget is not None or args.host_budget is not None
+    if args.scheme == "engram":
+        if args.layer is not None:
+            raise UserError("--layer is not supported with --scheme engram (it lists every "
+                            "Engram layer of the config)")
+        if budgets:
+            flag = "--gpu-budget" if args.gpu_budget is not None else "--host-budget"
+            raise UserError(f"{flag} is not supported with --scheme engram (placement plans are "
+                            f"for qwen4exp PLE tables)")
+    elif args.tokenizer is not None:
+        raise UserError("--tokenizer is only for --scheme engram (a qwen4exp layout needs none)")
+    for name, flag in PLAN_OPTIONS:
+        if getattr(args, name) is not None and not budgets:
+            raise UserError(f"{flag} is only for a placement plan: pass --gpu-budget or "
+                            f"--host-budget (not supported with --scheme engram)")
+
+
 def cmd_layout(args: argparse.Namespace) -> int:
     """Print one layer's hash layout and table sizes, and with budgets the placement plan."""
+    refuse_unused(args)
     if args.scheme == "engram":
         print("\n".join(describe_engram_layout(*load_engram(args, need_tokenizer=False))))
         return 0
     from ..tables.plan import plan_placement
 
     config = load_config(args.config)
-    (layout,) = layouts_for(config, [args.layer])
+    (layout,) = layouts_for(config, [args.layer or 0])
     lines = describe_layout(layout)
     if args.gpu_budget is not None or args.host_budget is not None:
         num_layers = len(config.ple_layer_ids or [0]) if args.num_layers is None \
@@ -98,12 +123,12 @@ def cmd_layout(args: argparse.Namespace) -> int:
         if dtype is None:
             raise UserError("a placement plan needs the table dtype: pass --dtype or set "
                             "ple_embedding_dtype in the config")
-        if args.processes_per_node < 1:
-            raise UserError(f"--processes-per-node must be at least 1, got "
-                            f"{args.processes_per_node}")
+        processes = 1 if args.processes_per_node is None else args.processes_per_node
+        if processes < 1:
+            raise UserError(f"--processes-per-node must be at least 1, got {processes}")
         plan = plan_placement(layouts_for(config, list(range(num_layers))),
                               args.gpu_budget or 0, args.host_budget or 0, dtype=dtype,
-                              processes_per_node=args.processes_per_node)
+                              processes_per_node=processes)
         lines += [f"placement of {num_layers} layer table(s) as {dtype}, in layer order:",
                   plan.summary()]
     print("\n".join(lines))
@@ -114,20 +139,22 @@ def add_parser(commands) -> None:
     """Add the ``layout`` command to the sub-parsers ``commands``."""
     layout = commands.add_parser("layout", help="print a layer's hash layout and table sizes")
     layout.add_argument("--config", required=True, help="model config.json")
-    layout.add_argument("--layer", type=int, default=0, help="PLE layer (default 0)")
+    layout.add_argument("--layer", type=int, help="PLE layer (default 0; qwen4exp only)")
     layout.add_argument("--scheme", choices=["qwen4exp", "engram"], default="qwen4exp",
                         help="hash family (engram: every Engram layer of the config)")
     layout.add_argument("--tokenizer", metavar="PATH", help="--scheme engram: the model's "
                         "tokenizer.json, for the pad id and a check of the compressed vocab")
     layout.add_argument("--gpu-budget", type=parse_bytes, metavar="BYTES",
-                        help="GPU memory for tables (80GiB, 80G: binary; 80GB: decimal)")
+                        help="GPU memory for tables (80GiB, 80G: binary; 80GB: decimal); "
+                        "with --host-budget, a placement plan (qwen4exp only)")
     layout.add_argument("--host-budget", type=parse_bytes, metavar="BYTES",
                         help="pinned host memory for tables")
     layout.add_argument("--num-layers", type=int, metavar="N",
                         help="PLE layers to place (default: the config's ple_layer_ids, else 1)")
     layout.add_argument("--dtype", help="table storage dtype for the plan (default: the "
                         "config's ple_embedding_dtype)")
-    layout.add_argument("--processes-per-node", type=int, default=1, metavar="N",
-                        help="processes of a node holding the tables: above 1, host tables are "
-                        "one shared copy (placement 'shared') in the node's --host-budget")
+    layout.add_argument("--processes-per-node", type=int, metavar="N",
+                        help="processes of a node holding the tables (default 1): above 1, host "
+                        "tables are one shared copy (placement 'shared') in the node's "
+                        "--host-budget")
     layout.set_defaults(run=cmd_layout)

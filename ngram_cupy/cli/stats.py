@@ -78,9 +78,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
     if args.plot is not None:
         check_output(args.plot, [args.input])
     (layout,) = layouts_for(load_config(args.config), [args.layer])
-    source = open_tokens(args.input, args.batch_rows)
+    source = open_tokens(args.input, args.batch_rows, args.text_column)
     mapper = NGramIds(layout, args.column, doc_id_column=args.doc_id_column,
-                      **text_options(args))
+                      **text_options(args, source))
     check_files(source, mapper)
     schema = mapper.output_schema(source.schema)
     check_input_schema(schema, args.column, args.doc_id_column)
@@ -143,7 +143,8 @@ def add_parser(commands) -> None:
         "alternate between a profile and a measured part): the share of lookups the K hottest "
         "rows serve, distinct rows within batches, and rank-frequency slopes.")
     stats.add_argument("input", metavar="INPUT", help="Parquet file or folder, or an Arrow IPC "
-                       "file or stream, with a token (or text) column")
+                       "file or stream, with a token (or text) column; or plain text (.txt: "
+                       "one document per line) or JSON Lines (.jsonl)")
     add_input_options(stats)
     stats.add_argument("--layer", type=int, default=0, help="PLE layer (default 0)")
     stats.add_argument("--hot-rows", type=int, nargs="+", metavar="K",

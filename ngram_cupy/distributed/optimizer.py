@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..hashing.layout import split_rows
+from ..tables.row_ids import check_row_ids
 from .lookup import ShardedLookup
 
 __all__ = ["ShardedOptimizer"]
@@ -106,8 +107,7 @@ class ShardedOptimizer:
         if grad_out.ndim == 0 or grad_out.numel() != ids.numel() * head_dim:
             raise ValueError(f"grad_out must hold {ids.numel()} rows of head_dim={head_dim} "
                              f"(one per id), got shape {tuple(grad_out.shape)}")
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= total):
-            raise IndexError(f"ids must lie in [0, {total}), the table's rows")
+        check_row_ids(ids, total)  # the lookup's IndexError: the first bad id and its position
         grad_out = grad_out.reshape(ids.numel(), head_dim).to(torch.float32)
         if not bool(torch.isfinite(grad_out).all()):
             raise ValueError("grad_out holds NaN or infinite values: the step is refused on "

@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ..arrow import TextTokens, check_token_type, field_of
+from ..arrow import TextError, TextTokens, check_token_type, field_of
 from ..hashing.engram_layout import EngramLayout, check_engram_layout
 from ..ids.engram_ids import compute_engram_ids
 from .pipeline import open_output, writer_options
@@ -26,7 +26,8 @@ def row_positions(offsets: np.ndarray) -> np.ndarray:
 
 class EngramIds:
     """A batch mapper: each batch gains the Engram ids of its token column, every row hashed as
-    a fresh sequence (no lookback). ``text`` first encodes a text column into ``column``."""
+    a fresh sequence (no lookback). ``text`` first encodes a text column into ``column``.
+    Feed the batches in reading order: an error names its row among all the rows seen."""
 
     def __init__(self, layout: EngramLayout, column: str = "tokens",
                  out_column: str = "engram_ids", text: TextTokens | None = None,
@@ -34,6 +35,7 @@ class EngramIds:
         self.layout = check_engram_layout(layout)
         self.column, self.out_column, self.text = column, out_column, text
         self.to_device = to_device
+        self.rows_seen = 0  # rows of the batches mapped so far, for error messages
 
     def id_type(self) -> pa.DataType:
         """``fixed_size_list<fixed_size_list<int32, H>, L>``: one token's ids."""
@@ -52,17 +54,18 @@ class EngramIds:
                                         nullable=False))
         return schema.with_metadata({**(schema.metadata or {}), **self.metadata()})
 
-    def check_tokens(self, values: np.ndarray, offsets: np.ndarray) -> None:
-        """Every token an id of the tokenizer: a ValueError naming the row of the batch, the
-        column and the token, not a flat index."""
+    def check_tokens(self, values: np.ndarray, offsets: np.ndarray, first_row: int) -> None:
+        """Every token an id of the tokenizer: a ``TextError`` naming the column, the row (among
+        all rows read, the batch's first being ``first_row``) and the token, not a flat index."""
         vocab = self.layout.vocab_size
         outside = np.flatnonzero((values < 0) | (values >= vocab))
         if outside.size:
             at = int(outside[0])
             row = int(np.searchsorted(offsets - offsets[0], at, side="right")) - 1
-            raise ValueError(f"column {self.column!r}, row {row} of a batch, token "
-                             f"{at - int(offsets[row] - offsets[0])}: {int(values[at])} is not "
-                             f"an id of the tokenizer (ids 0..{vocab - 1})")
+            raise TextError(f"column {self.column!r}, row {first_row + row} (0-based, in reading "
+                            f"order), token {at - int(offsets[row] - offsets[0])}: "
+                            f"{int(values[at])} is not an id of the tokenizer "
+                            f"(ids 0..{vocab - 1})")
 
     def metadata(self) -> dict[bytes, bytes]:
         """Schema metadata as the Qwen ids write it, under ``ngram_cupy``: the library version,
@@ -82,6 +85,7 @@ class EngramIds:
     def __call__(self, batch: pa.RecordBatch) -> pa.RecordBatch:
         """``batch`` with its rows' ids appended."""
         schema = self.output_schema(batch.schema)
+        first_row, self.rows_seen = self.rows_seen, self.rows_seen + batch.num_rows
         if self.text is not None:
             batch = self.text(batch)
         tokens = batch.column(self.column)
@@ -89,7 +93,7 @@ class EngramIds:
             raise ValueError(f"token column {self.column!r} has {tokens.null_count} null rows")
         offsets = tokens.offsets.to_numpy().astype(np.int64)
         values = tokens.values.to_numpy()[offsets[0] : offsets[-1]]
-        self.check_tokens(values, offsets)
+        self.check_tokens(values, offsets, first_row)
         starts = offsets - offsets[0]
         args = (values, row_positions(offsets), starts)
         if self.to_device is None:

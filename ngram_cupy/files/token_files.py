@@ -1,5 +1,6 @@
-"""Token files read in record batches: a Parquet file or folder, or an Arrow IPC file or stream,
-and zero-copy slices of their batches that bound the work of one call."""
+"""Token files read in record batches: a Parquet file or folder, an Arrow IPC file or stream, or
+plain text and JSON Lines (``text_files``), and zero-copy slices of their batches that bound
+the work of one call."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ class TokenSource:
     batches: Callable[[], Iterator[pa.RecordBatch]]  # fresh iterator of batches of bounded size
     # Every file read and its own schema (a folder's files may differ from one another).
     files: list[tuple[str, pa.Schema]] = field(default_factory=list)
+    text_column: str | None = None  # plain text: the column of its lines, to be tokenized
 
 
 def slices(batches: Iterable[pa.RecordBatch], rows: int) -> Iterator[pa.RecordBatch]:
@@ -48,9 +50,12 @@ def token_slices(batches: Iterable[pa.RecordBatch], column: str,
             start = end
 
 
-def open_tokens(path: str | os.PathLike, batch_rows: int = 256) -> TokenSource:
-    """Open a Parquet file or folder, or an Arrow IPC file or stream, for streaming in batches of
-    at most ``batch_rows`` rows; the kind is read from the file's magic bytes."""
+def open_tokens(path: str | os.PathLike, batch_rows: int = 256,
+                text_column: str | None = None) -> TokenSource:
+    """Open a Parquet file or folder, an Arrow IPC file or stream, or a plain text (``.txt``: its
+    lines in the string column ``text_column``, default ``text``) or JSON Lines file (``.jsonl``,
+    ``.ndjson``, ``.json``) for streaming in batches of at most ``batch_rows`` rows; the kind is
+    read from the file's magic bytes, else from its name."""
     import pyarrow.dataset as ds
     import pyarrow.parquet as pq
 
@@ -90,10 +95,18 @@ def open_tokens(path: str | os.PathLike, batch_rows: int = 256) -> TokenSource:
                            batch_rows),
             [(path, reader.schema)],
         )
+    from .text_files import open_json_lines, open_plain_text, text_kind
+
+    kind = text_kind(path)
+    if kind == "text":
+        return open_plain_text(path, batch_rows, text_column or "text")
+    if kind == "jsonl":
+        return open_json_lines(path, batch_rows, text_column)
     try:
         schema = pa.ipc.open_stream(pa.memory_map(path)).schema
     except pa.ArrowInvalid:
-        raise ValueError(f"{path} is neither a Parquet nor an Arrow IPC file") from None
+        raise ValueError(f"{path} is neither a Parquet nor an Arrow IPC file, nor plain text "
+                         f"(.txt) or JSON Lines (.jsonl)") from None
     return TokenSource(path, schema, None,
                        lambda: slices(pa.ipc.open_stream(pa.memory_map(path)), batch_rows),
                        [(path, schema)])

@@ -51,9 +51,9 @@ def raise_recorded(ids, recorded, total_rows: int, name: str = "ids") -> None:
 
 
 def check_row_ids(ids, total_rows: int, name: str = "ids") -> None:
-    """Refuse ids outside ``[0, total_rows)`` (NumPy or CuPy; an IndexError naming the first):
-    a vectorised pass, for paths that have no gather loop to fold the check into."""
+    """Refuse ids outside ``[0, total_rows)`` (NumPy, CuPy or torch; an IndexError naming the
+    first): a vectorised pass, for paths that have no gather loop to fold the check into."""
     flat = ids.reshape(-1)
     bad = (flat < 0) | (flat >= total_rows)
-    if bad.any():
-        raise row_id_error(ids, int(bad.argmax()), total_rows, name)
+    if bad.any():  # nonzero, not argmax: torch has no argmax of booleans
+        raise row_id_error(ids, int(bad.nonzero()[0][0]), total_rows, name)

@@ -105,14 +105,14 @@ def check_layout(shards: list[SavedShard], optimizer) -> list[SavedShard]:
 def gather_rows(shards: list[SavedShard], name: str, start: int, stop: int,
                 like: np.ndarray) -> np.ndarray:
     """Rows ``[start, stop)`` of tensor ``name`` across the shards, read slice by slice."""
-    from safetensors import safe_open
+    from .state_files import open_state_file
 
     out = np.empty((stop - start, *like.shape[1:]), like.dtype)
     for shard in shards:
         low, high = max(start, shard.row_start), min(stop, shard.row_stop)
         if low >= high:
             continue
-        with safe_open(shard.path, "np") as file:
+        with open_state_file(shard.path) as file:
             part = file.get_slice(name)[low - shard.row_start : high - shard.row_start]
         if part.shape[1:] != out.shape[1:]:
             raise ValueError(f"{shard.path} holds {name} of shape {list(part.shape)} per row "
@@ -127,9 +127,7 @@ def load_resharded(paths: Sequence[str | os.PathLike], optimizer, rank=None,
     count); a ValueError before anything changes for files of another table layout, shards
     that do not tile the rows, or a ``rank`` / ``world_size`` that does not own the table's
     rows."""
-    from safetensors import safe_open
-
-    from .state_files import FORMAT, ROWS
+    from .state_files import FORMAT, ROWS, open_state_file
 
     table = optimizer.table
     if (rank is None) != (world_size is None):
@@ -138,7 +136,7 @@ def load_resharded(paths: Sequence[str | os.PathLike], optimizer, rank=None,
         check_rank(table, rank, world_size)
     shards = []
     for path in map(os.fspath, paths):
-        with safe_open(path, "np") as file:
+        with open_state_file(path) as file:
             metadata = file.metadata() or {}
         if metadata.get("format") != FORMAT:
             raise ValueError(f"{path} is not a training state file of ngram_cupy")

@@ -3,9 +3,10 @@ so that a resumed run continues with the same bits."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -35,6 +36,20 @@ def save_training_state(path: str | os.PathLike, optimizer) -> str:
     return os.fspath(path)
 
 
+@contextlib.contextmanager
+def open_state_file(path: str | os.PathLike) -> Iterator:
+    """``safe_open`` of ``path``: a truncated or corrupted file (or metadata) is a ValueError
+    naming the path, with the safetensors or JSON error as its cause."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(os.fspath(path), "np") as file:
+            yield file
+    except (SafetensorError, json.JSONDecodeError, KeyError) as e:
+        raise ValueError(f"{path} is not a readable training state file (truncated or "
+                         f"corrupted?): {e}") from e
+
+
 def load_training_state(path: str | os.PathLike | Sequence[str | os.PathLike], optimizer, *,
                         rank: int | None = None, world_size: int | None = None) -> None:
     """Restore rows and state saved by ``save_training_state`` into ``optimizer`` and its table;
@@ -48,9 +63,7 @@ def load_training_state(path: str | os.PathLike | Sequence[str | os.PathLike], o
         paths = [path] if isinstance(path, (str, os.PathLike)) else list(path)
         load_resharded(paths, optimizer, rank, world_size)
         return
-    from safetensors import safe_open
-
-    with safe_open(os.fspath(path), "np") as file:
+    with open_state_file(path) as file:
         metadata = file.metadata() or {}
         if metadata.get("format") != FORMAT:
             raise ValueError(f"{path} is not a training state file of ngram_cupy")

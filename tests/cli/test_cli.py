@@ -348,6 +348,16 @@ def test_layout_command_with_budgets_prints_the_placement_plan(capsys):
         assert status == 2 and out == "" and err.count("\n") == 1, err
 
 
+@pytest.mark.parametrize("flag", [["--dtype", "float32"], ["--num-layers", 2],
+                                  ["--processes-per-node", 8], ["--tokenizer", "qwen3.5"]])
+def test_layout_command_refuses_options_it_would_ignore(flag, capsys):
+    """The plan's options without a budget, and the Engram pad id's tokenizer: one line, exit 2,
+    nothing printed."""
+    status, out, err = run(["layout", "--config", CONFIG, *flag], capsys)
+    assert status == 2 and out == "", out
+    assert err.startswith(f"ngram-cupy: error: {flag[0]} is only for") and err.count("\n") == 1
+
+
 def test_stats_command_and_plot(tmp_path, capsys):
     table = pq.read_table(CORPUS).slice(0, 30)
     source = tmp_path / "in.parquet"

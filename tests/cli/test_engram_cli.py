@@ -63,6 +63,20 @@ def test_text_column_is_tokenized_with_the_same_tokenizer(model, tmp_path, capsy
     np.testing.assert_array_equal(got.reshape(expected.shape), expected)
 
 
+def test_plain_text_lines_get_the_ids_of_the_same_texts_in_parquet(model, tmp_path, capsys):
+    folder, tokenizer, _ = model
+    texts = ["Hello, Engram!", "", "the THE The"]
+    (tmp_path / "docs.txt").write_text("\n".join(texts) + "\n")
+    pq.write_table(pa.table({"text": texts}), tmp_path / "docs.parquet")
+    for name, text_column in (("docs.txt", []), ("docs.parquet", ["--text-column", "text"])):
+        status, _, err = run(["ids", tmp_path / name, tmp_path / f"{name}.ids", "--scheme",
+                              "engram", "--config", folder, "--tokenizer", tokenizer, "--quiet",
+                              *text_column], capsys)
+        assert status == 0, err
+    assert pq.read_table(tmp_path / "docs.txt.ids").equals(
+        pq.read_table(tmp_path / "docs.parquet.ids"))
+
+
 def test_layout_lists_every_layer(model, capsys):
     folder, tokenizer, layout = model
     status, out, _ = run(["layout", "--scheme", "engram", "--config", folder], capsys)
@@ -135,14 +149,27 @@ def test_flags_it_cannot_honour_are_refused_and_the_metadata_is_the_qwen_ids(mod
                                  "engram_layer_ids": list(layout.layer_ids)}]
 
 
-def test_a_token_past_the_vocabulary_names_its_row_and_column(model, tmp_path, capsys):
+def test_a_token_past_the_vocabulary_names_its_file_row_and_column(model, tmp_path, capsys):
+    """The row among the file's rows, not within the batch that held it."""
     folder, tokenizer, layout = model
     source = tmp_path / "tokens.parquet"
-    rows = [[1, 2, 3], [4, layout.vocab_size]]
+    rows = [[1, 2, 3], [4], [5, 6], [7, layout.vocab_size]]
     pq.write_table(pa.table({"tokens": pa.array(rows, pa.list_(pa.int32()))}), source)
     output = tmp_path / "ids.parquet"
-    status, _, err = run(["ids", source, output, "--scheme", "engram", "--config", folder,
-                          "--tokenizer", tokenizer, "--quiet"], capsys)
-    assert status == 2 and not output.exists()
-    assert (f"column 'tokens', row 1 of a batch, token 1: {layout.vocab_size} is not an id of "
-            f"the tokenizer") in err and "input_ids" not in err
+    status, out, err = run(["ids", source, output, "--scheme", "engram", "--config", folder,
+                            "--tokenizer", tokenizer, "--quiet", "--batch-rows", 2], capsys)
+    assert status == 2 and out == "" and not output.exists()
+    assert err == (f"ngram-cupy: error: {source}: column 'tokens', row 3 (0-based, in reading "
+                   f"order), token 1: {layout.vocab_size} is not an id of the tokenizer (ids "
+                   f"0..{layout.vocab_size - 1})\n")
+
+
+@pytest.mark.parametrize("flag", [["--layer", 1], ["--gpu-budget", "80GiB"],
+                                  ["--host-budget", "1TB"], ["--dtype", "float32"],
+                                  ["--num-layers", 2], ["--processes-per-node", 8]])
+def test_layout_refuses_the_options_it_cannot_honour(model, flag, capsys):
+    folder, _, _ = model
+    status, out, err = run(["layout", "--scheme", "engram", "--config", folder, *flag], capsys)
+    assert status == 2 and out == "", out
+    assert err.startswith(f"ngram-cupy: error: {flag[0]}") and err.count("\n") == 1, err
+    assert "--scheme engram" in err

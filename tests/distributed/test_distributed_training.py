@@ -14,7 +14,7 @@ from gloo_ranks import TIMEOUT_S, init_method, run_ranks
 
 import ngram_cupy as nc
 
-pytest.importorskip("torch")
+torch = pytest.importorskip("torch")
 
 WORKER = Path(__file__).with_name("dist_train_worker.py")
 CONFIG = nc.NGramConfig(vocab_size=50, ngram_size=3, heads_per_ngram=2, ngram_vocab_size_base=11,
@@ -93,8 +93,14 @@ def test_bad_steps_are_refused_and_change_no_row(one_rank):
     ids = np.arange(8).reshape(2, LAYOUT.num_heads)
     with pytest.raises(ValueError, match="grad_out must hold 8 rows of head_dim=2"):
         trainer.step_from_output_grad(ids, np.zeros((2, 3), np.float32))
-    with pytest.raises(IndexError, match=rf"ids must lie in \[0, {LAYOUT.padded_rows}\)"):
-        trainer.step_from_output_grad(ids - 1, np.zeros((2, 8), np.float32))
+    bad = ids.copy()
+    bad[1, 2] = LAYOUT.padded_rows  # the lookup's words: the id, its index and flat position
+    with pytest.raises(IndexError, match=rf"^ids\[1, 2\] = {LAYOUT.padded_rows} is outside the "
+                       rf"table's rows \[0, {LAYOUT.padded_rows}\) \(the first such id, at flat "
+                       rf"position 6\)"):
+        trainer.step_from_output_grad(bad, np.zeros((2, 8), np.float32))
+    with pytest.raises(IndexError, match=r"^ids\[0, 0\] = -1 is outside"):
+        trainer.step_from_output_grad(torch.as_tensor(ids - 1), np.zeros((2, 8), np.float32))
     np.testing.assert_array_equal(embedding.table.host_view, before)
     with pytest.raises(TypeError, match="lookup must be a ShardedLookup"):
         nc.ShardedOptimizer(embedding, nc.RowwiseAdagrad(embedding.table, lr=LR))

@@ -120,3 +120,29 @@ def test_quantize_command_refusals(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(safetensors_files, "_save", interrupted)
     assert main(["quantize", source, "--to", "fp8", str(tmp_path / "out"), "--quiet"]) == 130
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exists", "model", "plain"]
+
+
+def test_quantize_command_layers_take_one_value_and_config_json_names_its_folder(tmp_path,
+                                                                                capsys):
+    """``--layers 1`` before OUTPUT leaves OUTPUT positional; MODEL may be its config.json."""
+    tiny_model(torch.bfloat16).save_pretrained(tmp_path / "model")
+    config = str(tmp_path / "model" / "config.json")
+    assert main(["quantize", config, "--to", "fp8", "--layers", "1", str(tmp_path / "q"),
+                 "--quiet"]) == 0
+    saved = safetensors_files.Checkpoint.open(tmp_path / "q")
+    for layer, dtype in ((0, "BF16"), (1, "F8_E4M3")):
+        assert saved.info(f"{NAMES[layer]}.ngram_embedding.shard_0.weight").dtype == dtype
+    capsys.readouterr()
+    for argv, message in (
+        (["--to", "fp8", "--layers", "0", "1", str(tmp_path / "out")], "unrecognized arguments"),
+        (["--to", "fp8", "--layers", "0 1", str(tmp_path / "out")], "not a list of layers: '0 1'"),
+        (["--layers", "0", "1", "--to", "fp8"], "OUTPUT '1' looks like a layer"),
+        (["--to", "fp8", "--layers", "0", "1"], "OUTPUT '1' looks like a layer"),
+    ):
+        try:
+            status = main(["quantize", config, *argv])
+        except SystemExit as e:  # argparse's own usage errors
+            status = e.code
+        err = capsys.readouterr().err
+        assert status == 2 and message in err and err.count("\n") == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "q"]
