@@ -102,12 +102,12 @@ class ShardedOptimizer:
         if grad_out.dtype not in GRAD_DTYPES:
             raise TypeError(f"grad_out must be float32, bfloat16 or float16, got "
                             f"{grad_out.dtype}")
-        ids = ids.reshape(-1).to(torch.int64)
         head_dim, total = self.table.head_dim, self.table.total_rows
         if grad_out.ndim == 0 or grad_out.numel() != ids.numel() * head_dim:
             raise ValueError(f"grad_out must hold {ids.numel()} rows of head_dim={head_dim} "
                              f"(one per id), got shape {tuple(grad_out.shape)}")
         check_row_ids(ids, total)  # the lookup's IndexError: the first bad id and its position
+        ids = ids.reshape(-1).to(torch.int64)
         grad_out = grad_out.reshape(ids.numel(), head_dim).to(torch.float32)
         if not bool(torch.isfinite(grad_out).all()):
             raise ValueError("grad_out holds NaN or infinite values: the step is refused on "
