@@ -244,8 +244,9 @@ def table_bits(table) -> tuple[Any, Format, Backend]:
     if not fmt.output:
         raise TypeError(f"weight must be a float32, float16 or bfloat16 table, got {fmt.name}")
     if table.num_rows != table.total_rows:
-        raise ValueError(f"weight holds rows [{table.row_start}, {table.row_start + table.num_rows})"
-                         f" of {table.total_rows}: quantise the whole table, not one shard")
+        stop = table.row_start + table.num_rows
+        raise ValueError(f"weight holds rows [{table.row_start}, {stop}) of {table.total_rows}: "
+                         "quantise the whole table, not one shard")
     if table.scale is not None:
         raise ValueError(f"weight has scale={float(table.scale)}: its rows alone are not its "
                          "values; quantise rows * scale")
