@@ -67,7 +67,7 @@ class Format:
     torch_name: str  # attribute of the ``torch`` module
     safetensors: str  # dtype code in safetensors headers
     output: bool  # lookups can produce it
-    label: str = ""  # the format's name where the dtype's is not (packed formats)
+    label: str = ""  # the format's name; "" gives the dtype's (packed formats have their own)
     pack: int = 1  # values per stored element
     block: int = 0  # values per block scale; 0: no block scales
     block_scale: Any = None  # ml_dtypes type of the block scale bytes
@@ -90,10 +90,19 @@ class Format:
         checkpoints hold no such table."""
         return dict(self.checkpoints).get(family)
 
+    def __post_init__(self) -> None:
+        """Every format is labelled: the dtype's name where no label is given."""
+        if not self.label:
+            object.__setattr__(self, "label", self.dtype.name)
+
+    def __repr__(self) -> str:
+        """The format's name (``float8_e4m3fn``, ``nvfp4``), as every function accepts it."""
+        return self.name
+
     @property
     def name(self) -> str:
         """The NumPy / ml_dtypes name, e.g. ``float8_e4m3fn``, or the label (``nvfp4``)."""
-        return self.label or self.dtype.name
+        return self.label
 
     @property
     def scaled(self) -> bool:
@@ -190,9 +199,12 @@ def checkpoint_formats(family: str, *, blocked: bool) -> tuple[Format, ...]:
 
 
 def encoded_format(to: Any, name: str = "to") -> Format:
-    """The format whose encoder ``to`` names (``"fp8"``, ...); a ValueError naming ``name``."""
+    """The format whose encoder ``to`` names (``"fp8"``, ...) or that ``to`` names by any of its
+    names and aliases (``"float8_e4m3fn"``); a ValueError naming ``name``."""
     fmt = ENCODED.get(to) if isinstance(to, str) else None
-    if fmt is None:
+    if fmt is None and isinstance(to, str):
+        fmt = find_format(to)
+    if fmt is None or not fmt.encoder:
         raise ValueError(f"{name} must be one of {', '.join(ENCODED)}, got {to!r}")
     return fmt
 

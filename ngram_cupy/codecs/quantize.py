@@ -221,8 +221,13 @@ def check_block(fmt: Format, block) -> None:
 
 
 def source_bits(weight) -> tuple[Any, Format, Backend]:
-    """The raw bits of a float32 / float16 / bfloat16 ``[rows, head_dim]`` table (NumPy, CuPy
-    or torch), its format and its side; TypeError / ValueError naming ``weight``."""
+    """The raw bits of a float32 / float16 / bfloat16 ``[rows, head_dim]`` table (NumPy, CuPy,
+    torch, or an ``EmbeddingTable``'s rows), its format and its side; TypeError / ValueError
+    naming ``weight``."""
+    from ..tables.table import EmbeddingTable  # tables import codecs: imported when called
+
+    if isinstance(weight, EmbeddingTable):
+        return table_bits(weight)
     value, fmt = unwrap_torch(weight)
     side = where(value)
     if side is None:
@@ -234,6 +239,27 @@ def source_bits(weight) -> tuple[Any, Format, Backend]:
     if array.ndim != 2:
         raise ValueError(f"weight must be 2-D [rows, head_dim], got shape {tuple(array.shape)}")
     return array.view(fmt.raw), fmt, side
+
+
+def table_bits(table) -> tuple[Any, Format, Backend]:
+    """``source_bits`` of an ``EmbeddingTable``: its rows where they live (host or device), for
+    an open, whole, unscaled float table (a shard's or a scaled table's rows alone are not the
+    values to quantise)."""
+    fmt = table.format
+    if table.closed:
+        raise ValueError("weight is a closed EmbeddingTable")
+    if not fmt.output:
+        raise TypeError(f"weight must be a float32, float16 or bfloat16 table, got {fmt.name}")
+    if table.num_rows != table.total_rows:
+        stop = table.row_start + table.num_rows
+        raise ValueError(f"weight holds rows [{table.row_start}, {stop}) of {table.total_rows}: "
+                         "quantise the whole table, not one shard")
+    if table.scale is not None:
+        raise ValueError(f"weight has scale={float(table.scale)}: its rows alone are not its "
+                         "values; quantise rows * scale")
+    if table.host_view is not None:
+        return HOST.asarray(table.host_view).view(fmt.raw), fmt, HOST
+    return table.device_rows.view(fmt.raw), fmt, where(table.device_rows)
 
 
 def quantize_scale(fmt: Format, scale) -> np.float32 | None:
@@ -350,7 +376,8 @@ def table_amax(weight, *, chunk_rows=None, name: str = "weight") -> float:
 
 def quantize_table(weight, to: str, *, scale=None, block=None, chunk_rows=None,
                    progress=None) -> QuantizedTable:
-    """Quantise a float32 / float16 / bfloat16 ``[rows, head_dim]`` table to ``to``: ``"fp8"``,
+    """Quantise a float32 / float16 / bfloat16 ``[rows, head_dim]`` table (an array, a tensor or
+    an ``EmbeddingTable``: its rows) to ``to``: ``"fp8"`` (or any name of float8_e4m3fn),
     ``"nvfp4"`` or ``"mxfp8"`` (see the module docstring for the recipes and the zero rules).
 
     ``scale``: fp8's per-tensor scale or NVFP4's global one (default from the table's amax,

@@ -34,7 +34,7 @@ INDEX_FILE = "model.safetensors.index.json"
 GENERATION_KEY = "ngram_cupy_generation"
 # Reads of an index that a writer keeps replacing meanwhile, before giving up.
 READ_ATTEMPTS = 3
-_GENERATION_FILE = re.compile(r"^model-\d{5}-of-\d{5}-[0-9a-f]{8}\.safetensors$")
+_GENERATION_FILE = re.compile(r"^model-\d{5}-of-\d{5}(-[0-9a-f]{8})?\.safetensors$")
 
 # Safetensors dtype codes and the NumPy (or ml_dtypes) types that hold them: the integer buffers
 # and float64 here, UE8M0 block scales (MXFP8) as their bytes, the table formats from the format
@@ -386,8 +386,10 @@ def write_checkpoint(
 
     ``path`` ending in ``.safetensors`` is one file, written to a temporary and renamed over it.
     Otherwise it is a folder that gets ``num_files`` files (tensors split in order, by count) and
-    a ``model.safetensors.index.json``. A folder checkpoint is replaced as a whole or not at all:
-    the files of a new generation get new names (``model-00001-of-00003-<generation>``), carry the
+    a ``model.safetensors.index.json``. Files take Hugging Face's names
+    (``model-00001-of-00003.safetensors``). A folder checkpoint is replaced as a whole or not at
+    all: the files of a new generation never take a name the live index names (where the standard
+    names are taken, the generation is appended: ``model-00001-of-00003-<generation>``), carry the
     generation in their metadata, and become the checkpoint only when the index naming them
     replaces the old one, in one rename; then the previous generation's files are removed. Readers
     check that every file belongs to the index's generation, so none combines two. One writer per
@@ -409,9 +411,12 @@ def write_checkpoint(
     previous = _previous_generation(path / INDEX_FILE, names)
     generation = secrets.token_hex(4)
     num_files = min(num_files, max(1, len(names)))
+    files = [path / f"model-{i + 1:05d}-of-{num_files:05d}.safetensors" for i in range(num_files)]
+    if previous & set(files):  # the standard names are the live checkpoint's: keep them whole
+        files = [file.with_name(f"{file.stem}-{generation}.safetensors") for file in files]
     groups = {
-        path / f"model-{i + 1:05d}-of-{num_files:05d}-{generation}.safetensors": list(group)
-        for i, group in enumerate(np.array_split(np.array(names, dtype=object), num_files))
+        file: list(group) for file, group in
+        zip(files, np.array_split(np.array(names, dtype=object), num_files), strict=True)
     }
     total = sum(np.asarray(a).nbytes for a in tensors.values())
     index = {

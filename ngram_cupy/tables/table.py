@@ -223,6 +223,17 @@ class EmbeddingTable:
         return self
 
     @property
+    def scale(self) -> np.float32 | None:
+        """The float32 scale every value is multiplied by, or None."""
+        return self._scale
+
+    @scale.setter
+    def scale(self, value) -> None:
+        """Set the scale under the constructors' check: finite and positive (zero, a negative or
+        NaN scale would serve zero, flipped or NaN rows)."""
+        self._scale = table_scale(self.format, value)
+
+    @property
     def pinned(self) -> bool:
         """Whether the rows (the cold ones, under a hot tier) are in page-locked host memory the
         GPU reads."""

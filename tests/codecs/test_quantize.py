@@ -226,3 +226,45 @@ def test_gpu_path_gives_the_cpu_bytes(to):
     ids = cupy.arange(ROWS).reshape(-1, 1)
     assert np.array_equal(cupy.asnumpy(table.lookup(ids)).view(np.uint16),
                           vllm_decode(want, BF16).view(np.uint16))
+
+
+# --- issue 43: the second hour ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("to", ["fp8", "float8_e4m3fn", "F8_E4M3", "nvfp4", "mxfp8"])
+def test_quantize_takes_every_name_of_a_format_and_an_embedding_tables_rows(to):
+    """Any of a format's names (the one alias table) and an EmbeddingTable's rows: the same
+    codes as the plain array under the encoder's name."""
+    rows = source_rows(np.float32)
+    encoder = {"float8_e4m3fn": "fp8", "F8_E4M3": "fp8"}.get(to, to)
+    expected = nc.quantize_table(rows, encoder)
+    for weight in (rows, nc.EmbeddingTable(rows.copy())):
+        got = nc.quantize_table(weight, to)
+        assert got.format is expected.format
+        np.testing.assert_array_equal(got.weight.view(np.uint8), expected.weight.view(np.uint8))
+        assert got.scale == expected.scale
+
+
+def test_quantize_refuses_a_shard_a_scaled_or_a_closed_table():
+    rows = source_rows(np.float32)
+    with pytest.raises(ValueError, match="one shard"):
+        nc.quantize_table(nc.EmbeddingTable(rows[:100], row_start=0, total_rows=ROWS), "fp8")
+    with pytest.raises(ValueError, match="scale"):
+        nc.quantize_table(nc.EmbeddingTable(rows, scale=2.0), "fp8")
+    table = nc.EmbeddingTable(rows)
+    table.close()
+    with pytest.raises(ValueError, match="closed"):
+        nc.quantize_table(table, "fp8")
+
+
+def test_every_format_is_named_by_its_repr_and_label():
+    from ngram_cupy.formats import FORMATS, find_format
+
+    for fmt in FORMATS:
+        assert repr(fmt) == fmt.name == fmt.label != ""
+        assert find_format(repr(fmt)) is fmt
+        for alias in fmt.aliases:
+            assert find_format(alias) is fmt
+    table = nc.EmbeddingTable(np.zeros((8, 32), np.float32))
+    assert repr(table.format) == "float32"
+    assert nc.EmbeddingTable.empty(8, 32, "fp8", scale=1.0).format.name == "float8_e4m3fn"

@@ -1020,3 +1020,16 @@ def test_mmap_table_of_a_relative_path_survives_a_change_of_working_folder(tmp_p
     monkeypatch.chdir(tmp_path.parent)
     ids = all_ids(layout)
     assert_same_bits(table.lookup(ids), expected_lookup(weight, ids))
+
+
+def test_files_take_hugging_faces_names_unless_the_live_checkpoint_holds_them(tmp_path):
+    """A fresh folder gets model-00001-of-00002.safetensors; a rewrite never reuses a name the
+    live index names (crash atomicity), and the next one takes the standard names again."""
+    first = write_checkpoint(tmp_path, generation_tensors(1.0), num_files=2)
+    assert [os.path.basename(f) for f in first] == [
+        "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    second = write_checkpoint(tmp_path, generation_tensors(2.0), num_files=2)
+    assert not set(first) & set(second)
+    third = write_checkpoint(tmp_path, generation_tensors(3.0), num_files=2)
+    assert third == first
+    assert loaded_values(tmp_path) == {3.0}

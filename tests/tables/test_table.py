@@ -358,3 +358,24 @@ def test_silent_wrong_out_a_python_list_is_a_type_error_for_tables_and_layers():
         layer(*batch, out=[])
     with pytest.raises(TypeError, match="ids_out must be an array"):
         layer(*batch, ids_out=[])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.float8_e4m3fn])
+@pytest.mark.parametrize("scale", [0.0, -1.0, float("nan"), float("inf")])
+def test_silent_wrong_setting_a_scale_takes_the_constructors_check(dtype, scale):
+    """``table.scale = 0.0`` (negative, NaN) on a float8 table would serve zero (flipped, NaN)
+    rows: the setter refuses what the constructor refuses and keeps the table's scale."""
+    weight = np.arange(32, dtype=np.float32).reshape(8, 4).astype(dtype)
+    table = nc.EmbeddingTable(weight, scale=2.0)
+    try:
+        nc.EmbeddingTable(weight, scale=scale)
+    except ValueError:
+        with pytest.raises(ValueError, match="scale must be"):
+            table.scale = scale
+        assert table.scale == np.float32(2.0)
+    else:  # float tables take any finite scale (a zero keeps its sign)
+        table.scale = scale
+        assert table.scale == np.float32(scale)
+    assert dtype == np.float32 or table.scale == np.float32(2.0)
+    table.scale = 0.5
+    assert table.lookup(np.array([[3]]), out_dtype=np.float32)[0, 0] == 6.0
