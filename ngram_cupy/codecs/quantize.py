@@ -224,9 +224,7 @@ def source_bits(weight) -> tuple[Any, Format, Backend]:
     """The raw bits of a float32 / float16 / bfloat16 ``[rows, head_dim]`` table (NumPy, CuPy,
     torch, or an ``EmbeddingTable``'s rows), its format and its side; TypeError / ValueError
     naming ``weight``."""
-    from ..tables.table import EmbeddingTable  # tables import codecs: imported when called
-
-    if isinstance(weight, EmbeddingTable):
+    if hasattr(weight, "total_rows") and hasattr(weight, "host_view"):  # an EmbeddingTable
         return table_bits(weight)
     value, fmt = unwrap_torch(weight)
     side = where(value)

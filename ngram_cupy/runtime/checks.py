@@ -61,3 +61,17 @@ def check_scale(name: str, value: float) -> float:
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"{name} must be a finite positive number, got {value}")
     return value
+
+
+def check_geometry(num_rows, head_dim, row_start, total_rows) -> None:
+    """A row shard's geometry: integers, non-negative, the owned rows inside the table."""
+    total_rows = num_rows if total_rows is None else total_rows
+    for name, value in (("num_rows", num_rows), ("head_dim", head_dim),
+                        ("row_start", row_start), ("total_rows", total_rows)):
+        check_integer(name, value)
+    if min(num_rows, head_dim) < 0:
+        raise ValueError(f"num_rows and head_dim must be non-negative, got {num_rows} and "
+                         f"{head_dim}")
+    if not 0 <= row_start <= row_start + num_rows <= total_rows:
+        raise ValueError(f"rows [{row_start}, {row_start + num_rows}) must lie within [0, "
+                         f"total_rows={total_rows})")

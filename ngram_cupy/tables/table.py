@@ -30,6 +30,7 @@ from ..formats import (
 from ..runtime.backends import DEVICE, HOST, Backend, Call, bind, cuda_stream
 from ..runtime.checks import (
     check_destination,
+    check_geometry,
     check_index_array,
     check_integer,
     check_out,
@@ -145,7 +146,7 @@ class EmbeddingTable:
                                   array.shape[0], head_dim)
         table_scale(fmt, scale)  # checked before anything is allocated
         placement = canonical_placement(placement)
-        self._check_geometry(array.shape[0], head_dim, row_start, total_rows)
+        check_geometry(array.shape[0], head_dim, row_start, total_rows)
         storage = adopt(placement, call.side, array, fmt)
         if storage is None:
             storage = allocate(placement, array.shape[0], head_dim, fmt)
@@ -163,7 +164,7 @@ class EmbeddingTable:
         check_scale_rounding(scale_rounding)
         fmt = storage_format(dtype)
         placement = canonical_placement(placement)
-        cls._check_geometry(num_rows, head_dim, row_start, total_rows)
+        check_geometry(num_rows, head_dim, row_start, total_rows)
         fmt.check_head_dim(head_dim)
         table_scale(fmt, scale)
         return cls(allocate(placement, int(num_rows), int(head_dim), fmt), scale,
@@ -171,21 +172,6 @@ class EmbeddingTable:
                    hot_rows=hot_rows, scale_rounding=scale_rounding)._named(placement)
 
     # ---- construction ----
-
-    @staticmethod
-    def _check_geometry(num_rows, head_dim, row_start, total_rows) -> None:
-        """Integers, non-negative, and the owned rows inside the table."""
-        total_rows = num_rows if total_rows is None else total_rows
-        for name, value in (("num_rows", num_rows), ("head_dim", head_dim),
-                            ("row_start", row_start), ("total_rows", total_rows)):
-            check_integer(name, value)
-        if min(num_rows, head_dim) < 0:
-            raise ValueError(f"num_rows and head_dim must be non-negative, got {num_rows} and "
-                             f"{head_dim}")
-        if not 0 <= row_start <= row_start + num_rows <= total_rows:
-            raise ValueError(
-                f"rows [{row_start}, {row_start + num_rows}) must lie within [0, total_rows="
-                f"{total_rows})")
 
     @staticmethod
     def _tiered(storage: Storage, hot_rows, row_start) -> Storage:
@@ -199,7 +185,7 @@ class EmbeddingTable:
     def _setup(self, storage: Storage, placement: str, scale, row_start, total_rows,
                dedup: bool, scale_rounding: str) -> None:
         """Adopt ``storage`` with the global geometry, scale and a prefetcher."""
-        self._check_geometry(storage.num_rows, storage.head_dim, row_start, total_rows)
+        check_geometry(storage.num_rows, storage.head_dim, row_start, total_rows)
         self.storage = storage
         self.num_rows, self.head_dim, self.format = storage.num_rows, storage.head_dim, \
             storage.format
