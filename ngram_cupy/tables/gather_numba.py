@@ -57,6 +57,7 @@ NO_EXPECTED = np.zeros((0, 0), dtype=np.int64)
 NO_WORDS = np.zeros(0, dtype=np.uint64)
 NO_RANKS = np.zeros(0, dtype=np.uint32)
 NO_SCALES = np.zeros((0, 0), dtype=np.uint8)
+NO_SCALES.flags.writeable = False  # typed as the read-only block scales (``read_only``)
 
 
 @intrinsic
@@ -223,6 +224,16 @@ def output_table(code: int, out_code: int, scale_bits: int):
     return outputs
 
 
+def read_only(array: np.ndarray | None) -> np.ndarray | None:
+    """A read-only view of ``array``: the gathers only read their tables, and one array type
+    for writable and read-only (mapped, shared) rows halves the kernels Numba compiles."""
+    if array is None or not array.flags.writeable:
+        return array
+    view = array.view()
+    view.flags.writeable = False
+    return view
+
+
 def gather_rows(table: np.ndarray, code: int, row_start: int, scale: np.float32, ids: np.ndarray,
                 out: np.ndarray, out_code: int, expected: np.ndarray | None = None,
                 parallel: bool | None = None, hot: tuple[HotRowMap, np.ndarray] | None = None,
@@ -235,7 +246,8 @@ def gather_rows(table: np.ndarray, code: int, row_start: int, scale: np.float32,
     (``row_ids``; found in the gather loop itself, raised after it; ``out`` is then partly
     written); ids of other shards give zero rows either way.
 
-    ``table`` and ``out`` are raw unsigned views; ``ids`` is ``[T, H]`` int32/int64 and ``out``
+    ``table`` and ``out`` are raw unsigned views; ``ids`` is ``[T, H]`` integers (read as int64,
+    one compiled kernel for every id type) and ``out``
     ``[T, H * head_dim]``. With ``expected`` (int64, ``ids``' shape), heads whose id equals the
     expected one are skipped: ``out`` already holds them. ``parallel=None`` uses threads for
     large batches only, ``True`` whenever the threading layer allows (``cpu_threads``), ``False``
@@ -251,18 +263,21 @@ def gather_rows(table: np.ndarray, code: int, row_start: int, scale: np.float32,
         require_block_scales(FORMATS[code], scales, hot, hot_scales)
     scale = np.float32(scale)
     outputs = output_table(code, out_code, int(scale.view(np.uint32)))
+    table, scales, records = read_only(table), read_only(scales), read_only(records)
     if hot is None:
         words, ranks, hot_table, blocks = NO_WORDS, NO_RANKS, records if packed else table, 0
     else:
         (words, ranks), hot_table = hot
+        hot_table, hot_scales = read_only(hot_table), read_only(hot_scales)
         blocks = max(-(-ids.shape[0] // BLOCK), 1)  # a serial gather counts in the first
+    kernel_ids = ids if ids.dtype == np.int64 else ids.astype(np.int64)
     block_counts = np.zeros((blocks, 2), np.int64)
     bad = np.full(max(-(-ids.shape[0] // BLOCK), 1), NO_BAD_ID, np.int64)
     target = out.view(unit_dtype(code, out_code)) if FORMATS[code].blocked else out
     min_rows = PARALLEL_MIN_ROWS if parallel is None else 0 if parallel else 1 << 62
     with use_threads(ids.size, min_rows, PARALLEL_BUSY_MIN_ROWS) as threaded:
         _gather_kernel(code, out_code, threaded, hot is not None, packed)(
-            records if packed else table, np.int64(row_start), scale, outputs, ids,
+            records if packed else table, np.int64(row_start), scale, outputs, kernel_ids,
             NO_EXPECTED if expected is None else expected, target, words, ranks, hot_table,
             block_counts, NO_SCALES if scales is None or packed else scales,
             NO_SCALES if hot_scales is None or packed else hot_scales,

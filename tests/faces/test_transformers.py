@@ -186,6 +186,7 @@ def test_beam_search_and_other_layouts(dtype, overrides, options):
     assert_same_generation(reference, patched, prompts(), **options)
 
 
+@pytest.mark.release_independent
 def test_bfloat16_model_and_table():
     reference = tiny_model(torch.bfloat16)
     patched = copy.deepcopy(reference)
@@ -194,6 +195,7 @@ def test_bfloat16_model_and_table():
     assert_same_generation(reference, patched, prompts(), do_sample=False)
 
 
+@pytest.mark.release_independent
 def test_bfloat16_table_in_a_float32_model():
     """weight_dtype rounds the rows once; the model's own table rounded alike agrees."""
     reference = tiny_model()
@@ -219,6 +221,7 @@ def fp8_checkpoint(model, path, scale=0.0625, scale_dtype=ml_dtypes.bfloat16):
     return dequantised
 
 
+@pytest.mark.release_independent
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_float8_checkpoint(tmp_path, dtype):
     """An fp8 table against a model whose nn.Embedding holds the dequantised rows."""
@@ -234,6 +237,7 @@ def test_float8_checkpoint(tmp_path, dtype):
     assert_same_generation(reference, patched, prompts(), do_sample=False)
 
 
+@pytest.mark.release_independent
 @pytest.mark.parametrize("scale_rounding", ["output", "float32"])
 def test_float8_checkpoint_with_vllms_float32_scale(tmp_path, scale_rounding):
     """vLLM 0.33's float32 scale that bf16 cannot hold: by default rows.to(bf16) *
@@ -274,6 +278,7 @@ def nvfp4_checkpoint(model, path, scale=0.75):
     return files, decoded
 
 
+@pytest.mark.release_independent
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_nvfp4_checkpoint(tmp_path, dtype):
     """An NVFP4 table against a model whose nn.Embedding holds its rows decoded in float32 (one
@@ -324,6 +329,7 @@ def test_save_pretrained_then_load_every_ple_layer_without_prefix(tmp_path, floa
         assert torch.equal(got.reshape(want.shape), want.detach())
 
 
+@pytest.mark.release_independent
 def test_single_weight_layout(tmp_path, float32_pair):
     """A table saved whole, as ``P.ngram_embedding.weight`` (the model's state_dict)."""
     reference, _ = float32_pair
@@ -334,6 +340,7 @@ def test_single_weight_layout(tmp_path, float32_pair):
     assert_same_generation(reference, patched, prompts(), do_sample=False)
 
 
+@pytest.mark.release_independent
 @pytest.mark.parametrize("source", ["model", "single_weight"])
 def test_shared_placement(tmp_path, monkeypatch, float32_pair, source):
     """placement="shared" (issue 24) from the model's own rows or a single-weight checkpoint:
@@ -364,6 +371,7 @@ def test_shared_placement(tmp_path, monkeypatch, float32_pair, source):
     os.rmdir(folder)
 
 
+@pytest.mark.release_independent
 def test_prefetch_and_hot_rows_change_nothing(float32_pair):
     reference, _ = float32_pair
     patched = copy.deepcopy(reference)

@@ -82,6 +82,7 @@ def test_fused_sgd_follows_nn_embedding(reference):
     check_same_training(reference, losses, model)
 
 
+@pytest.mark.release_independent
 def test_a_shared_table_trains_as_the_core_does(shm_dir):
     """placement="shared" trains (Hogwild, as the core's optimizers do): a fused SGD step moves
     the node segment's rows exactly as it moves a private table's, and torch's own optimizer
