@@ -116,7 +116,7 @@ def test_one_graph_without_breaks(every_layer):
 
 
 def test_inductor_equals_eager_bit_for_bit(every_layer):
-    compiled = torch.compile(every_layer, fullgraph=True)
+    compiled = torch.compile(every_layer, fullgraph=True, dynamic=True)  # one compile, both
     for num_tokens in (5, 37):
         args = batch(num_tokens, requests=3, seed=num_tokens)
         with torch.no_grad():
