@@ -12,6 +12,7 @@ import torch
 
 pytest.importorskip("transformers")
 pq = pytest.importorskip("pyarrow.parquet")
+pytestmark = pytest.mark.release_independent  # the library's worker; transformers' side: training
 
 from test_transformers import NAMES, VOCAB, tiny_model  # noqa: E402
 
