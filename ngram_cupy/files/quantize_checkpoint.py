@@ -33,6 +33,7 @@ from ..hashing.engram_config import EngramConfig
 from ..hashing.layout import layer_layout
 from ..runtime import interrupts
 from ..runtime.atomic import remove_stale_temporaries, temporary_name
+from ..runtime.model_paths import local_path
 from .checkpoint_discovery import ple_prefixes
 from .checkpoint_names import table_key
 from .checkpoint_reading import table_shards, verify_buffers
@@ -136,11 +137,11 @@ def rows_to_quantize(checkpoint: Checkpoint) -> int:
 def quantize_checkpoint(source: str | os.PathLike, to: str, output: str | os.PathLike,
                         layers: Sequence[int] | None = None, scheme: str = "qwen4exp",
                         progress: bool | None = None) -> str:
-    """Write ``source``'s model (a folder with ``config.json``) with the n-gram tables of
-    ``layers`` (default: all) quantised to ``to`` into the new folder ``output``, atomically:
-    a folder beside it, renamed onto it once complete (removed on any error or interrupt).
-    Return ``output``."""
-    source, output = Path(source), Path(output)
+    """Write ``source``'s model (a folder with ``config.json``, or a Hugging Face Hub id: see
+    ``local_path``) with the n-gram tables of ``layers`` (default: all) quantised to ``to`` into
+    the new folder ``output``, atomically: a folder beside it, renamed onto it once complete
+    (removed on any error or interrupt). Return ``output``."""
+    output = Path(output)
     if scheme not in SCHEMES:
         raise ValueError(f"scheme must be one of {', '.join(SCHEMES)}, got {scheme!r}")
     encoded_format(to, "--to")
@@ -148,6 +149,7 @@ def quantize_checkpoint(source: str | os.PathLike, to: str, output: str | os.Pat
         raise FileExistsError(f"OUTPUT {output} exists: quantize writes a new folder")
     if not output.parent.is_dir():
         raise FileNotFoundError(f"output folder does not exist: {output.parent}")
+    source = Path(local_path(source, "model folder"))
     if not (source / "config.json").is_file():
         raise FileNotFoundError(f"{source} is not a model folder (no config.json)")
     checkpoint = Checkpoint.open(source, random_access=True)

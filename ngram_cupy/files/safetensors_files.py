@@ -19,7 +19,7 @@ import os
 import re
 import secrets
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,8 +28,11 @@ from safetensors.numpy import save_file
 
 from ..formats import BY_SAFETENSORS
 from ..runtime.atomic import atomic_file, remove_stale_temporaries
+from ..runtime.model_paths import local_path
 
 INDEX_FILE = "model.safetensors.index.json"
+# The files of a Hub model a checkpoint loader needs: the tensors, their index and config.json.
+CHECKPOINT_FILES = ("*.safetensors", "*.json")
 # The __metadata__ key (in each file) and index metadata key naming a checkpoint's generation.
 GENERATION_KEY = "ngram_cupy_generation"
 # Reads of an index that a writer keeps replacing meanwhile, before giving up.
@@ -153,16 +156,18 @@ def _tensor_infos(path: str, header: dict, data_start: int, size: int) -> dict[s
 
 def checkpoint_paths(path: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
     """The safetensors files of a checkpoint: a folder (its index json, else every
-    ``*.safetensors`` in it), an index json, one file, or a list of files."""
+    ``*.safetensors`` in it), an index json, one file, a Hugging Face Hub id (its snapshot
+    folder, see ``local_path``), or a list of files. A missing file is a FileNotFoundError
+    naming it."""
     if isinstance(path, (str, os.PathLike)):
-        path = Path(path)
+        path = Path(local_path(path, "checkpoint", CHECKPOINT_FILES))
         if path.is_dir():
             index = path / INDEX_FILE
             if index.is_file():
                 return _indexed_paths(index)
             files = sorted(str(p) for p in path.glob("*.safetensors"))
             if not files:
-                raise ValueError(f"no *.safetensors files in {path}")
+                raise FileNotFoundError(f"no *.safetensors files in {path}")
             return files
         if path.name.endswith(".json"):
             return _indexed_paths(path)
@@ -175,7 +180,7 @@ def checkpoint_paths(path: str | os.PathLike | Sequence[str | os.PathLike]) -> l
         raise TypeError(f"path must be a path or a list of paths, got {type(path).__name__}")
     missing = [str(p) for p in paths if not p.is_file()]
     if missing:
-        raise ValueError(f"checkpoint file(s) not found: {', '.join(missing)}")
+        raise FileNotFoundError(f"checkpoint file(s) not found: {', '.join(missing)}")
     return [str(p) for p in paths]
 
 
@@ -220,7 +225,7 @@ def _generation_files(index: Path, weight_map: dict[str, str],
     names = list(dict.fromkeys(weight_map.values()))
     missing = [n for n in names if not (index.parent / n).is_file()]
     if missing:
-        raise ValueError(f"files named in {index} are missing: {', '.join(missing)}")
+        raise FileNotFoundError(f"files named in {index} are missing: {', '.join(missing)}")
     paths = [str(index.parent / n) for n in names]
     if generation is not None:
         for path in paths:
@@ -380,7 +385,8 @@ def _close_all(files: dict[str, _OpenFile]) -> None:
 
 
 def write_checkpoint(
-    path: str | os.PathLike, tensors: Mapping[str, np.ndarray], num_files: int = 1
+    path: str | os.PathLike, tensors: Mapping[str, np.ndarray], num_files: int = 1, *,
+    replaces: Collection[str] = (),
 ) -> list[str]:
     """Write tensors as safetensors, atomically; return the files written.
 
@@ -393,7 +399,8 @@ def write_checkpoint(
     generation in their metadata, and become the checkpoint only when the index naming them
     replaces the old one, in one rename; then the previous generation's files are removed. Readers
     check that every file belongs to the index's generation, so none combines two. One writer per
-    folder at a time; an index naming tensors not being written (another model's) is refused.
+    folder at a time; an index naming tensors not being written (another model's) is refused,
+    except those named in ``replaces`` (the old tensors of a layer being rewritten).
     """
     if isinstance(num_files, bool) or not isinstance(num_files, int) or num_files < 1:
         raise ValueError(f"num_files must be a positive integer, got {num_files!r}")
@@ -408,7 +415,7 @@ def write_checkpoint(
         return [str(path)]
     path.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(path)
-    previous = _previous_generation(path / INDEX_FILE, names)
+    previous = _previous_generation(path / INDEX_FILE, {*names, *replaces})
     generation = secrets.token_hex(4)
     num_files = min(num_files, max(1, len(names)))
     files = [path / f"model-{i + 1:05d}-of-{num_files:05d}.safetensors" for i in range(num_files)]
@@ -436,7 +443,7 @@ def write_checkpoint(
             with contextlib.suppress(OSError):
                 file.unlink()
         raise
-    _remove_old_generations(path, previous, set(groups), names)
+    _remove_old_generations(path, previous, set(groups), {*names, *replaces})
     return [str(file) for file in groups]
 
 
@@ -447,15 +454,16 @@ def _save(tensors: Mapping[str, np.ndarray], names: list, file: str,
     save_file({n: np.ascontiguousarray(tensors[n]) for n in names}, file, metadata=metadata)
 
 
-def _previous_generation(index: Path, names: list) -> set[Path]:
-    """The files of the checkpoint being replaced; refuse to replace an index of other tensors."""
+def _previous_generation(index: Path, names: set[str]) -> set[Path]:
+    """The files of the checkpoint being replaced; refuse to replace an index of other tensors
+    than ``names``."""
     if not index.exists():
         return set()
     try:
         weight_map, _ = read_index(index)
     except ValueError:
         return set()  # an unreadable index names nothing we could remove
-    foreign = sorted(set(weight_map) - set(names))
+    foreign = sorted(set(weight_map) - names)
     if foreign:
         raise ValueError(
             f"{index} already names {len(foreign)} tensor(s) this checkpoint does not hold "
@@ -466,7 +474,7 @@ def _previous_generation(index: Path, names: list) -> set[Path]:
 
 
 def _remove_old_generations(folder: Path, previous: set[Path], current: set[Path],
-                            names: list) -> None:
+                            names: set[str]) -> None:
     """Delete the files of replaced generations: those the old index named and any left by an
     interrupted write, never one the new index names, and only files that hold nothing but
     tensors of this checkpoint or that :func:`write_checkpoint` wrote (they carry a generation)."""
@@ -474,5 +482,5 @@ def _remove_old_generations(folder: Path, previous: set[Path], current: set[Path
     for file in candidates - current:
         with contextlib.suppress(OSError, ValueError):
             if file.parent == folder and (GENERATION_KEY in read_metadata(file)
-                                          or set(read_header(file)) <= set(names)):
+                                          or set(read_header(file)) <= names):
                 file.unlink()

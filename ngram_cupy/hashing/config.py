@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from ..runtime.model_paths import local_path
+
 MAX_VOCAB_SIZE = 1 << 32
 MAX_NGRAM_SIZE = 64
 MAX_HEADS = 1024
@@ -196,7 +198,8 @@ class NGramConfig:
         id; ``text_config`` fields are merged in), unknown keys ignored.
 
         Args:
-            path_or_dict: a ``config.json`` file, a model folder holding one, or a dict.
+            path_or_dict: a ``config.json`` file, a model folder holding one, a Hugging Face Hub
+                id (``"org/model"``, when no such local path exists), or a dict.
 
         Returns:
             The :class:`NGramConfig`; ``ple_layer_ids`` kept as written (counted from 1).
@@ -228,22 +231,23 @@ class NGramConfig:
 
 
 def read_hf_config(path_or_dict: str | os.PathLike | dict) -> dict:
-    """A Hugging Face ``config.json`` as one dict (a file, a model folder, or a dict), its
-    ``text_config`` fields merged in; clear errors for a missing file or bad JSON."""
+    """A Hugging Face ``config.json`` as one dict (a file, a model folder, a Hub id resolved by
+    ``local_path``, or a dict), its ``text_config`` fields merged in; a FileNotFoundError naming
+    a missing file, a ValueError for bad JSON."""
     if isinstance(path_or_dict, dict):
         raw = path_or_dict
     elif not isinstance(path_or_dict, (str, os.PathLike)):
         raise TypeError(f"path_or_dict must be a path or a dict, got "
                         f"{type(path_or_dict).__name__}")
     else:
-        path = os.fspath(path_or_dict)
+        path = local_path(path_or_dict, "config file", ("config.json",))
         if os.path.isdir(path):
             path = os.path.join(path, "config.json")
         try:
             with open(path, "rb") as f:
                 raw = json.loads(f.read().decode("utf-8"))
         except FileNotFoundError:
-            raise ValueError(f"config file not found: {path}") from None
+            raise FileNotFoundError(f"config file not found: {path}") from None
         except json.JSONDecodeError as e:
             raise ValueError(f"config file {path} is not valid JSON: {e}") from None
         except UnicodeDecodeError as e:

@@ -22,6 +22,7 @@ import numpy as np
 
 from ..runtime.atomic import atomic_file
 from ..runtime.kernel_cache import cache_dir
+from ..runtime.model_paths import TOKENIZER_FILES, local_path
 
 # Bumped whenever the normalisation or the entry changes, so no stale map is ever read back.
 FORMAT_VERSION = 2
@@ -108,10 +109,10 @@ def _tokenizer_source(source: Any) -> tuple[str, Callable[[], Any]]:
             return hashlib.sha256(backend.to_str().encode()).hexdigest(), lambda: backend
         raise TypeError(f"tokenizer must be a tokenizer.json path, a folder holding one, or a "
                         f"tokenizers.Tokenizer, got {type(source).__name__}")
-    path = os.fspath(source)
+    path = local_path(source, "tokenizer", TOKENIZER_FILES)
     file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
     if not os.path.isfile(file):
-        raise ValueError(f"tokenizer: no such file: {file}")
+        raise FileNotFoundError(f"tokenizer: no such file: {file}")
     data = Path(file).read_bytes()
 
     def parse():
@@ -167,7 +168,7 @@ _maps_lock = threading.Lock()
 
 def engram_token_map(tokenizer) -> TokenMap:
     """The compressed token map of a tokenizer (a ``tokenizer.json`` path, a folder holding
-    one, or a ``tokenizers.Tokenizer``), from the disk cache when it holds it."""
+    one, a Hub id, or a ``tokenizers.Tokenizer``), from the disk cache when it holds it."""
     digest, parse = _tokenizer_source(tokenizer)
     with _maps_lock:
         if digest in _maps:

@@ -38,10 +38,13 @@ def save_training_state(path: str | os.PathLike, optimizer) -> str:
 
 @contextlib.contextmanager
 def open_state_file(path: str | os.PathLike) -> Iterator:
-    """``safe_open`` of ``path``: a truncated or corrupted file (or metadata) is a ValueError
-    naming the path, with the safetensors or JSON error as its cause."""
+    """``safe_open`` of ``path``: a missing file is a FileNotFoundError and a truncated or
+    corrupted file (or metadata) a ValueError naming the path, with the safetensors or JSON
+    error as its cause."""
     from safetensors import SafetensorError, safe_open
 
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"training state file not found: {os.fspath(path)}")
     try:
         with safe_open(os.fspath(path), "np") as file:
             yield file

@@ -66,7 +66,7 @@ def test_config_that_does_not_fit_the_tokenizer_is_refused():
 
 
 def test_bad_specs():
-    with pytest.raises(ValueError, match="neither qwen3.5 nor qwen3.6"):
+    with pytest.raises(FileNotFoundError, match="qwen9; a tokenizer is qwen3.5 or qwen3.6"):
         load_tokenizer("qwen9")
     with pytest.raises(TypeError):
         load_tokenizer(3)

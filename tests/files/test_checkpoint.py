@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 
 import ml_dtypes
 import numpy as np
@@ -147,14 +148,15 @@ def test_paths_of_folder_index_file_and_list(tmp_path):
 def test_index_naming_a_missing_file(tmp_path):
     files = write_checkpoint(tmp_path, {"a": np.zeros(2), "b": np.ones(2)}, num_files=2)
     os.remove(files[1])
-    with pytest.raises(ValueError, match=os.path.basename(files[1])):
+    with pytest.raises(FileNotFoundError, match=os.path.basename(files[1])):
         checkpoint_paths(tmp_path)
 
 
-@pytest.mark.parametrize("path", ["nothing-here.safetensors", []])
-def test_missing_checkpoint(tmp_path, path):
-    with pytest.raises(ValueError, match="not found|empty list"):
-        checkpoint_paths(tmp_path / path if path else path)
+def test_missing_checkpoint(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nothing-here.safetensors"):
+        checkpoint_paths(tmp_path / "nothing-here.safetensors")
+    with pytest.raises(ValueError, match="empty list"):
+        checkpoint_paths([])
 
 
 def test_write_is_atomic(tmp_path):
@@ -610,18 +612,16 @@ def loaded_values(folder) -> set[float]:
     return {float(v) for name in checkpoint.tensors for v in checkpoint.read(name)}
 
 
-@pytest.mark.parametrize("primitive", ["replace", "remove", "unlink"])
-def test_data_loss_folder_rewrite_failing_on_any_call_loads_old_or_new_never_a_mix(
-        tmp_path, monkeypatch, primitive):
-    """An I/O error on the Nth rename (or removal), for every N: the folder loads completely as
-    the old generation or the new one."""
-    failing_on = 1
-    outcomes = set()
+def fail_each_call_in_turn(tmp_path, monkeypatch, primitive: str, prepare, rewrite,
+                           outcome) -> set:
+    """For N = 1, 2, ...: ``prepare`` a fresh folder, then ``rewrite`` it with the Nth call of
+    ``os.<primitive>`` raising an I/O error, until a rewrite makes fewer than N calls (every
+    call has had its turn to fail); the ``outcome`` of each folder, as a set."""
+    failing_on, outcomes = 1, set()
     while True:
         folder = tmp_path / f"{primitive}{failing_on}"
-        write_checkpoint(folder, generation_tensors(1.0), num_files=3)
-        calls = 0
-        real = getattr(os, primitive)
+        prepare(folder)
+        calls, real = 0, getattr(os, primitive)
 
         def flaky(*args, real=real, failing_on=failing_on, **kwargs):
             nonlocal calls
@@ -632,18 +632,33 @@ def test_data_loss_folder_rewrite_failing_on_any_call_loads_old_or_new_never_a_m
 
         monkeypatch.setattr(os, primitive, flaky)
         try:
-            write_checkpoint(folder, generation_tensors(2.0), num_files=3)
+            rewrite(folder)
             failed = False
         except OSError:
             failed = True
         finally:
             monkeypatch.setattr(os, primitive, real)
-        values = loaded_values(folder)
-        assert values in ({1.0}, {2.0}), (failing_on, values)
-        outcomes.add(values.pop())
-        if not failed and calls < failing_on:  # every call has had its turn to fail
-            break
+        outcomes.add(outcome(folder))
+        if not failed and calls < failing_on:
+            return outcomes
         failing_on += 1
+
+
+@pytest.mark.parametrize("primitive", ["replace", "remove", "unlink"])
+def test_data_loss_folder_rewrite_failing_on_any_call_loads_old_or_new_never_a_mix(
+        tmp_path, monkeypatch, primitive):
+    """An I/O error on the Nth rename (or removal), for every N: the folder loads completely as
+    the old generation or the new one."""
+
+    def outcome(folder) -> float:
+        values = loaded_values(folder)
+        assert values in ({1.0}, {2.0}), values
+        return values.pop()
+
+    outcomes = fail_each_call_in_turn(
+        tmp_path, monkeypatch, primitive,
+        lambda folder: write_checkpoint(folder, generation_tensors(1.0), num_files=3),
+        lambda folder: write_checkpoint(folder, generation_tensors(2.0), num_files=3), outcome)
     assert outcomes == ({1.0, 2.0} if primitive == "replace" else {2.0})
 
 
@@ -1033,3 +1048,88 @@ def test_files_take_hugging_faces_names_unless_the_live_checkpoint_holds_them(tm
     third = write_checkpoint(tmp_path, generation_tensors(3.0), num_files=2)
     assert third == first
     assert loaded_values(tmp_path) == {3.0}
+
+
+# --- several layers saved one call at a time into one folder (issue 43) -----------------------
+
+
+def loads_as(folder, layer, weight, scale=None) -> bool:
+    """Whether ``folder`` holds PLE layer ``layer`` with exactly ``weight``'s rows (False when
+    it holds no such layer)."""
+    try:
+        table = nc.load_ngram_embedding(folder, TINY, layer, weight_dtype="stored").table
+    except ValueError as e:
+        assert "cannot tell which PLE prefix" in str(e)
+        return False
+    ids = np.arange(table.total_rows).reshape(-1, 1)
+    assert_same_bits(table.lookup(ids), expected_lookup(weight, ids, scale))
+    return True
+
+
+def test_layers_saved_one_call_at_a_time_share_one_folder(tmp_path):
+    """save_ngram_embedding(folder, config, 1, w1) after layer 0 adds layer 1: both load, the
+    index names both layers' tensors, the files keep Hugging Face's names; saving a layer again
+    replaces that layer alone (its fp8 scale gone with it)."""
+    folder = tmp_path / "m"
+    weights = {layer: tiny_weight(np.float32, nc.layer_layout(TINY, layer), layer)
+               for layer in (0, 1)}
+    nc.save_ngram_embedding(folder, TINY, 0, weights[0], num_files=2)
+    files = nc.save_ngram_embedding(folder, TINY, 1, weights[1], num_files=2)
+    assert all(re.fullmatch(r"model-0000\d-of-00002(-[0-9a-f]{8})?\.safetensors",
+                            os.path.basename(f)) for f in files)
+    config = nc.NGramConfig.from_hf(folder)
+    for layer in (0, 1):
+        assert loads_as(folder, layer, weights[layer])
+    names = {**tiny_tensors(np.float32, 0, "model.layers.0.ple.ple_embedding"),
+             **tiny_tensors(np.float32, 1, "model.layers.1.ple.ple_embedding")}
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    assert sorted(index["weight_map"]) == sorted(names)
+    fp8 = tiny_weight(ml_dtypes.float8_e4m3fn, seed=7)
+    nc.save_ngram_embedding(folder, config, 0, fp8, SCALE, write_config=False)
+    assert loads_as(folder, 0, fp8, SCALE) and loads_as(folder, 1, weights[1])
+    nc.save_ngram_embedding(folder, config, 0, weights[0])
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    assert sorted(index["weight_map"]) == sorted(names)  # the scale went with the fp8 rows
+    assert loads_as(folder, 0, weights[0]) and loads_as(folder, 1, weights[1])
+    assert len(os.listdir(folder)) == 3  # config.json, the index and one file: nothing stale
+
+
+@pytest.mark.parametrize("primitive", ["replace", "unlink"])
+def test_data_loss_adding_a_layer_failing_on_any_call_keeps_the_folder_whole(
+        tmp_path, monkeypatch, primitive):
+    """An I/O error on the Nth rename (or removal) while layer 1 is added, for every N: the
+    folder loads layer 0 as it was, and layer 1 whole or not at all."""
+    weights = {layer: tiny_weight(np.float32, nc.layer_layout(TINY, layer), layer)
+               for layer in (0, 1)}
+
+    def outcome(folder) -> bool:
+        assert loads_as(folder, 0, weights[0])
+        return loads_as(folder, 1, weights[1])
+
+    outcomes = fail_each_call_in_turn(
+        tmp_path, monkeypatch, primitive,
+        lambda folder: nc.save_ngram_embedding(folder, TINY, 0, weights[0], num_files=2),
+        lambda folder: nc.save_ngram_embedding(folder, TINY, 1, weights[1], num_files=2),
+        outcome)
+    assert outcomes == ({False, True} if primitive == "replace" else {True})
+
+
+def test_data_loss_a_layer_is_not_added_to_another_models_folder_or_config(tmp_path):
+    """A folder whose index names tensors of no PLE layer (another model's) is still refused,
+    and so is a folder whose config.json holds another n-gram config than the layer's: nothing
+    written either time."""
+    other = tmp_path / "other"
+    write_checkpoint(other, {"model.embed.weight": np.zeros(2, np.float32),
+                             **tiny_tensors(np.float32, 0, PREFIX)})
+    before = {p.name: p.read_bytes() for p in other.iterdir()}
+    with pytest.raises(ValueError, match="model.embed.weight"):
+        nc.save_ngram_embedding(other, TINY, 1, tiny_weight(np.float32, nc.layer_layout(TINY, 1)))
+    assert {p.name: p.read_bytes() for p in other.iterdir()} == before
+    folder = tmp_path / "m"
+    nc.save_ngram_embedding(folder, TINY, 0, tiny_weight(np.float32))
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    reseeded = dataclasses.replace(TINY, seed=99)
+    with pytest.raises(ValueError, match=r"seed 1234 there, 99 here"):
+        nc.save_ngram_embedding(folder, reseeded, 1,
+                                tiny_weight(np.float32, nc.layer_layout(reseeded, 1)))
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before

@@ -85,7 +85,7 @@ def test_from_hf_errors(tmp_path):
         NGramConfig.from_hf({k: v for k, v in HF.items() if k != "ngram_size"})
     with pytest.raises(ValueError, match="eos_token_id"):
         NGramConfig.from_hf({**HF, "eos_token_id": [1, 2]})
-    with pytest.raises(ValueError, match="not found"):
+    with pytest.raises(FileNotFoundError, match="missing.json"):
         NGramConfig.from_hf(tmp_path / "missing.json")
     (tmp_path / "bad.json").write_text("{")
     with pytest.raises(ValueError, match="JSON"):

@@ -62,7 +62,7 @@ def test_each_field_is_checked(field, value, match):
 def test_from_hf_errors(tmp_path):
     with pytest.raises(ValueError, match="config is missing engram_head_dim"):
         nc.EngramConfig.from_hf({k: v for k, v in GOOD.items() if k != "engram_head_dim"})
-    with pytest.raises(ValueError, match="config file not found"):
+    with pytest.raises(FileNotFoundError, match="config file not found"):
         nc.EngramConfig.from_hf(tmp_path / "nope.json")
     (tmp_path / "bad.json").write_text("{")
     with pytest.raises(ValueError, match="not valid JSON"):

@@ -116,9 +116,9 @@ def test_an_unwritable_cache_is_skipped(tmp_path, monkeypatch):
 
 
 def test_bad_tokenizers(tmp_path):
-    with pytest.raises(ValueError, match="tokenizer: no such file"):
+    with pytest.raises(FileNotFoundError, match="missing.json"):
         nc.engram_token_map(tmp_path / "missing.json")
-    with pytest.raises(ValueError, match="tokenizer: no such file"):
+    with pytest.raises(FileNotFoundError, match="tokenizer: no such file"):
         nc.engram_token_map(tmp_path)  # a folder without tokenizer.json
     (tmp_path / "tokenizer.json").write_text(json.dumps({"not": "a tokenizer"}))
     with pytest.raises(ValueError, match="is not a valid tokenizer.json"):

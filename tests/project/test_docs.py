@@ -135,3 +135,15 @@ def test_the_documents_stand_alone():
     cited = [relative(page) for page in DOCUMENTS if outside.search(page.read_text())]
     assert not cited
     assert len((ROOT / "README.md").read_text().splitlines()) <= 260
+
+
+def test_training_ends_with_a_trained_table_quantised_saved_and_served():
+    """docs/training.md's last words are a python block (run above) from training to serving:
+    the trained table quantised, saved as a checkpoint and served back (issue 43)."""
+    text = (ROOT / "docs" / "training.md").read_text().rstrip()
+    assert text.endswith("```")
+    last = blocks(ROOT / "docs" / "training.md")[-1]
+    assert text.endswith(last + "```")
+    for call in ("step_from_output_grad(", 'quantize_table(table, "fp8")',
+                 "save_ngram_embedding(", "load_ngram_embedding("):
+        assert call in last, call
