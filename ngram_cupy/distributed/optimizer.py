@@ -11,6 +11,8 @@ order, of one process stepping on the batches concatenated in rank order: the sa
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -40,6 +42,10 @@ class ShardedOptimizer:
     def __init__(self, lookup: ShardedLookup, optimizer):
         if not isinstance(lookup, ShardedLookup):
             raise TypeError(f"lookup must be a ShardedLookup, got {type(lookup).__name__}")
+        if getattr(optimizer, "table", None) is not lookup.table:
+            raise ValueError("optimizer must be a row optimizer of lookup.table (the shard the "
+                             "lookup reads), got one of another table: the steps would miss "
+                             "the rows the lookup serves")
         self.lookup, self.optimizer = lookup, optimizer  # the lookup checked the group
         self.data_parallel = lookup.dp_group is not None
         if self.data_parallel and _ranks(lookup.dp_group) != _ranks(lookup.group):
@@ -63,7 +69,7 @@ class ShardedOptimizer:
         try:
             self.optimizer.check_open()
             ids, grad_out = self._checked(ids, grad_out)
-        except (TypeError, ValueError, IndexError) as error:
+        except Exception as error:  # any error: no rank is left waiting
             refusal = error  # raised once every rank knows
         if self.data_parallel:
             ids, grad_out = self._route(ids, grad_out, device, refusal)
@@ -74,7 +80,7 @@ class ShardedOptimizer:
         if refusal is None:  # the owner's checks of its rows' terms
             try:
                 update = self.optimizer.checked_step(ids, grad_out)
-            except (TypeError, ValueError, IndexError) as error:
+            except Exception as error:  # any error: no rank is left waiting
                 refusal = error
         self._agree(refusal, device)
         update()
@@ -103,9 +109,13 @@ class ShardedOptimizer:
             raise TypeError(f"grad_out must be float32, bfloat16 or float16, got "
                             f"{grad_out.dtype}")
         head_dim, total = self.table.head_dim, self.table.total_rows
-        if grad_out.ndim == 0 or grad_out.numel() != ids.numel() * head_dim:
+        shapes = {(*ids.shape, head_dim)}  # [N, D] or [T, H, D], and [T, H * D]
+        if ids.ndim:
+            shapes.add((ids.shape[0], math.prod(ids.shape[1:]) * head_dim))
+        if tuple(grad_out.shape) not in shapes:
             raise ValueError(f"grad_out must hold {ids.numel()} rows of head_dim={head_dim} "
-                             f"(one per id), got shape {tuple(grad_out.shape)}")
+                             f"(one per id, shaped {' or '.join(map(str, sorted(shapes)))} for ids "
+                             f"of shape {tuple(ids.shape)}), got shape {tuple(grad_out.shape)}")
         check_row_ids(ids, total)  # the lookup's IndexError: the first bad id and its position
         ids = ids.reshape(-1).to(torch.int64)
         grad_out = grad_out.reshape(ids.numel(), head_dim).to(torch.float32)

@@ -136,6 +136,7 @@ SETTINGS = {"lr": lambda value: finite_number("lr", value),
             "seed": check_seed}
 # State arrays that are sums of squares: a negative value would give NaN rows.
 SQUARES = ("sum", "exp_avg_sq")
+MAX_STEPS = 2**63  # a step count the update kernels' 64-bit counter holds, next step too
 
 
 class RowOptimizer:
@@ -171,6 +172,11 @@ class RowOptimizer:
         if self.worker is not None:
             table.writers.workers.append(self.worker)
 
+    def __setattr__(self, name: str, value) -> None:
+        """A setting assigned later (a learning-rate schedule) is checked as the constructor
+        checks it: a bad value is refused (naming it) before it can poison a step."""
+        super().__setattr__(name, SETTINGS[name](value) if name in SETTINGS else value)
+
     @property
     def state_bytes_per_row(self) -> int:
         """Bytes of optimizer state per table row."""
@@ -202,9 +208,9 @@ class RowOptimizer:
                              f"{self.table.head_dim}], got {values.dtype} {tuple(values.shape)}")
         if self.worker is not None:
             indices = indices.copy()  # grads.values is read in place
-        self.issue(indices, lambda: self.step_rows(indices, values))
+        self.issue(indices, lambda hyper: self.step_rows(indices, values, hyper))
 
-    def step_rows(self, indices: np.ndarray, values: np.ndarray) -> None:
+    def step_rows(self, indices: np.ndarray, values: np.ndarray, hyper: np.ndarray) -> None:
         """``step``'s data checks and update, on shape-checked host arrays."""
         if indices.size > 1 and not bool((np.diff(indices) > 0).all()):
             raise ValueError("grads.indices must be sorted and unique (embedding_backward's)")
@@ -213,7 +219,7 @@ class RowOptimizer:
         check_finite(values)
         local = indices.astype(np.int64) - start
         count = np.arange(local.shape[0] + 1, dtype=np.int64)
-        self.apply(local, count[:-1], count, np.ascontiguousarray(values))
+        self.apply(local, count[:-1], count, np.ascontiguousarray(values), hyper)
 
     def step_from_output_grad(self, ids, grad_out) -> None:
         """Backward and update in one pass: ``ids`` ``[N]`` / ``[T, H]`` (global rows) and the
@@ -223,7 +229,7 @@ class RowOptimizer:
             inputs()
             return
         ids, flat, grad = inputs
-        self.issue(flat, lambda: self.step_ids(ids, flat, grad)())
+        self.issue(flat, lambda hyper: self.step_ids(ids, flat, grad)(hyper))
 
     def checked_step(self, ids, grad_out) -> Callable[[], None]:
         """Every check of ``step_from_output_grad(ids, grad_out)`` (errors raised here, nothing
@@ -257,27 +263,32 @@ class RowOptimizer:
             flat = ids.reshape(-1)
         return ids, flat, grad
 
-    def step_ids(self, ids, flat: np.ndarray, grad: np.ndarray) -> Callable[[], None]:
+    def step_ids(self, ids, flat: np.ndarray, grad: np.ndarray) -> Callable[[np.ndarray], None]:
         """The data checks of a step on shape-checked host arrays (errors raised here), then
-        its update to run."""
+        its update to run with the step's hyper-parameters."""
         start, rows = self.table.row_start, self.table.num_rows
         check_ids_inside(ids, start, start + rows)
         check_finite(grad)
         order, unique, starts = backward_numba.sorted_order(flat.astype(np.int64, copy=False),
                                                             start, rows)
         check_row_sums(grad, order, starts)
-        return lambda: self.apply(unique - start, order, starts, np.ascontiguousarray(grad))
+        return lambda hyper: self.apply(unique - start, order, starts,
+                                        np.ascontiguousarray(grad), hyper)
 
-    def issue(self, ids, update) -> None:
+    def issue(self, ids, update: Callable[[np.ndarray], None]) -> None:
         """Run ``update`` of the rows ``ids``: now, or on the worker (``asynchronous``) once
-        the previous update is applied (its error, if any, is raised instead)."""
+        the previous update is applied (its error, if any, is raised instead). Other writers'
+        pending updates of the table land first; the hyper-parameters are read now, so a
+        setting changed after this call (a schedule) applies from the next step."""
+        self.table.writers.settle()  # another optimizer's worker may be writing these rows
         if self.worker is not None:
             self.worker.wait()
+        hyper = self.step_hyper()
         self.table.writers.wrote(ids)  # a pending prefetch gathers these rows again
         if self.worker is None:
-            update()
+            update(hyper)
         else:
-            self.worker.submit(update)
+            self.worker.submit(lambda: update(hyper))
 
     def synchronize(self) -> None:
         """Wait until every issued update is applied; an error a pending update raised (it
@@ -285,13 +296,12 @@ class RowOptimizer:
         if self.worker is not None:
             self.worker.wait()
 
-    def apply(self, local, order, starts, grad) -> None:
-        """Run the update kernel on checked inputs, then refresh hot copies (an empty batch is
-        a step that changes no row: the count still advances, as for one process stepping on
-        every rank's batch)."""
+    def apply(self, local, order, starts, grad, hyper: np.ndarray) -> None:
+        """Run the update kernel on checked inputs with the step's ``hyper``, then refresh hot
+        copies (an empty batch is a step that changes no row: the count still advances, as for
+        one process stepping on every rank's batch)."""
         self.check_open()
         step = self.steps + 1
-        hyper = self.step_hyper()
         empty = np.zeros((0, 1), np.float32)
         first = self.state.get(self.state_widths[0][0], empty) if self.state_widths else empty
         second = self.state.get(self.state_widths[1][0], empty) if len(self.state_widths) > 1 \
@@ -365,9 +375,10 @@ class RowOptimizer:
             raise ValueError(f"state is for a table of shape {state.get('shape')}, this one "
                              f"is {shape}")
         steps = state.get("steps")
-        if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 0:
-            raise ValueError(f"state['steps'] must be a step count (an integer >= 0), got "
-                             f"{steps!r}")
+        if (isinstance(steps, bool) or not isinstance(steps, (int, np.integer))
+                or not 0 <= steps < MAX_STEPS):  # the kernels count steps in 64 bits
+            raise ValueError(f"state['steps'] must be a step count (an integer in [0, 2**63)), "
+                             f"got {steps!r}")
         settings = state.get("settings")
         if not isinstance(settings, dict) or set(settings) != set(self.settings()):
             raise ValueError(f"state['settings'] must hold {sorted(self.settings())} (a state "

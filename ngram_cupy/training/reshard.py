@@ -14,7 +14,7 @@ import numpy as np
 
 from ..runtime.checks import check_integer
 from ..runtime.row_split import split_rows
-from .table_rows import copy_into
+from .table_rows import restore_rows
 
 SHARD = "shard"  # the metadata key of a saved state's row range and table layout
 
@@ -150,6 +150,4 @@ def load_resharded(paths: Sequence[str | os.PathLike], optimizer, rank=None,
                  state={key: gather_rows(shards, f"state.{key}", start, stop, array)
                         for key, array in optimizer.state.items()})
     optimizer.load_state_dict(state)  # checks the settings and shapes before anything changes
-    table.storage.cold.will_write()
-    copy_into(optimizer.rows, rows)
-    table.refresh_hot_rows()
+    restore_rows(optimizer, rows)

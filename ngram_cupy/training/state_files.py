@@ -12,7 +12,7 @@ import numpy as np
 
 from ..runtime.atomic import atomic_file
 from .reshard import SHARD, load_resharded, read_shard, shard_metadata
-from .table_rows import copy_into, on_host
+from .table_rows import on_host, restore_rows
 
 ROWS = "rows"
 FORMAT = "ngram_cupy.training/1"
@@ -82,9 +82,7 @@ def load_training_state(path: str | os.PathLike | Sequence[str | os.PathLike], o
         raise ValueError(f"{path} holds rows of shape {list(rows.shape)}, the table "
                          f"{list(optimizer.rows.shape)}")
     optimizer.load_state_dict(state)  # checks the state before anything changes
-    optimizer.table.storage.cold.will_write()
-    copy_into(optimizer.rows, rows)
-    optimizer.table.refresh_hot_rows()
+    restore_rows(optimizer, rows)
 
 
 def check_same_rows(path, shard, table) -> None:

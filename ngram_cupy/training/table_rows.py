@@ -91,6 +91,16 @@ def copy_into(destination, source: np.ndarray) -> None:
         destination.set(source)
 
 
+def restore_rows(optimizer, rows: np.ndarray) -> None:
+    """Write loaded ``rows`` over the optimizer's table rows, as a step would: hot copies are
+    refreshed and a pending prefetch gathers them again (it may have read the old rows)."""
+    table = optimizer.table
+    table.storage.cold.will_write()
+    copy_into(optimizer.rows, rows)
+    table.refresh_hot_rows()
+    table.writers.wrote((table.row_start, table.row_start + table.num_rows))
+
+
 def refresh_hot(table, local_rows: np.ndarray) -> None:
     """Copy updated rows into a tiered table's hot tier (its hot copies stay coherent)."""
     table.storage.rows_changed(local_rows)

@@ -1,6 +1,6 @@
 """One rank of tests/distributed/test_hostile_ranks.py: a sequence of data-parallel and
 tensor-parallel Adam steps, some refused on one rank (another dtype, NaN in a term another rank
-owns, no ids, float64 gradients, an id outside the table).
+owns, no ids, float64 gradients, an id outside the table, ids of None: torch's RuntimeError).
 
 Usage: python dist_hostile_worker.py JOB_DIR RANK. ``JOB_DIR/job.json`` names the checkpoint,
 config, rendezvous address and the steps (``[mode, dtype of rank 0, dtype of rank 1]``);
@@ -46,10 +46,11 @@ def main(job_dir: Path, rank: int) -> None:
     for step, (mode, *dtypes) in enumerate(job["steps"]):
         key = f"{step}_{rank}" if mode == "dp" else f"{step}"
         try:
+            ids = None if dtypes[rank] == "none" else inputs[f"ids_{key}"]
             trainers[mode].step_from_output_grad(
-                inputs[f"ids_{key}"], gradient(inputs[f"grad_{key}"], dtypes[rank]))
+                ids, gradient(inputs[f"grad_{key}"], dtypes[rank]))
             outcomes.append("ok")
-        except (TypeError, ValueError, IndexError) as error:
+        except (TypeError, ValueError, IndexError, RuntimeError) as error:
             outcomes.append(f"{type(error).__name__}: {error}")
     np.savez(job_dir / f"out_{rank}.npz", outcomes=np.array(outcomes),
              steps=np.array([trainers[mode].optimizer.steps for mode in ("dp", "tp")]),

@@ -104,3 +104,26 @@ def test_bad_steps_are_refused_and_change_no_row(one_rank):
     np.testing.assert_array_equal(embedding.table.host_view, before)
     with pytest.raises(TypeError, match="lookup must be a ShardedLookup"):
         nc.ShardedOptimizer(embedding, nc.RowwiseAdagrad(embedding.table, lr=LR))
+
+
+def test_silent_wrong_an_optimizer_of_another_table_is_refused(one_rank):
+    dist, embedding = one_rank
+    lookup = nc.ShardedLookup(embedding, dp_group=dist.group.WORLD)
+    copy = nc.EmbeddingTable(embedding.table.host_view.copy())  # the steps would miss the shard
+    with pytest.raises(ValueError, match="optimizer must be a row optimizer of lookup.table"):
+        nc.ShardedOptimizer(lookup, nc.SGD(copy, LR))
+
+
+@pytest.mark.parametrize("data_parallel", [True, False])
+def test_silent_wrong_a_gradient_shaped_for_other_ids_is_refused(one_rank, data_parallel):
+    dist, embedding = one_rank
+    lookup = nc.ShardedLookup(embedding, dp_group=dist.group.WORLD if data_parallel else None)
+    trainer = nc.ShardedOptimizer(lookup, nc.SGD(embedding.table, LR))
+    before = embedding.table.host_view.copy()
+    ids = np.arange(8).reshape(2, 4)  # 8 ids of head_dim 2: [2, 8] or [2, 4, 2]
+    with pytest.raises(ValueError, match=r"shaped \(2, 4, 2\) or \(2, 8\) for ids of shape "
+                                         r"\(2, 4\)\), got shape \(4, 4\)"):
+        trainer.step_from_output_grad(ids, np.ones((4, 4), np.float32))  # 16 values, misread
+    np.testing.assert_array_equal(embedding.table.host_view, before)
+    trainer.step_from_output_grad(ids.reshape(-1), np.ones((8, 2), np.float32))  # [N, D]
+    assert trainer.optimizer.steps == 1

@@ -1,6 +1,6 @@
 """Row-sharded training under hostile input (issue 43): two real Gloo ranks agree on every
 step (mixed gradient dtypes, NaN in a term another rank owns, a rank without ids, refused
-dtypes and ids, terms of two ranks whose sum overflows at the owner)."""
+dtypes and ids, terms of two ranks whose sum overflows at the owner, an unexpected error)."""
 
 from __future__ import annotations
 
@@ -31,8 +31,10 @@ STEPS = [("dp", "f32", "bf16"),  # 0: mixed dtypes: both step, as one process
          ("dp", "f32", "f32"),  # 5: both step
          ("tp", "f32", "f32"),  # 6: NaN in a term of rank 1's rows: refused by both
          ("tp", "f32", "f32"),  # 7: both step
-         ("dp", "f32", "f32")]  # 8: finite terms from both ranks whose sum for a row of rank 1
+         ("dp", "f32", "f32"),  # 8: finite terms from both ranks whose sum for a row of rank 1
 #                                 overflows: refused by rank 1 when it has them, then by both
+         ("dp", "none", "f32")]  # 9: rank 0 passes ids=None (torch's RuntimeError): refused
+#                                  by both, no rank left waiting in a collective
 STEPPED = {"dp": (0, 2, 5), "tp": (7,)}
 
 
@@ -100,3 +102,5 @@ def test_data_parallel_ranks_agree_on_every_step(tmp_path):
     assert first[6] == second[6] and first[6].startswith("ValueError: grad_out holds NaN")
     assert first[8].startswith("ValueError: rank(s) [1]")
     assert second[8].startswith("ValueError: grad_out's terms for one row sum past")
+    assert first[9].startswith("RuntimeError: Could not infer dtype of NoneType")
+    assert second[9].startswith("ValueError: rank(s) [0]")

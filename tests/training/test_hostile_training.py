@@ -3,6 +3,8 @@ rounding and state files, closed tables and shared tables written by training.""
 
 from __future__ import annotations
 
+import threading
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -268,3 +270,83 @@ def test_hogwild_adam_counts_steps_per_process():
     for one, table in zip(hogwild, tables, strict=True):
         one.close()
         table.close()
+
+
+# --- schedules, state loads and writers beside an asynchronous update (hostile pass 5) --------
+
+
+def gated(optimizer):
+    """Hold ``optimizer``'s updates until the returned event is set (a busy worker thread)."""
+    gate, apply = threading.Event(), optimizer.apply
+    optimizer.apply = lambda *args: (gate.wait(5), apply(*args))
+    return gate
+
+
+def test_silent_wrong_a_learning_rate_set_after_an_asynchronous_step_applies_from_the_next():
+    ids, grad = batch(0)
+    reference = nc.SGD(nc.EmbeddingTable(weight(13)), 0.1)
+    reference.step_from_output_grad(ids, grad)
+    optimizer = nc.SGD(nc.EmbeddingTable(weight(13)), 0.1, asynchronous=True)
+    gate = gated(optimizer)
+    optimizer.step_from_output_grad(ids, grad)  # issued with lr 0.1, not yet applied
+    optimizer.lr = 100.0  # a schedule's next value
+    gate.set()
+    optimizer.synchronize()
+    assert optimizer.table.host_view.tobytes() == reference.table.host_view.tobytes()
+
+
+@pytest.mark.parametrize("make, name, value", [
+    (lambda t: nc.SGD(t, 0.1), "lr", -1.0),
+    (lambda t: nc.RowwiseAdagrad(t, 0.1), "eps", 0.0),  # zero-gradient rows would become NaN
+    (lambda t: nc.RowwiseAdagrad(t, 0.1), "weight_decay_mode", "bogus"),
+    (lambda t: nc.SGD(t, 0.1), "max_norm", -1.0),
+    (lambda t: nc.Adam(t, 0.1), "betas", (1.5, 0.9)),
+])
+def test_silent_wrong_settings_assigned_later_are_checked(make, name, value):
+    optimizer = make(nc.EmbeddingTable(weight(14)))
+    with pytest.raises((ValueError, TypeError), match=name):
+        setattr(optimizer, name, value)
+    before = snapshot(optimizer)
+    optimizer.step_from_output_grad(*batch(0))  # the old, valid setting still steps
+    assert snapshot(optimizer) != before and np.isfinite(optimizer.table.host_view).all()
+
+
+@pytest.mark.parametrize("resharded", [False, True])
+def test_silent_wrong_a_prefetch_before_a_state_load_reads_the_loaded_rows(tmp_path, resharded):
+    saved = nc.SGD(nc.EmbeddingTable(weight(15)), 0.5)
+    saved.step_from_output_grad(*batch(0))
+    path = nc.save_training_state(tmp_path / "s.safetensors", saved)
+    table = nc.EmbeddingTable(weight(15))
+    ids = batch(0)[0]
+    table.prefetch(ids)
+    table.prefetcher.threads.wait()  # gathered the old rows, surely
+    options = {"rank": 0, "world_size": 1} if resharded else {}
+    nc.load_training_state([path] if resharded else path, nc.SGD(table, 0.5), **options)
+    rows = table.lookup(ids)
+    assert rows.tobytes() == saved.table.host_view[ids.reshape(-1)].reshape(rows.shape).tobytes()
+
+
+def test_data_loss_a_step_waits_for_another_optimizers_pending_update():
+    ids, grad = batch(1)
+    rules = {"weight_decay": 0.5}  # each update reads the row: the order shows
+    table = nc.EmbeddingTable(weight(16))
+    first, second = nc.SGD(table, 0.1, asynchronous=True, **rules), nc.SGD(table, 0.2, **rules)
+    reference = nc.EmbeddingTable(weight(16))
+    for lr in (0.1, 0.2):
+        nc.SGD(reference, lr, **rules).step_from_output_grad(ids, grad)
+    gate = gated(first)
+    first.step_from_output_grad(ids, grad)
+    threading.Timer(0.2, gate.set).start()  # the worker is busy a while
+    second.step_from_output_grad(ids, grad)  # must land after the first optimizer's update
+    assert table.host_view.tobytes() == reference.host_view.tobytes()
+    first.close()
+
+
+def test_crash_a_state_dict_step_count_past_64_bits_is_refused():
+    optimizer = nc.Adam(nc.EmbeddingTable(weight(17)), 0.1)
+    state = optimizer.state_dict()
+    state["steps"] = 2**70  # the next step's count would not fit the kernels' uint64
+    with pytest.raises(ValueError, match=r"state\['steps'\] must be a step count"):
+        optimizer.load_state_dict(state)
+    assert optimizer.steps == 0
+    optimizer.step_from_output_grad(*batch(0))
