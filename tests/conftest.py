@@ -112,14 +112,26 @@ def host_gather():
     return host_kernels.HostGather(host_kernels.build())
 
 
+@pytest.fixture(scope="session")
+def shm_root():
+    """This process's folder under /dev/shm (one per pytest-xdist worker) that holds every
+    test's ``shm_dir``; removed at the end of the session whatever its outcome, so failing or
+    interrupted tests leave nothing there."""
+    root = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    folder = Path(tempfile.mkdtemp(prefix="ngram_cupy-test-", dir=root))
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 @pytest.fixture
-def shm_dir(monkeypatch):
-    """A fresh scope (a directory under /dev/shm) for the test's shared segments; at the end no
+def shm_dir(monkeypatch, shm_root):
+    """A fresh scope (a directory in ``shm_root``) for the test's shared segments; at the end no
     segment of it is held and nothing was written there."""
     from ngram_cupy.memory import shared as shared_memory
 
-    root = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    folder = Path(tempfile.mkdtemp(prefix="ngram_cupy-test-", dir=root))
+    folder = Path(tempfile.mkdtemp(dir=shm_root))
     monkeypatch.setenv(shared_memory.SHM_DIR_ENV, str(folder))
     yield folder
     left = sorted(os.listdir(folder)) + shared_memory.own_segments(folder)

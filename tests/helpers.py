@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 
 
@@ -30,3 +36,15 @@ def run_cli(argv: list, capsys) -> tuple[int, str, str]:
     status = main([str(a) for a in argv])
     captured = capsys.readouterr()
     return status, captured.out, captured.err
+
+
+def run_signal_worker(case: str, *args) -> dict | list:
+    """Run a case of tests/signal_worker.py in a process of its own (its signals stay there);
+    its JSON outcome."""
+    tests = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests.parent), str(tests)])}
+    run = subprocess.run([sys.executable, str(tests / "signal_worker.py"), case,
+                          *map(str, args)], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    return json.loads(run.stdout.splitlines()[-1])

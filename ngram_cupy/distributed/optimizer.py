@@ -116,7 +116,8 @@ class ShardedOptimizer:
             raise ValueError(f"grad_out must hold {ids.numel()} rows of head_dim={head_dim} "
                              f"(one per id, shaped {' or '.join(map(str, sorted(shapes)))} for ids "
                              f"of shape {tuple(ids.shape)}), got shape {tuple(grad_out.shape)}")
-        check_row_ids(ids, total)  # the lookup's IndexError: the first bad id and its position
+        start = self.table.row_start  # the lookup's IndexError: the first bad id, its position
+        check_row_ids(ids, total, held=(start, start + self.table.num_rows))
         ids = ids.reshape(-1).to(torch.int64)
         grad_out = grad_out.reshape(ids.numel(), head_dim).to(torch.float32)
         if not bool(torch.isfinite(grad_out).all()):

@@ -224,7 +224,8 @@ def gather_rows(table, code: int, row_start: int, scale, ids, out, out_code: int
     with cupy.cuda.Device(device):  # the module's context is the arrays' device's
         kernel((plan.grid,), (plan.block,), plan.args, stream=stream)
         if bad is not None and not capturing:
-            raise_recorded(ids, bad.get(stream=stream), total_rows)
+            raise_recorded(ids, bad.get(stream=stream), total_rows,
+                           held=(row_start, row_start + table.shape[0]))
             if captured is not None:
                 captured.check(device, stream, total_rows)
     return out
@@ -244,7 +245,7 @@ def gather_unique_rows(table, code: int, row_start: int, scale, ids, out, out_co
     if ids.size == 0:
         return out
     if total_rows is not None:
-        check_row_ids(ids, total_rows)
+        check_row_ids(ids, total_rows, held=(row_start, row_start + table.shape[0]))
     with stream if stream is not None else cupy.cuda.get_current_stream():
         unique, inverse = cupy.unique(ids.ravel(), return_inverse=True)
         head_dim = table.shape[1] * FORMATS[code].pack

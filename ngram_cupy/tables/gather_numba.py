@@ -284,7 +284,7 @@ def gather_rows(table: np.ndarray, code: int, row_start: int, scale: np.float32,
             np.int64(UNCHECKED if total_rows is None else total_rows), bad,
             np.int64(table.shape[1]))
     if total_rows is not None:
-        raise_recorded(ids, bad, total_rows)
+        raise_recorded(ids, bad, total_rows, held=(row_start, row_start + table.shape[0]))
     if counts is not None:
         counts += block_counts.sum(axis=0)
     return out

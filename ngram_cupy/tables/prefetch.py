@@ -143,7 +143,8 @@ class ThreadPrefetcher:
         """Wait for the issued prefetch, if any; its exception, if it raised, surfaces here.
 
         In a process forked while it ran, the gather's thread is not there: it is dropped (None).
-        A prefetch another thread started is left pending for that thread (None).
+        A prefetch another thread started is left pending for that thread (None). An id the
+        prefetch refused is an IndexError that says so: the joining call may pass other ids.
         """
         with self._lock:
             if not _mine(self._owner) and self._pid == os.getpid():
@@ -152,7 +153,11 @@ class ThreadPrefetcher:
             self._future = self._pending = self._owner = None
         if future is None or self._pid != os.getpid():
             return None
-        future.result()
+        try:
+            future.result()
+        except IndexError as error:
+            raise IndexError(f"the earlier prefetch of ids of shape {tuple(pending.ids.shape)}, "
+                             f"joined by this call: {error}") from error
         return pending
 
     def close(self, wait: bool = True) -> None:

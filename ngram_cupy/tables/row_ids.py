@@ -20,15 +20,26 @@ NO_BAD_WORD = np.uint64(0xFFFF_FFFF_FFFF_FFFF)
 UNCHECKED = -1
 
 
-def row_id_error(ids, position: int, total_rows: int, name: str = "ids") -> IndexError:
+def row_id_error(ids, position: int, total_rows: int, name: str = "ids",
+                 held: tuple[int, int] | None = None, owned: bool = False) -> IndexError:
     """The IndexError for ``ids`` (any shape, NumPy / CuPy / torch) whose element at flat
-    (row-major) ``position`` is the first outside ``[0, total_rows)``."""
+    (row-major) ``position`` is the first outside ``[0, total_rows)`` (``owned``: outside
+    ``held``, the rows an optimizer may update): the one wording of every path. ``held`` is the
+    global rows ``[start, stop)`` the table holds; only a sharded table's error (``held`` not all
+    of ``[0, total_rows)``) speaks of shards."""
     shape = tuple(ids.shape)
     index = ", ".join(str(int(i)) for i in np.unravel_index(position, shape)) if shape else ""
     value = int(ids.reshape(-1)[position])
-    return IndexError(f"{name}[{index}] = {value} is outside the table's rows [0, {total_rows}) "
-                      f"(the first such id, at flat position {position}); ids of other shards "
-                      f"lie inside it and give zero rows")
+    sharded = held is not None and tuple(held) != (0, total_rows)
+    span = f"the table's rows [0, {total_rows})"
+    note = ""
+    if sharded and owned:
+        span = f"this shard's rows [{held[0]}, {held[1]}) of the table's [0, {total_rows})"
+    elif sharded:
+        note = (f"; this shard holds rows [{held[0]}, {held[1]}), and ids of other shards give "
+                "zero rows")
+    return IndexError(f"{name}[{index}] = {value} is outside {span} (the first such id, at flat "
+                      f"position {position}){note}")
 
 
 def first_bad(recorded) -> int:
@@ -43,17 +54,19 @@ def first_bad(recorded) -> int:
     return int(recorded[found[0]]) if found.size else -1
 
 
-def raise_recorded(ids, recorded, total_rows: int, name: str = "ids") -> None:
+def raise_recorded(ids, recorded, total_rows: int, name: str = "ids",
+                   held: tuple[int, int] | None = None) -> None:
     """Raise ``row_id_error`` when a gather of ``ids`` recorded a bad position (``first_bad``)."""
     position = first_bad(recorded)
     if position >= 0:
-        raise row_id_error(ids, position, total_rows, name)
+        raise row_id_error(ids, position, total_rows, name, held)
 
 
-def check_row_ids(ids, total_rows: int, name: str = "ids") -> None:
+def check_row_ids(ids, total_rows: int, name: str = "ids",
+                  held: tuple[int, int] | None = None) -> None:
     """Refuse ids outside ``[0, total_rows)`` (NumPy, CuPy or torch; an IndexError naming the
     first): a vectorised pass, for paths that have no gather loop to fold the check into."""
     flat = ids.reshape(-1)
     bad = (flat < 0) | (flat >= total_rows)
     if bad.any():  # nonzero, not argmax: torch has no argmax of booleans
-        raise row_id_error(ids, int(bad.nonzero()[0][0]), total_rows, name)
+        raise row_id_error(ids, int(bad.nonzero()[0][0]), total_rows, name, held)

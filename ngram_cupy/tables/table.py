@@ -441,12 +441,13 @@ class EmbeddingTable:
 
         On the GPU the gather runs on a private stream once ``stream`` (the caller's) reaches
         this point; on the CPU, on a worker thread. ``ids`` may change afterwards: a copy is
-        gathered (ids outside ``[0, total_rows)`` are refused as by ``lookup``, at the
-        ``lookup`` on the CPU). Rows go to ``out`` when given (pass the same ``out`` to
-        ``lookup``), else to a staging buffer kept per shape (see ``keep_staging``). Errors in
-        the worker surface at the next ``lookup`` or ``prefetch``. In a CUDA graph capture,
-        capture the ``lookup`` that consumes a prefetch in the same graph. The gather first
-        waits (on the worker) for the row updates issued before it.
+        gathered (ids outside ``[0, total_rows)`` are refused as by ``lookup``). Rows go to
+        ``out`` when given (pass the same ``out`` to ``lookup``), else to a staging buffer kept
+        per shape (see ``keep_staging``). Errors in the worker (CPU) surface at the next
+        ``lookup`` or ``prefetch``, whatever ids it passes: such an IndexError begins "the
+        earlier prefetch of ids of shape (T, H)" and names the prefetch's id. In a CUDA graph
+        capture, capture the ``lookup`` that consumes a prefetch in the same graph. The gather
+        first waits (on the worker) for the row updates issued before it.
         """
         request = self._request(ids, out, out_dtype, stream)
         with request.call.on():

@@ -1,12 +1,16 @@
 """``ngram_cupy.torch``: PLE layers as ``torch.nn.Module`` (``module.py``) over their table
 weights (``weights.py``), called in either layer shape (``call_shapes.py``), trained with the
-fused sparse optimizers (``autograd.py``)."""
+fused sparse optimizers (``autograd.py``); ``to_torch`` hands any result to torch
+(``arrays.py``), ``default_placement`` says where a layer goes unless told (``placement.py``)."""
 
 from ..torch_ops import opcheck_samples
+from .arrays import to_torch
 from .autograd import fused_optimizer
 from .call_shapes import batch_arguments, seed_call_shape
 from .module import NGramEmbeddingModule
+from .placement import CpuPlacementWarning, default_placement
 from .weights import TableWeights, layer_key, stored_rows_format
 
-__all__ = ["NGramEmbeddingModule", "TableWeights", "batch_arguments", "fused_optimizer",
-           "layer_key", "opcheck_samples", "seed_call_shape", "stored_rows_format"]
+__all__ = ["CpuPlacementWarning", "NGramEmbeddingModule", "TableWeights", "batch_arguments",
+           "default_placement", "fused_optimizer", "layer_key", "opcheck_samples",
+           "seed_call_shape", "stored_rows_format", "to_torch"]

@@ -28,6 +28,7 @@ from ..tables.storage import place_filled, placement_named
 from ..tables.table import EmbeddingTable
 from .autograd import TrainableRows
 from .call_shapes import seed_call_shape
+from .placement import default_placement
 from .weights import TableWeights, layer_key, storage_view, stored_rows_format
 
 WEIGHT = "ngram_embedding.weight"
@@ -53,10 +54,12 @@ class NGramEmbeddingModule(torch.nn.Module):
         config: the model's :class:`~ngram_cupy.NGramConfig`; it must set ``embedding_dim``.
         layer: the PLE layer, counted from 0 (``config.ple_layer_ids[layer]`` is its decoder
             layer, counted from 1).
-        placement: ``"gpu"`` (default; device memory), ``"pinned"`` (host memory the GPU reads),
-            ``"cpu"``, or ``"shared"``: rows load into private memory, then, once every shard is
-            in, move into the node's shared segment named by their content (the first process
-            fills it, the others attach) and stay read-only.
+        placement: ``"gpu"`` (device memory; a ValueError without CuPy and a CUDA device),
+            ``"pinned"`` (host memory the GPU reads), ``"cpu"``, or ``"shared"``: rows load into
+            private memory, then, once every shard is in, move into the node's shared segment
+            named by their content (the first process fills it, the others attach) and stay
+            read-only. Default None: ``"gpu"`` where CuPy sees a CUDA device, else ``"cpu"``
+            with a ``CpuPlacementWarning`` given once per process.
         weight_dtype: the table's storage type: float32, float16, bfloat16, float8_e4m3fn (also
             ``"fp8"``), ``"nvfp4"`` or ``"mxfp8"``, as a torch dtype or a name. Default None:
             ``config.ple_embedding_dtype``, else torch's default dtype, as the reference layer.
@@ -83,7 +86,7 @@ class NGramEmbeddingModule(torch.nn.Module):
         ``[T, num_heads * head_dim]``.
     """
 
-    def __init__(self, config: NGramConfig, layer: int, *, placement: str = "gpu",
+    def __init__(self, config: NGramConfig, layer: int, *, placement: str | None = None,
                  weight_dtype: torch.dtype | str | None = None, hot_rows=None,
                  return_stored_rows: bool = False, scale_rounding: str = "output",
                  out_dtype: torch.dtype | str | None = None, trainable: bool = False):
@@ -96,7 +99,7 @@ class NGramEmbeddingModule(torch.nn.Module):
         if weight_dtype is None:
             weight_dtype = config.ple_embedding_dtype or torch.get_default_dtype()
         layout = layer_layout(config, layer)
-        self._placement = placement_named(placement)
+        self._placement = placement_named(default_placement() if placement is None else placement)
         self._share_when_loaded = self._placement.fills != self._placement.name
         self._hot_rows = hot_rows
         table = EmbeddingTable.empty(layout.padded_rows, layout.head_dim, weight_dtype,

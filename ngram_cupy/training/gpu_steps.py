@@ -15,7 +15,7 @@ import numpy as np
 
 from ..runtime.backends import DEVICE, HOST, bind, cuda_stream
 from .backward import row_gradients
-from .inputs import check_finite, check_ids_inside, flat_inputs
+from .inputs import check_finite, check_owned_ids, flat_inputs
 from .sparse_rows import SparseRows
 
 
@@ -27,7 +27,7 @@ def checked_inputs(optimizer, call):
     if grad.shape[1] != table.head_dim:
         raise ValueError(f"grad_out has {grad.shape[1]} values per head, the table "
                          f"{table.head_dim}")
-    check_ids_inside(call["ids"], table.row_start, table.row_start + table.num_rows)
+    check_owned_ids(call["ids"], table)
     check_finite(grad)
     return flat, grad
 
@@ -69,8 +69,7 @@ def step(optimizer, grads: SparseRows) -> None:
             indices = DEVICE.asarray(indices).astype(np.int64)
             if indices.size > 1 and not bool((indices[1:] > indices[:-1]).all()):
                 raise ValueError("grads.indices must be sorted and unique (embedding_backward's)")
-            check_ids_inside(indices, table.row_start, table.row_start + table.num_rows,
-                             "grads.indices")
+            check_owned_ids(indices, table, "grads.indices")
             values = DEVICE.asarray(values).copy()  # the kernel's scratch: the caller's stays
             check_finite(values)
             apply(optimizer, indices - table.row_start, values, stream)

@@ -8,6 +8,7 @@ from numba import njit, prange
 from ..codecs.dequant import float32_values
 from ..formats import find_format
 from ..runtime.checks import INDEX_DTYPES
+from ..tables.row_ids import row_id_error
 from . import backward_numba
 
 
@@ -20,8 +21,12 @@ def first_outside(ids: np.ndarray, low: int, high: int) -> int:
     return -1
 
 
-def check_ids_inside(ids: np.ndarray, low: int, high: int, name: str = "ids") -> None:
-    """An IndexError naming the first id outside ``[low, high)`` and its position."""
+def check_ids_inside(ids: np.ndarray, total_rows: int, name: str = "ids",
+                     held: tuple[int, int] | None = None) -> None:
+    """The lookup's IndexError (``row_ids.row_id_error``) for the first id outside ``held``, the
+    global rows ``[start, stop)`` a table holds (an optimizer updates only those), else outside
+    ``[0, total_rows)``."""
+    low, high = (0, total_rows) if held is None else held
     flat = ids.reshape(-1)
     if ids.size == 0:
         return
@@ -31,10 +36,13 @@ def check_ids_inside(ids: np.ndarray, low: int, high: int, name: str = "ids") ->
         outside = (flat < low) | (flat >= high)
         bad = int(outside.argmax()) if bool(outside.any()) else -1
     if bad >= 0:
-        position = np.unravel_index(bad, ids.shape)
-        shown = position[0] if len(position) == 1 else tuple(int(p) for p in position)
-        raise IndexError(f"{name} holds {int(flat[bad])} at position {shown}, outside the "
-                         f"table's rows [{low}, {high})")
+        raise row_id_error(ids, bad, total_rows, name, held, owned=True)
+
+
+def check_owned_ids(ids, table, name: str = "ids") -> None:
+    """``check_ids_inside`` against the rows ``table`` holds: the only ones a step updates."""
+    check_ids_inside(ids, table.total_rows, name,
+                     (table.row_start, table.row_start + table.num_rows))
 
 
 def flat_inputs(ids, grad_out, grad_format=None):

@@ -17,7 +17,7 @@ import numpy as np
 
 from ..runtime.backends import HOST, bind
 from . import backward_numba, gpu_steps, updates_numba
-from .inputs import check_finite, check_ids_inside, check_row_sums, flat_inputs
+from .inputs import check_finite, check_owned_ids, check_row_sums, flat_inputs
 from .sparse_rows import SparseRows
 from .table_rows import (
     check_trainable,
@@ -215,7 +215,7 @@ class RowOptimizer:
         if indices.size > 1 and not bool((np.diff(indices) > 0).all()):
             raise ValueError("grads.indices must be sorted and unique (embedding_backward's)")
         start = self.table.row_start
-        check_ids_inside(indices, start, start + self.table.num_rows, "grads.indices")
+        check_owned_ids(indices, self.table, "grads.indices")
         check_finite(values)
         local = indices.astype(np.int64) - start
         count = np.arange(local.shape[0] + 1, dtype=np.int64)
@@ -267,7 +267,7 @@ class RowOptimizer:
         """The data checks of a step on shape-checked host arrays (errors raised here), then
         its update to run with the step's hyper-parameters."""
         start, rows = self.table.row_start, self.table.num_rows
-        check_ids_inside(ids, start, start + rows)
+        check_owned_ids(ids, self.table)
         check_finite(grad)
         order, unique, starts = backward_numba.sorted_order(flat.astype(np.int64, copy=False),
                                                             start, rows)

@@ -342,17 +342,11 @@ def test_single_weight_layout(tmp_path, float32_pair):
 
 @pytest.mark.release_independent
 @pytest.mark.parametrize("source", ["model", "single_weight"])
-def test_shared_placement(tmp_path, monkeypatch, float32_pair, source):
+def test_shared_placement(tmp_path, shm_dir, float32_pair, source):
     """placement="shared" (issue 24) from the model's own rows or a single-weight checkpoint:
     the same generation, one node segment per table, none left once the tables close."""
-    import os
-    import tempfile
-
     from ngram_cupy.memory import shared as shared_memory
 
-    folder = tempfile.mkdtemp(prefix="ngram_cupy-test-",
-                              dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    monkeypatch.setenv(shared_memory.SHM_DIR_ENV, folder)
     reference, _ = float32_pair
     patched = copy.deepcopy(reference)
     options = {}
@@ -364,11 +358,9 @@ def test_shared_placement(tmp_path, monkeypatch, float32_pair, source):
     assert_same_generation(reference, patched, prompts(), do_sample=False)
     for name in NAMES:
         assert patched.get_submodule(name).table.placement == "shared"
-    assert len(shared_memory.own_segments(folder)) == len(NAMES)
+    assert len(shared_memory.own_segments(shm_dir)) == len(NAMES)
     for name in NAMES:
-        patched.get_submodule(name).table.close()
-    assert os.listdir(folder) == []
-    os.rmdir(folder)
+        patched.get_submodule(name).table.close()  # shm_dir checks that none is left
 
 
 @pytest.mark.release_independent

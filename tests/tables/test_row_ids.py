@@ -102,6 +102,45 @@ def test_a_prefetch_of_bad_ids_raises_at_the_lookup():
     assert table.lookup(np.array([[ROW_START, ROW_START - 1]])).shape == (1, 2 * HEAD_DIM)
 
 
+def test_a_refused_prefetch_says_so_at_a_lookup_of_other_ids():
+    """The worker's IndexError surfaces at the next call whatever ids it passes: it names the
+    prefetch and the prefetch's id, not one the lookup passed (issue 43)."""
+    table = make_table("cpu", table_arrays("float32", np.random.default_rng(0)))
+    table.prefetch(np.array([[ROW_START, TOTAL + 3], [ROW_START, ROW_START]]))
+    with pytest.raises(IndexError, match=r"^the earlier prefetch of ids of shape \(2, 2\), joined "
+                                         rf"by this call: ids\[0, 1\] = {TOTAL + 3} is outside"):
+        table.lookup(np.array([[ROW_START + 1, ROW_START + 2]]))
+    assert table.lookup(np.array([[ROW_START + 1, ROW_START + 2]])).shape == (1, 2 * HEAD_DIM)
+    table.close()
+
+
+def test_every_path_words_a_bad_id_alike_and_speaks_of_shards_only_when_sharded():
+    """The lookup, the pass of check_row_ids, a backward and an optimizer step give one wording
+    (row_ids.row_id_error); shards appear only for a sharded table (issue 43)."""
+    weight = np.ones((TOTAL, 4), np.float32)
+    ids = np.array([[1, 2], [TOTAL, 3]])
+    whole = nc.EmbeddingTable(weight)
+    want = (f"ids[1, 0] = {TOTAL} is outside the table's rows [0, {TOTAL}) (the first such id, "
+            "at flat position 2)")
+    for call in (lambda: whole.lookup(ids), lambda: check_row_ids(ids, TOTAL),
+                 lambda: nc.embedding_backward(ids, np.ones((2, 8), np.float32), TOTAL),
+                 lambda: nc.RowwiseAdagrad(whole, 0.1).step_from_output_grad(
+                     ids, np.ones((2, 8), np.float32))):
+        with pytest.raises(IndexError) as caught:
+            call()
+        assert str(caught.value) == want
+    shard = nc.EmbeddingTable(weight[:ROWS], row_start=ROW_START, total_rows=TOTAL)
+    with pytest.raises(IndexError) as caught:
+        shard.lookup(ids)
+    assert str(caught.value) == (want + f"; this shard holds rows [{ROW_START}, "
+                                 f"{ROW_START + ROWS}), and ids of other shards give zero rows")
+    with pytest.raises(IndexError) as caught:
+        nc.RowwiseAdagrad(shard, 0.1).step_from_output_grad(ids, np.ones((2, 8), np.float32))
+    assert str(caught.value) == (f"ids[0, 0] = 1 is outside this shard's rows [{ROW_START}, "
+                                 f"{ROW_START + ROWS}) of the table's [0, {TOTAL}) (the first "
+                                 "such id, at flat position 0)")
+
+
 @pytest.mark.parametrize("parallel", [False, True])
 def test_the_numba_gather_names_the_first_bad_id_across_blocks(parallel):
     """Blocks of 64 tokens each note their first; the earliest block's is named; int32 ids

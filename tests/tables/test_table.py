@@ -252,7 +252,7 @@ def test_cpu_placement_uses_the_callers_array_and_host_falls_back():
         host = nc.EmbeddingTable(weight, placement="host")
         assert not host.pinned and not np.shares_memory(host.host_view, weight)
         np.testing.assert_array_equal(host.lookup(np.array([[3, 1]])), [[9, 10, 11, 3, 4, 5]])
-        with pytest.raises(RuntimeError, match="placement='gpu' needs CuPy and a CUDA device"):
+        with pytest.raises(ValueError, match="placement='gpu' needs CuPy and a CUDA device"):
             nc.EmbeddingTable(weight, placement="gpu")
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import inspect
 import io
 import json
-import os
 import pydoc
 import re
 import tracemalloc
@@ -625,6 +624,54 @@ def test_constructor_refuses_bad_arguments():
         NGramEmbeddingModule({"vocab_size": 3}, 0, placement="cpu")
 
 
+def test_the_default_placement_is_the_gpu_only_where_there_is_one(monkeypatch):
+    """No GPU: "cpu" and one CpuPlacementWarning per process, pointing at the caller; a GPU:
+    "gpu"; "gpu" asked for without one is a ValueError naming the placement (issue 43)."""
+    from ngram_cupy.tables import storage
+    from ngram_cupy.torch import CpuPlacementWarning, default_placement
+    from ngram_cupy.torch import placement as placement_module
+
+    monkeypatch.setattr(placement_module, "gpu_available", lambda: False)
+    monkeypatch.setattr(storage, "gpu_available", lambda: False)
+    default_placement.cache_clear()
+    try:
+        with pytest.warns(CpuPlacementWarning, match="placement='cpu'") as warned:
+            first = NGramEmbeddingModule(small_config(), 0)
+            second = NGramEmbeddingModule(small_config(), 0)
+        assert len(warned) == 1 and warned[0].filename == __file__
+        assert first.table.placement == second.table.placement == "cpu"
+        with pytest.raises(ValueError, match="placement='gpu' needs CuPy and a CUDA device"):
+            NGramEmbeddingModule(small_config(), 0, placement="gpu")
+        monkeypatch.setattr(placement_module, "gpu_available", lambda: True)
+        default_placement.cache_clear()
+        assert default_placement() == "gpu"
+    finally:
+        default_placement.cache_clear()
+
+
+def test_to_torch_hands_bfloat16_and_float8_results_to_torch_without_a_copy():
+    """DLPack cannot carry NumPy's ml_dtypes types: ``to_torch`` moves their bits (issue 43)."""
+    from ngram_cupy.torch import to_torch
+
+    ids = np.array([[1, 2], [3, 9]])
+    values = np.arange(-20, 20, dtype=np.float32).reshape(10, 4) / 4
+    for dtype, torch_dtype in ((ml_dtypes.bfloat16, torch.bfloat16),
+                               (np.float32, torch.float32)):
+        rows = nc.EmbeddingTable(values.astype(dtype)).lookup(ids)
+        tensor = to_torch(rows)
+        assert tensor.dtype == torch_dtype and tensor.data_ptr() == rows.ctypes.data
+        np.testing.assert_array_equal(tensor.float().numpy(), rows.astype(np.float32))
+    with pytest.raises(BufferError):
+        torch.from_dlpack(rows.astype(ml_dtypes.bfloat16))
+    stored = values.astype(ml_dtypes.float8_e4m3fn)
+    assert to_torch(stored).dtype == torch.float8_e4m3fn
+    np.testing.assert_array_equal(to_torch(stored).view(torch.uint8).numpy(),
+                                  stored.view(np.uint8))
+    assert to_torch(tensor) is not None and to_torch(tensor).data_ptr() == tensor.data_ptr()
+    with pytest.raises(TypeError, match="array must be"):
+        to_torch([1.0, 2.0])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("placement", ["gpu", "pinned"])
 @pytest.mark.parametrize("dtype_name", DTYPES)
@@ -766,14 +813,7 @@ def test_cuda_hot_rows_stay_current_through_load_state_dict():
     assert module.table.counters["hot_rows"] == 2 * int(np.isin(ids, hot).sum())
 
 
-def test_a_shared_module_moves_its_loaded_rows_into_one_segment(tmp_path, monkeypatch):
-    import tempfile
-
-    from ngram_cupy.memory import shared as shared_memory
-
-    folder = tempfile.mkdtemp(prefix="ngram_cupy-test-",
-                              dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    monkeypatch.setenv(shared_memory.SHM_DIR_ENV, folder)
+def test_a_shared_module_moves_its_loaded_rows_into_one_segment(shm_dir):
     config = small_config()
     first, weight, scale = loaded_module(config, 0, "float8_e4m3fn", placement="shared")
     second, _, _ = loaded_module(config, 0, "float8_e4m3fn", placement="shared")
@@ -795,20 +835,11 @@ def test_a_shared_module_moves_its_loaded_rows_into_one_segment(tmp_path, monkey
         first.load_weights([("ngram_embedding.shard_0.weight",
                              as_torch(weight[: split_rows(len(weight), 4, 0)[1]]))])
     first.table.close()
-    second.table.close()
-    assert os.listdir(folder) == []
-    os.rmdir(folder)
+    second.table.close()  # shm_dir checks that no segment is left
 
 
-def test_a_shared_module_keeps_its_scale_rounding(monkeypatch):
+def test_a_shared_module_keeps_its_scale_rounding(shm_dir):
     """Moving the loaded rows into the node segment must not reset scale_rounding='float32'."""
-    import tempfile
-
-    from ngram_cupy.memory import shared as shared_memory
-
-    folder = tempfile.mkdtemp(prefix="ngram_cupy-test-",
-                              dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    monkeypatch.setenv(shared_memory.SHM_DIR_ENV, folder)
     config = small_config(split_ngram_parts=1)
     layout = nc.layer_layout(config, 0)
     codes = np.random.default_rng(0).integers(0, 120, (layout.padded_rows, layout.head_dim),
@@ -824,21 +855,12 @@ def test_a_shared_module_keeps_its_scale_rounding(monkeypatch):
         assert module.table.scale_rounding == "float32"
         results.append(bits(module(*batch)))
         module.table.close()
-    np.testing.assert_array_equal(results[1], results[0])
-    assert os.listdir(folder) == []
-    os.rmdir(folder)
+    np.testing.assert_array_equal(results[1], results[0])  # shm_dir: no segment left
 
 
-def test_a_shared_module_refuses_load_state_dict(monkeypatch):
+def test_a_shared_module_refuses_load_state_dict(shm_dir):
     """load_state_dict on a shared module would copy into the node's segment, changing every
     process's rows: refused like load_weights, nothing changed."""
-    import tempfile
-
-    from ngram_cupy.memory import shared as shared_memory
-
-    folder = tempfile.mkdtemp(prefix="ngram_cupy-test-",
-                              dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    monkeypatch.setenv(shared_memory.SHM_DIR_ENV, folder)
     config = small_config()
     first, weight, _ = loaded_module(config, 0, "bfloat16", placement="shared")
     second, _, _ = loaded_module(config, 0, "bfloat16", placement="shared")
@@ -851,9 +873,7 @@ def test_a_shared_module_refuses_load_state_dict(monkeypatch):
         assert np.array_equal(bits(module.state_dict()["ngram_embedding.weight"]),
                               bits(as_torch(weight)))
     first.table.close()
-    second.table.close()
-    assert os.listdir(folder) == []
-    os.rmdir(folder)
+    second.table.close()  # shm_dir checks that no segment is left
 
 
 # --- third hostile trial ---------------------------------------------------------------------

@@ -83,6 +83,11 @@ __all__ = ["PLACEMENTS", "TABLE_PLACEMENT", "Gather", "Placement", "RowsSource",
            "placement_list", "placement_named"]
 
 
+# Asked for explicitly without a GPU: an error, never a quiet fallback.
+GPU_REFUSAL = ("placement='gpu' needs CuPy and a CUDA device, and this process has neither: "
+               "pass placement='cpu' (or 'pinned', host memory without a GPU)")
+
+
 def host_rows(num_rows: int, head_dim: int, fmt: Format) -> Storage:
     """Unfilled rows in this process's host memory (in huge pages where offered; a
     block-scaled format's rows and scales packed, one record per row: ``packed``)."""
@@ -101,7 +106,7 @@ def host_rows(num_rows: int, head_dim: int, fmt: Format) -> Storage:
 def device_rows(num_rows: int, head_dim: int, fmt: Format) -> Storage:
     """Unfilled rows in GPU memory (block-scaled ones packed with their scales)."""
     if not gpu_available():
-        raise RuntimeError("placement='gpu' needs CuPy and a CUDA device")
+        raise ValueError(GPU_REFUSAL)
     if fmt.blocked and num_rows * head_dim > 0:
         rows, scales = device_packed_rows(num_rows, head_dim, fmt)
         return GpuStorage(rows, fmt, scales, packed=True)
@@ -139,7 +144,7 @@ def adopt_device(side: Backend, array, fmt: Format) -> Storage | None:
     if not array.flags.c_contiguous or fmt.blocked or side is not DEVICE:
         return None
     if not gpu_available():
-        raise RuntimeError("placement='gpu' needs CuPy and a CUDA device")
+        raise ValueError(GPU_REFUSAL)
     return GpuStorage(array.view(fmt.raw), fmt)
 
 
@@ -205,7 +210,7 @@ PLACEMENTS = {entry.name: entry for entry in (
     Placement("mmap", mapped=True))}
 ALIASES = {"host": "pinned"}
 # Where a table goes unless told: this process's host memory (the torch module's default is
-# "gpu", use_ngram_cupy's "pinned": each written once, in its face).
+# "gpu" where there is one, ``torch.default_placement``; use_ngram_cupy's "pinned").
 TABLE_PLACEMENT = "cpu"
 
 

@@ -129,7 +129,8 @@ class MappedStorage(Storage):
             other = where[~owned]
             outside = (flat[other] < 0) | (flat[other] >= job.total_rows)
             if outside.any():
-                raise row_id_error(job.ids, int(other[outside.argmax()]), job.total_rows)
+                raise row_id_error(job.ids, int(other[outside.argmax()]), job.total_rows,
+                                   held=(job.row_start, job.row_start + self.num_rows))
         where, local = where[owned], local[owned]
         self.pages.read_cold(local)
         block = np.searchsorted(self.starts, local, side="right") - 1
