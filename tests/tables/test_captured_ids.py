@@ -78,7 +78,8 @@ def gpu(monkeypatch):
 
 def gather(ids, stream, captured):
     ids = np.asarray(ids, np.int64).reshape(-1, 2).view(Ids)
-    gather_cupy.gather_rows(None, 0, 0, 1.0, ids, None, 0, stream=stream,
+    table = np.zeros((TOTAL_ROWS, 1), np.float32)  # the whole table: no shard to speak of
+    gather_cupy.gather_rows(table, 0, 0, 1.0, ids, None, 0, stream=stream,
                             total_rows=TOTAL_ROWS, captured=captured)
 
 
