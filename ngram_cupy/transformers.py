@@ -16,7 +16,6 @@ from collections.abc import Mapping, Sequence
 import torch
 import transformers
 
-from . import torch_ops
 from .codecs.dequant import check_scale_rounding
 from .codecs.quantize import quantize_table, quantize_target
 from .embedding import NGramEmbedding
@@ -31,6 +30,7 @@ from .hashing.layout import LayerLayout, layer_layout, split_rows
 from .runtime.backends import DEVICE
 from .tables.storage import RowsSource, place, placement_named
 from .tables.table import EmbeddingTable
+from .torch import ops as torch_ops
 from .torch.autograd import TrainableRows, fused_optimizer
 from .torch.weights import TableWeights
 from .training.optimizers import OPTIMIZERS

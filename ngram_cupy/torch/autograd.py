@@ -14,10 +14,10 @@ from __future__ import annotations
 import torch
 
 from ..tables.table import EmbeddingTable
-from ..torch_ops import register
 from ..training.backward import embedding_backward
 from ..training.optimizers import OPTIMIZERS
 from ..training.table_rows import check_trainable
+from .ops import register
 
 
 def trainable_weight(table: EmbeddingTable, weight: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,6 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
-from .. import torch_ops
 from ..embedding import NGramEmbedding
 from ..files.checkpoint_names import BUFFERS
 from ..formats import FORMATS, default_output, output_format
@@ -26,6 +25,7 @@ from ..hashing.layout import layer_layout, split_rows
 from ..runtime.checks import check_scale
 from ..tables.storage import place_filled, placement_named
 from ..tables.table import EmbeddingTable
+from . import ops as torch_ops
 from .autograd import TrainableRows
 from .call_shapes import seed_call_shape
 from .placement import default_placement

@@ -8,11 +8,11 @@ import warnings
 import numpy as np
 import torch
 
-from .. import torch_ops
 from ..codecs.scales import check_stored_block_scales
 from ..formats import FORMATS, Format, default_output, output_format
 from ..runtime.checks import check_scale
 from ..tables.table import EmbeddingTable
+from . import ops as torch_ops
 
 # Value width in bytes -> the NumPy integer type that moves those bits to torch.
 _BITS = {1: np.uint8, 2: np.int16, 4: np.int32}

@@ -34,10 +34,10 @@ from typing import Any
 
 import torch
 
-from .formats import output_format
-from .hashing.config import NGramConfig
-from .ids.ngram_ids import compute_ngram_ids
-from .tables.table import EmbeddingTable
+from ..formats import output_format
+from ..hashing.config import NGramConfig
+from ..ids.ngram_ids import compute_ngram_ids
+from ..tables.table import EmbeddingTable
 
 # torch dtypes NumPy has no type for -> the integer type of their width.
 _BITS = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8,
@@ -256,7 +256,8 @@ def _sample_layers() -> tuple:
     """Small live layers for ``opcheck_samples``: two trainable float32 ones (sparse gradients;
     an SGD fused optimizer) and an NVFP4 one (block-scaled ``dequantize``), kept for the
     process."""
-    from .torch import NGramEmbeddingModule, fused_optimizer
+    from .autograd import fused_optimizer  # the layers import this module
+    from .module import NGramEmbeddingModule
 
     config = NGramConfig(vocab_size=40, ngram_size=3, heads_per_ngram=1, ngram_vocab_size_base=30,
                          eos_token_id=1, embedding_dim=32, seed=5, split_ngram_parts=1)
