@@ -76,9 +76,9 @@ def prompts(batch=2, length=7, seed=1) -> torch.Tensor:
     return ids
 
 
-def generated(model, input_ids, **kwargs):
+def generated(model, input_ids, max_new_tokens=6, **kwargs):
     """Tokens and per-step logits of ``generate``."""
-    out = model.generate(input_ids, max_new_tokens=6, return_dict_in_generate=True,
+    out = model.generate(input_ids, max_new_tokens=max_new_tokens, return_dict_in_generate=True,
                          output_logits=True, pad_token_id=PAD, **kwargs)
     return out.sequences, torch.stack(out.logits)
 
