@@ -246,8 +246,7 @@ def gather_rows(table: np.ndarray, code: int, row_start: int, scale: np.float32,
     (``row_ids``; found in the gather loop itself, raised after it; ``out`` is then partly
     written); ids of other shards give zero rows either way.
 
-    ``table`` and ``out`` are raw unsigned views; ``ids`` is ``[T, H]`` integers (read as int64,
-    one compiled kernel for every id type) and ``out``
+    ``table`` and ``out`` are raw unsigned views; ``ids`` is ``[T, H]`` int32/int64 and ``out``
     ``[T, H * head_dim]``. With ``expected`` (int64, ``ids``' shape), heads whose id equals the
     expected one are skipped: ``out`` already holds them. ``parallel=None`` uses threads for
     large batches only, ``True`` whenever the threading layer allows (``cpu_threads``), ``False``
@@ -270,14 +269,13 @@ def gather_rows(table: np.ndarray, code: int, row_start: int, scale: np.float32,
         (words, ranks), hot_table = hot
         hot_table, hot_scales = read_only(hot_table), read_only(hot_scales)
         blocks = max(-(-ids.shape[0] // BLOCK), 1)  # a serial gather counts in the first
-    kernel_ids = ids if ids.dtype == np.int64 else ids.astype(np.int64)
     block_counts = np.zeros((blocks, 2), np.int64)
     bad = np.full(max(-(-ids.shape[0] // BLOCK), 1), NO_BAD_ID, np.int64)
     target = out.view(unit_dtype(code, out_code)) if FORMATS[code].blocked else out
     min_rows = PARALLEL_MIN_ROWS if parallel is None else 0 if parallel else 1 << 62
     with use_threads(ids.size, min_rows, PARALLEL_BUSY_MIN_ROWS) as threaded:
         _gather_kernel(code, out_code, threaded, hot is not None, packed)(
-            records if packed else table, np.int64(row_start), scale, outputs, kernel_ids,
+            records if packed else table, np.int64(row_start), scale, outputs, ids,
             NO_EXPECTED if expected is None else expected, target, words, ranks, hot_table,
             block_counts, NO_SCALES if scales is None or packed else scales,
             NO_SCALES if hot_scales is None or packed else hot_scales,
