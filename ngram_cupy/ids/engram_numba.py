@@ -11,7 +11,7 @@ from numba import njit, prange
 from ..hashing import arithmetic, engram
 from ..hashing.engram import roll_lookback_row, write_engram_ids
 from ..runtime.cpu_threads import use_threads
-from ..runtime.jitable import source_digest
+from ..runtime.jitable import read_only, source_digest
 from .ids_numba import BLOCK, PARALLEL_BUSY_MIN_TOKENS, PARALLEL_MIN_TOKENS
 
 # The kernels inline hashing/engram.py and hashing/arithmetic.py: their digest keys the cache.
@@ -64,9 +64,10 @@ def engram_ids_numba(layout, tokens, positions, query_start_loc, dead, lookback,
     with use_threads(tokens.shape[0], min_tokens, PARALLEL_BUSY_MIN_TOKENS) as threaded:
         kernel = _engram_kernel(layout.ngram_size, layout.heads_per_ngram, layout.num_layers,
                                 threaded)
-        kernel(tokens, positions, query_start_loc, dead, lookback, lookback_dead,
-               layout.token_map, np.int64(layout.pad_id), layout.multipliers, layout.head_sizes,
-               layout.head_magics, layout.head_offsets, flat_rows(layout, out))
+        # Read-only views: one kernel for writable and read-only (Arrow, shared) inputs.
+        kernel(read_only(tokens), positions, query_start_loc, dead, lookback, lookback_dead,
+               read_only(layout.token_map), np.int64(layout.pad_id), layout.multipliers,
+               layout.head_sizes, layout.head_magics, layout.head_offsets, flat_rows(layout, out))
     return out
 
 

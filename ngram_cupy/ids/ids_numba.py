@@ -10,7 +10,7 @@ from numba import njit, prange
 from ..hashing import arithmetic
 from ..hashing.arithmetic import roll_context_row, write_token_ids
 from ..runtime.cpu_threads import use_threads
-from ..runtime.jitable import source_digest
+from ..runtime.jitable import read_only, source_digest
 
 # Numba's on-disk cache only watches this file; the kernels' closure carries a digest of the
 # shared arithmetic too, so editing hashing/arithmetic.py can never reuse stale machine code.
@@ -64,6 +64,7 @@ def ngram_ids_numba(layout, tokens, query_start_loc, context, out, parallel: boo
     # compiled for the token type alone, not for every mix of three index types.
     query_start_loc = np.require(query_start_loc, np.int64, "W")
     context = np.require(context, np.int64, "W")
+    tokens = read_only(tokens)  # one kernel for writable and read-only (Arrow) tokens
     min_tokens = PARALLEL_MIN_TOKENS if parallel is None else 0 if parallel else 1 << 62
     with use_threads(tokens.shape[0], min_tokens, PARALLEL_BUSY_MIN_TOKENS) as threaded:
         kernel = _ids_kernel(layout.ngram_size, layout.heads_per_ngram, threaded)

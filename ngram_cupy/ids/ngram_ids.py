@@ -18,6 +18,7 @@ import numpy as np
 from ..hashing.layout import LayerLayout, check_layout
 from ..runtime.backends import HOST, Call, bind
 from ..runtime.checks import check_destination, check_out
+from ..runtime.jitable import read_only
 from .batch import check_batch, check_query_start_loc_values
 from .batched import is_row_batch, pack_rows, require_packed
 from .ids_numba import advance_context_numba, ngram_ids_numba
@@ -138,7 +139,8 @@ def advance_context(layout: LayerLayout, input_ids, query_start_loc, ngram_conte
     rolled = output(call, (batch.num_requests, layout.ngram_size - 1),
                     np.result_type(batch.context.dtype, batch.tokens.dtype))
     if call.side is HOST:
-        advance_context_numba(batch.tokens, batch.query_start_loc, batch.context, rolled)
+        advance_context_numba(read_only(batch.tokens), batch.query_start_loc, batch.context,
+                              rolled)
     else:
         from .ids_cuda import advance_context_cuda
 

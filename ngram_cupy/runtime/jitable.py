@@ -14,6 +14,7 @@ import inspect
 from collections.abc import Callable
 from types import ModuleType
 
+import numpy as np
 from numba.core.extending import overload, register_jitable
 
 
@@ -46,3 +47,14 @@ def source_digest(*modules: ModuleType) -> int:
     for module in modules:
         digest.update(inspect.getsource(module).encode())
     return int.from_bytes(digest.digest()[:7], "little")
+
+
+def read_only(array: np.ndarray | None) -> np.ndarray | None:
+    """A read-only view of ``array`` for a kernel that only reads it: Numba types writable and
+    read-only arrays apart, so one type for both (read-only: mapped, shared, Arrow buffers)
+    halves the kernels it compiles."""
+    if array is None or not array.flags.writeable:
+        return array
+    view = array.view()
+    view.flags.writeable = False
+    return view

@@ -36,7 +36,7 @@ from ..codecs.dequant import (
 from ..codecs.row_decoders import decode_row, row_decoder, row_layout, row_parts
 from ..codecs.scales import require_block_scales
 from ..runtime.cpu_threads import use_threads
-from ..runtime.jitable import source_digest
+from ..runtime.jitable import read_only, source_digest
 from . import hot_rows
 from .hot_rows import HotRowMap, hot_slot
 from .row_ids import NO_BAD_ID, UNCHECKED, raise_recorded
@@ -222,16 +222,6 @@ def output_table(code: int, out_code: int, scale_bits: int):
         _convert_all_kernel()(code, scale, out_code, outputs)
     outputs.flags.writeable = False
     return outputs
-
-
-def read_only(array: np.ndarray | None) -> np.ndarray | None:
-    """A read-only view of ``array``: the gathers only read their tables, and one array type
-    for writable and read-only (mapped, shared) rows halves the kernels Numba compiles."""
-    if array is None or not array.flags.writeable:
-        return array
-    view = array.view()
-    view.flags.writeable = False
-    return view
 
 
 def gather_rows(table: np.ndarray, code: int, row_start: int, scale: np.float32, ids: np.ndarray,

@@ -225,24 +225,26 @@ def test_compiling_does_not_copy_the_table():
 
 @pytest.fixture(scope="module")
 def qwen4exp_pair():
-    """transformers' tiny Qwen4Exp (test_transformers) and a copy using ngram_cupy tables."""
+    """transformers' tiny Qwen4Exp (test_transformers) cut to its two kinds of decoder layer, one
+    of them with a PLE (Dynamo traces each layer), and a copy using ngram_cupy tables."""
     pytest.importorskip("transformers")
     from test_transformers import tiny_model
 
     from ngram_cupy.transformers import use_ngram_cupy
 
-    reference = tiny_model()
+    reference = tiny_model(num_hidden_layers=2, ple_layer_ids=[1],
+                           layer_types=["linear_attention", "indexed_attention"])
     patched = copy.deepcopy(reference)
     use_ngram_cupy(patched, placement="cpu")
     return reference, patched
 
 
 def test_the_transformers_layer_is_one_graph(qwen4exp_pair):
-    from test_transformers import NAMES, prompts
+    from test_transformers import ple_names, prompts
     from transformers import DynamicCache
 
     _, patched = qwen4exp_pair
-    layer = patched.get_submodule(NAMES[1])
+    layer = patched.get_submodule(ple_names(patched.config)[0])
     cache = DynamicCache(config=patched.config)
     explained = torch._dynamo.explain(layer)(prompts(), cache)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0)

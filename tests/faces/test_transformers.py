@@ -42,16 +42,22 @@ NAMES = [f"model.{name}" for name in NAMES_TEXT]
 def tiny_config(**overrides) -> Qwen4ExpTextConfig:
     """A Qwen4Exp text config small enough to generate in well under a second on a CPU."""
     values = dict(
-        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
         linear_num_key_heads=2, linear_num_value_heads=4, moe_intermediate_size=32,
         shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2, hc_count=2,
         hc_lowrank=8, ple_layer_ids=[1, 3], ple_embed_dim=64, ngram_size=3, heads_per_ngram=2,
         ngram_vocab_size_base=1000, make_ngram_vocab_size_divisible_by=16, split_ngram_parts=4,
         eos_token_id=EOS, pad_token_id=PAD, indexer_n_heads=2, indexer_kv_heads=1,
+        layer_types=["linear_attention", "indexed_attention", "linear_attention"],
         indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4)
     values.update(overrides)
     return Qwen4ExpTextConfig(**values)
+
+
+def ple_names(config: Qwen4ExpTextConfig) -> list[str]:
+    """The model's PLE modules (``ple_layer_ids`` count decoder layers from 1)."""
+    return [f"model.layers.{layer - 1}.ple.ple_embedding" for layer in config.ple_layer_ids]
 
 
 def tiny_model(dtype=torch.float32, **overrides) -> Qwen4ExpForCausalLM:
@@ -59,7 +65,7 @@ def tiny_model(dtype=torch.float32, **overrides) -> Qwen4ExpForCausalLM:
     torch.manual_seed(0)
     model = Qwen4ExpForCausalLM(tiny_config(**overrides)).eval()
     with torch.no_grad():
-        for name in NAMES:
+        for name in ple_names(model.config):
             model.get_submodule(name).ngram_embedding.weight.normal_(0.0, 1.0)
     return model.to(dtype)
 
