@@ -327,15 +327,18 @@ def test_a_child_forked_during_the_fill_keeps_no_name(shm_dir):
     copies of the sockets: the names go with the processes that bound them, so a later
     process is never left waiting on a name nobody answers (issue 43)."""
     release_read, release_write = os.pipe()
+    forked_read, forked_write = os.pipe()
     children = []
 
     def fill_and_fork(memory):
         child = os.fork()
         if child == 0:  # lives on, holding whatever it inherited, until released
+            os.write(forked_write, b"1")  # its fork hooks have run (it may start late)
             os.close(release_write)
             os.read(release_read, 1)
             os._exit(0)
         children.append(child)
+        assert os.read(forked_read, 1) == b"1"
         memory[:] = bytes([6]) * len(memory)
 
     try:
@@ -348,6 +351,8 @@ def test_a_child_forked_during_the_fill_keeps_no_name(shm_dir):
         for child in children:
             os.waitpid(child, 0)
         os.close(release_read)
+        os.close(forked_read)
+        os.close(forked_write)
 
 
 def test_a_creation_name_outliving_its_creator_is_an_error_naming_it(shm_dir):
