@@ -21,7 +21,7 @@ from ..codecs.dequant import (
     FORMATS,
     MXFP8,
     bits_to_float32,
-    convert,
+    encode,
     float32_to_bits,
 )
 
@@ -79,10 +79,11 @@ def fp8_row_to_bf16(source, dest, scale):
 
 
 @njit(inline="always", boundscheck=False)
-def computed_row(codes, block_scales, dest, outputs, scale, code, out_code, per_block):
-    """Each value converted with ``convert`` (float32 rows: too wide for a table)."""
+def float32_row(codes, block_scales, dest, outputs, scale, code, out_code, per_block):
+    """Float32 values (too wide for a table) scaled and rounded with ``encode``: ``convert``
+    without its decoding, which for float32 is the bits themselves."""
     for c in range(codes.shape[0]):
-        dest[c] = convert(codes[c], code, scale, out_code)
+        dest[c] = encode(bits_to_float32(codes[c]) * scale, out_code)
 
 
 @njit(inline="always", boundscheck=False)
@@ -137,7 +138,7 @@ def mxfp8_row_to_bf16(codes, block_scales, dest, outputs, scale, code, out_code,
             dest[first + k] = fp8_to_bf16(uint32(codes[first + k]), block_scale)
 
 
-ROW_DECODERS = {"computed": computed_row, "table": table_row, "fp8_formula": fp8_formula_row,
+ROW_DECODERS = {"float32": float32_row, "table": table_row, "fp8_formula": fp8_formula_row,
                 "blocks": blocked_row, "mxfp8_shift": mxfp8_row_to_bf16}
 # (stored, output) format pairs with a decoder of their own, faster than their kind's.
 FAST_DECODERS = {(FLOAT8_E4M3, BFLOAT16): "fp8_formula", (MXFP8, BFLOAT16): "mxfp8_shift"}
@@ -146,13 +147,13 @@ FAST_DECODERS = {(FLOAT8_E4M3, BFLOAT16): "fp8_formula", (MXFP8, BFLOAT16): "mxf
 def row_decoder(code: int, out_code: int) -> str:
     """The ``ROW_DECODERS`` entry for rows of format ``code`` read as ``out_code``: the pair's
     own (``FAST_DECODERS``), else by byte and block scale for block-scaled rows, the table for
-    1- and 2-byte values, and computed for float32."""
+    1- and 2-byte values, and ``encode`` alone for float32."""
     fmt = FORMATS[code]
     if (code, out_code) in FAST_DECODERS:
         return FAST_DECODERS[code, out_code]
     if fmt.blocked:
         return "blocks"
-    return "table" if fmt.itemsize <= 2 else "computed"
+    return "table" if fmt.itemsize <= 2 else "float32"
 
 
 # ---- row layouts: where a row's stored elements and its block scales lie ----
