@@ -35,7 +35,7 @@ def inline_jitable(fn: Callable) -> Callable:
     if cuda_register is None:
         return register_jitable(inline="always")(fn)
     overload(fn, target="cpu", inline="always", strict=False)(lambda *args, **kwargs: fn)
-    cuda_register(inline="always")(fn)
+    cuda_register(forceinline=True)(fn)
     return fn
 
 
