@@ -4,7 +4,10 @@
 built-in CUDA target, but NVIDIA's ``numba-cuda`` package (which replaces ``numba.cuda``) runs its
 own inliner on CUDA kernels and fails on numba-core overloads marked ``inline="always"`` (an
 ``AssertionError`` in its post-processing, numba-cuda 0.30). With ``numba-cuda`` the CPU target
-therefore gets a numba-core overload and the CUDA target numba-cuda's own ``register_jitable``.
+therefore gets a numba-core overload inlined in Numba's IR, and the CUDA target numba-cuda's own
+``register_jitable`` with ``forceinline``: LLVM (NVVM) inlines the helper, which gives the same
+PTX, where retyping each helper at each call site made a fused kernel take 13 s to lower instead
+of 1 s. (The CPU kernels keep the IR-level inlining: without it the ids kernel ran 2.5x slower.)
 """
 
 from __future__ import annotations
@@ -29,8 +32,8 @@ def _numba_cuda_register_jitable() -> Callable | None:
 
 
 def inline_jitable(fn: Callable) -> Callable:
-    """Make ``fn`` callable from CPU and CUDA kernels, inlined into them at the Numba IR level
-    (plain Python, as under the CUDA simulator, stays plain Python)."""
+    """Make ``fn`` callable from CPU and CUDA kernels, inlined into them (see above; plain
+    Python, as under the CUDA simulator, stays plain Python)."""
     cuda_register = _numba_cuda_register_jitable()
     if cuda_register is None:
         return register_jitable(inline="always")(fn)
