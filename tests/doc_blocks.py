@@ -1,28 +1,49 @@
-"""Run the ```python blocks of one Markdown page, each in a fresh namespace, in this process
-(started by tests/project/test_docs.py in a temporary folder); one JSON line per block on stdout."""
+"""Run the ```python blocks of Markdown pages, each block in a fresh namespace (started by
+tests/project/test_docs.py, one process for the pages of a session: the imports and compiled
+kernels are paid once, not once a page).
+
+Each request is one JSON line on stdin, ``{"folder", "blocks": [{"index", "code", "skip"}]}``:
+the blocks run in ``folder``, and one JSON line per block gives its outcome, then ``{"done":
+true}``. The blocks' own output goes to stderr, so that stdout carries these lines alone.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import traceback
 
 
-def main(blocks_json: str) -> None:
-    """Execute each ``{"index", "code", "skip"}`` block; print its outcome as one JSON line."""
-    for block in json.loads(blocks_json):
-        if block["skip"]:
-            outcome = {"index": block["index"], "status": "skipped", "why": block["skip"]}
-        else:
-            try:
-                exec(compile(block["code"], f"block {block['index']}", "exec"),
-                     {"__name__": "__doc_block__"})
-                outcome = {"index": block["index"], "status": "passed"}
-            except BaseException:  # noqa: BLE001  reported to the test, whatever it was
-                outcome = {"index": block["index"], "status": "failed",
-                           "why": traceback.format_exc()}
-        print(json.dumps(outcome), flush=True)
+def run_block(block: dict) -> dict:
+    """Execute one block in a fresh namespace; its outcome."""
+    if block["skip"]:
+        return {"index": block["index"], "status": "skipped", "why": block["skip"]}
+    try:
+        code = compile(block["code"], f"block {block['index']}", "exec")
+        exec(code, {"__name__": "__doc_block__"})
+    except BaseException:  # noqa: BLE001  reported to the test, whatever it was
+        return {"index": block["index"], "status": "failed", "why": traceback.format_exc()}
+    return {"index": block["index"], "status": "passed"}
+
+
+def main() -> None:
+    """Serve page requests from stdin until it closes."""
+    replies = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # the blocks print to stderr
+    home = os.getcwd()
+    for line in sys.stdin:
+        request = json.loads(line)
+        os.chdir(request["folder"])
+        try:
+            for block in request["blocks"]:
+                sys.stdout.flush()
+                print(json.dumps(run_block(block)), file=replies, flush=True)
+        finally:
+            sys.stdout.flush()
+            os.chdir(home)
+        print(json.dumps({"done": True}), file=replies, flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.stdin.read())
+    main()

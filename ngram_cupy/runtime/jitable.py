@@ -8,6 +8,9 @@ therefore gets a numba-core overload inlined in Numba's IR, and the CUDA target 
 ``register_jitable`` with ``forceinline``: LLVM (NVVM) inlines the helper, which gives the same
 PTX, where retyping each helper at each call site made a fused kernel take 13 s to lower instead
 of 1 s. (The CPU kernels keep the IR-level inlining: without it the ids kernel ran 2.5x slower.)
+The CPU overload declines under the CUDA target: numba-cuda's inliner looks through every
+overload of a function, and once a CPU kernel had inlined a helper for the same argument types it
+took the CPU overload's record and failed to type the CUDA kernel.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from types import ModuleType
 
 import numpy as np
 from numba.core.extending import overload, register_jitable
+from numba.core.target_extension import current_target
 
 
 def _numba_cuda_register_jitable() -> Callable | None:
@@ -37,7 +41,8 @@ def inline_jitable(fn: Callable) -> Callable:
     cuda_register = _numba_cuda_register_jitable()
     if cuda_register is None:
         return register_jitable(inline="always")(fn)
-    overload(fn, target="cpu", inline="always", strict=False)(lambda *args, **kwargs: fn)
+    overload(fn, target="cpu", inline="always", strict=False)(
+        lambda *args, **kwargs: fn if current_target() == "cpu" else None)
     cuda_register(forceinline=True)(fn)
     return fn
 

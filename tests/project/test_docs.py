@@ -1,5 +1,5 @@
 """The documents: every ```python block of README.md and docs/*.md runs, from a temporary
-folder (one fresh interpreter per page, a fresh namespace per block), and every relative link
+folder (one interpreter for the pages, a fresh namespace per block), and every relative link
 points at a file of the repository or at a page the docs index expects."""
 
 from __future__ import annotations
@@ -7,9 +7,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import queue
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -83,24 +85,89 @@ def test_blocks_name_only_known_extras(page):
         assert not unknown, f"{relative(page)} block {index}: unknown extras {unknown}"
 
 
+class DocRunner:
+    """One interpreter running tests/doc_blocks.py for the pages of the session (started again
+    after a page that ended it); its stderr (the blocks' output) goes to a file."""
+
+    def __init__(self, folder: Path):
+        self.folder, self.process = folder, None
+
+    def start(self) -> None:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+        self.log = open(self.folder / "blocks.log", "a+")  # noqa: SIM115  closed in close()
+        self.process = subprocess.Popen(
+            [sys.executable, str(ROOT / "tests" / "doc_blocks.py")], cwd=self.folder, env=env,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
+        self.replies: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, args=(self.process.stdout, self.replies),
+                         daemon=True).start()
+
+    @staticmethod
+    def _read(stream, replies: queue.Queue) -> None:
+        for line in stream:
+            replies.put(line)
+        replies.put("")  # the interpreter ended
+
+    def run(self, folder: Path, todo: list[dict], timeout: float = 300.0) -> list[dict]:
+        """The outcomes of a page's blocks, run in ``folder``; fails with the interpreter's
+        output when it ends or stalls first."""
+        if self.process is None or self.process.poll() is not None:
+            self.start()
+        self.log.seek(0, os.SEEK_END)
+        mark = self.log.tell()
+        self.process.stdin.write(json.dumps({"folder": str(folder), "blocks": todo}) + "\n")
+        self.process.stdin.flush()
+        outcomes = []
+        while True:
+            try:
+                line = self.replies.get(timeout=timeout)
+            except queue.Empty:
+                self.process.kill()
+                self.close()
+                pytest.fail(f"the blocks ran past {timeout} s")
+            if not line:
+                self.log.seek(mark)
+                pytest.fail(f"the interpreter ended (exit code {self.process.wait()}):\n"
+                            f"{self.log.read()[-3000:]}")
+            reply = json.loads(line)
+            if reply.get("done"):
+                return outcomes
+            outcomes.append(reply)
+
+    def close(self) -> None:
+        """End the interpreter as a script ends (its exit handlers run), killed if it stalls."""
+        if self.process is not None:
+            self.process.stdin.close()
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+            self.log.close()
+            self.process = None
+
+
+@pytest.fixture(scope="module")
+def doc_runner(tmp_path_factory):
+    runner = DocRunner(tmp_path_factory.mktemp("doc_runner"))
+    yield runner
+    runner.close()
+
+
 @pytest.mark.parametrize("page", [p for p in PAGES if blocks(p)], ids=relative)
-def test_python_blocks_run(page, tmp_path):
-    """A page's blocks in one fresh interpreter whose working folder is empty (no data/ beside
-    it: the sample data is found through the package); the folder stays empty."""
+def test_python_blocks_run(page, tmp_path, doc_runner):
+    """A page's blocks, run in an empty working folder (no data/ beside it: the sample data is
+    found through the package) by the session's doc interpreter; the folder stays empty."""
     todo = [{"index": i, "code": code, "skip": skip_reason(code)}
             for i, code in enumerate(blocks(page))]
     if all(block["skip"] for block in todo):
         pytest.skip(f"every block of {relative(page)} is skipped here")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    done = subprocess.run([sys.executable, str(ROOT / "tests" / "doc_blocks.py")],
-                          input=json.dumps(todo), cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=300)
-    outcomes = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    outcomes = doc_runner.run(tmp_path, todo)
     failed = [f"{relative(page)} python block {o['index']}:\n{o['why']}" for o in outcomes
               if o["status"] == "failed"]
     assert not failed, "\n".join(failed)
-    assert done.returncode == 0 and len(outcomes) == len(todo), done.stderr[-3000:]
+    assert len(outcomes) == len(todo)
     assert os.listdir(tmp_path) == []
 
 
