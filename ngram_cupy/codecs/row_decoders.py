@@ -144,6 +144,17 @@ ROW_DECODERS = {"float32": float32_row, "table": table_row, "fp8_formula": fp8_f
 FAST_DECODERS = {(FLOAT8_E4M3, BFLOAT16): "fp8_formula", (MXFP8, BFLOAT16): "mxfp8_shift"}
 
 
+# Decoders whose code depends on the output format (the rest read their outputs from a table).
+FORMAT_DECODERS = {"float32"}
+
+
+def decoder_formats(decoder: str, code: int, out_code: int) -> tuple[int, int]:
+    """``(code, out_code)`` as the compiled ``decoder`` needs them: a decoder that computes its
+    outputs keeps both; one reading them from ``output_table`` needs neither (-1, -1), so that
+    the pairs sharing its code share one compiled kernel."""
+    return (code, out_code) if decoder in FORMAT_DECODERS else (-1, -1)
+
+
 def row_decoder(code: int, out_code: int) -> str:
     """The ``ROW_DECODERS`` entry for rows of format ``code`` read as ``out_code``: the pair's
     own (``FAST_DECODERS``), else by byte and block scale for block-scaled rows, the table for

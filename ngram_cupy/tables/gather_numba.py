@@ -33,7 +33,7 @@ from ..codecs.dequant import (
     convert,
     convert_blocked,
 )
-from ..codecs.row_decoders import decode_row, row_decoder, row_layout, row_parts
+from ..codecs.row_decoders import decode_row, decoder_formats, row_decoder, row_layout, row_parts
 from ..codecs.scales import require_block_scales
 from ..runtime.cpu_threads import use_threads
 from ..runtime.jitable import read_only, source_digest
@@ -90,12 +90,25 @@ def prefetch_row(codes, block_scales, line):
         prefetch_line(block_scales, int64(block_scales.shape[0] - 1))
 
 
-@cache
-def _gather_kernel(code: int, out_code: int, parallel: bool, tiered: bool = False,
-                   packed: bool = False, digest: int = DEQUANT_DIGEST):
+def gather_kernel(code: int, out_code: int, parallel: bool, tiered: bool = False,
+                  packed: bool = False):
     """The gather for one (storage, output) format pair, threaded or not, tiered or not, ``nogil``:
-    one loop over the ids, with the row functions of the pair's decoder (``row_decoder``) and of
-    its rows' layout (``row_layout``).
+    one kernel for all the pairs whose rows decode with the same code (``decoder_formats``:
+    float16 and bfloat16 rows read as float16 or bfloat16 share the table lookup's)."""
+    fmt = FORMATS[code]
+    decoder = row_decoder(code, out_code)
+    return _gather_kernel(decoder, row_layout(code, packed), CACHE_LINE // fmt.itemsize,
+                          max(fmt.block // fmt.pack, 1), parallel, tiered,
+                          *decoder_formats(decoder, code, out_code))
+
+
+@cache
+def _gather_kernel(decoder: str, layout: str, line: int, per_block: int, parallel: bool,
+                   tiered: bool, code: int, out_code: int, digest: int = DEQUANT_DIGEST):
+    """One loop over the ids, with the row functions of ``decoder`` (``row_decoder``) and of
+    its rows' ``layout`` (``row_layout``); ``line``: stored elements per cache line,
+    ``per_block``: stored elements per block scale, ``code`` and ``out_code`` as the decoder
+    needs them.
 
     Numba's disk cache keys an entry by the code and the closure's values, not by ``parallel=``,
     so the serial gather is its own closure (one block); ``digest`` ties it to dequant.py.
@@ -103,15 +116,10 @@ def _gather_kernel(code: int, out_code: int, parallel: bool, tiered: bool = Fals
     ``counts[block]`` gets the block's ``(hot, cold)`` rows read. ``bad[block]`` gets the flat
     position of the block's first id outside ``[0, total_rows)`` (-1: none; ``total_rows`` -1:
     unchecked), found on the zero-row branch, so rows inside the shard pay nothing for it.
-    ``packed``: ``table`` (and ``hot``) hold block-scaled records (``packed``): row ``r``'s
-    ``width`` stored bytes then its block scales, read as one record.
+    The ``record`` layout reads ``table`` (and ``hot``) as block-scaled records (``packed``):
+    row ``r``'s ``width`` stored bytes then its block scales, read as one record.
     """
     block_size = BLOCK if parallel else 1 << 62
-    fmt = FORMATS[code]
-    decoder = row_decoder(code, out_code)
-    layout = row_layout(code, packed)
-    line = CACHE_LINE // fmt.itemsize  # stored elements per cache line
-    per_block = max(fmt.block // fmt.pack, 1)  # stored elements per block scale
 
     def gather(table, row_start, scale, outputs, ids, expected, out, hot_words, hot_ranks, hot,
                counts, scales, hot_scales, total_rows, bad, width):
@@ -264,7 +272,7 @@ def gather_rows(table: np.ndarray, code: int, row_start: int, scale: np.float32,
     target = out.view(unit_dtype(code, out_code)) if FORMATS[code].blocked else out
     min_rows = PARALLEL_MIN_ROWS if parallel is None else 0 if parallel else 1 << 62
     with use_threads(ids.size, min_rows, PARALLEL_BUSY_MIN_ROWS) as threaded:
-        _gather_kernel(code, out_code, threaded, hot is not None, packed)(
+        gather_kernel(code, out_code, threaded, hot is not None, packed)(
             records if packed else table, np.int64(row_start), scale, outputs, ids,
             NO_EXPECTED if expected is None else expected, target, words, ranks, hot_table,
             block_counts, NO_SCALES if scales is None or packed else scales,

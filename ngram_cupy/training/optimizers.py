@@ -16,6 +16,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ..runtime.backends import HOST, bind
+from ..runtime.jitable import read_only
 from . import backward_numba, gpu_steps, updates_numba
 from .inputs import check_finite, check_owned_ids, check_row_sums, flat_inputs
 from .sparse_rows import SparseRows
@@ -309,7 +310,7 @@ class RowOptimizer:
         if local.size:  # an empty step writes nothing
             self.table.storage.cold.will_write()
         updates_numba.update_rows(self.kind, self.rows, self.code, self.table.row_start, local,
-                                  order, starts, grad, first, second, hyper,
+                                  order, starts, read_only(grad), first, second, hyper,
                                   self.stochastic_rounding, np.uint64(self.seed),
                                   np.uint64(step))
         self.steps = step

@@ -199,7 +199,7 @@ def test_cached_cpu_kernels_are_keyed_by_the_shared_decoding():
     from ngram_cupy.tables import gather_numba
 
     kernels = [gather_numba._convert_all_kernel(),
-               gather_numba._gather_kernel(dequant.FLOAT8_E4M3, dequant.BFLOAT16, False)]
+               gather_numba.gather_kernel(dequant.FLOAT8_E4M3, dequant.BFLOAT16, False)]
     for kernel in kernels:
         cells = [cell.cell_contents for cell in kernel.py_func.__closure__]
         assert gather_numba.DEQUANT_DIGEST in cells, kernel
