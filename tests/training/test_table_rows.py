@@ -29,11 +29,16 @@ def test_two_processes_on_disjoint_rows_equal_one_process():
     shared = nc.EmbeddingTable(weight, placement="shared")  # held here: the workers attach
     hogwild = nc.RowwiseAdagrad(shared, 0.1)  # its state segment, attached by the workers
     start = SPAWN.Event()
+    ready = [SPAWN.Event() for _ in work]
     done = [SPAWN.Event() for _ in work]
-    workers = [SPAWN.Process(target=training_worker.train, args=(weight, jobs, start, event))
-               for jobs, event in zip(work, done, strict=True)]
+    workers = [SPAWN.Process(target=training_worker.train, args=(weight, jobs, up, start, end))
+               for jobs, up, end in zip(work, ready, done, strict=True)]
     for worker in workers:
         worker.start()
+    # Every process attaches before any steps: the first step flags the rows as written, and a
+    # process attaching after it gets the rows' next generation, a fresh copy (docs/training.md).
+    for event in ready:
+        assert event.wait(120), "a training process did not attach"
     start.set()
     for worker, event in zip(workers, done, strict=True):
         assert event.wait(120), "a training process did not finish"

@@ -6,13 +6,15 @@ from __future__ import annotations
 import numpy as np
 
 
-def train(weight: np.ndarray, batches: list, start, done) -> None:
-    """Attach the table and the optimizer's shared state, wait for ``start``, step on each
-    ``(ids, grad_out)``, then set ``done`` (the segments stay while the parent holds them)."""
+def train(weight: np.ndarray, batches: list, ready, start, done) -> None:
+    """Attach the table and the optimizer's shared state, set ``ready``, wait for ``start``,
+    step on each ``(ids, grad_out)``, then set ``done`` (the segments stay while the parent
+    holds them)."""
     import ngram_cupy as nc
 
     table = nc.EmbeddingTable(weight, placement="shared")
     optimizer = nc.RowwiseAdagrad(table, 0.1)
+    ready.set()
     start.wait()
     for ids, grad in batches:
         optimizer.step_from_output_grad(ids, grad)
