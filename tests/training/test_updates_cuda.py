@@ -12,6 +12,7 @@ import pytest
 
 from ngram_cupy.formats import BFLOAT16, FLOAT32
 from ngram_cupy.runtime.cuda_launch import check_abi
+from ngram_cupy.runtime.jitable import read_only
 from ngram_cupy.training import backward_numba, updates_cuda, updates_numba
 from ngram_cupy.training.optimizers import hyper_array
 
@@ -39,8 +40,9 @@ def setup(kind, dtype, seed=0):
 
 def cpu_update(kind, code, rows, states, batch, hyper, stochastic):
     local, order, starts, grad = batch
-    updates_numba.update_rows(kind, rows, code, 0, local, order, starts, grad, states[0],
-                              states[1], hyper, stochastic, np.uint64(7), np.uint64(3))
+    updates_numba.update_rows(kind, rows, code, 0, local, order, starts, read_only(grad),
+                              states[0], states[1], hyper, stochastic, np.uint64(7),
+                              np.uint64(3))  # read-only grads, as the optimizers pass them
 
 
 def gpu_update(kind, code, rows, states, batch, hyper, stochastic):
