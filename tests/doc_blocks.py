@@ -4,7 +4,8 @@ kernels are paid once, not once a page).
 
 Each request is one JSON line on stdin, ``{"folder", "blocks": [{"index", "code", "skip"}]}``:
 the blocks run in ``folder``, and one JSON line per block gives its outcome, then ``{"done":
-true}``. The blocks' own output goes to stderr, so that stdout carries these lines alone.
+true}``. The blocks' own output goes to stderr and their stdin is empty, so that the requests and
+these lines pass between the test and this process alone.
 """
 
 from __future__ import annotations
@@ -29,10 +30,13 @@ def run_block(block: dict) -> dict:
 
 def main() -> None:
     """Serve page requests from stdin until it closes."""
+    requests = os.fdopen(os.dup(sys.stdin.fileno()))
     replies = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    with open(os.devnull) as nothing:  # the blocks (and programs they start) read nothing
+        os.dup2(nothing.fileno(), sys.stdin.fileno())
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # the blocks print to stderr
     home = os.getcwd()
-    for line in sys.stdin:
+    for line in requests:
         request = json.loads(line)
         os.chdir(request["folder"])
         try:
