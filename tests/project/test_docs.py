@@ -4,6 +4,7 @@ points at a file of the repository or at a page the docs index expects."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -112,7 +113,9 @@ class DocRunner:
     def run(self, folder: Path, todo: list[dict], timeout: float = 300.0) -> list[dict]:
         """The outcomes of a page's blocks, run in ``folder``; fails with the interpreter's
         output when it ends or stalls first."""
-        if self.process is None or self.process.poll() is not None:
+        if self.process is not None and self.process.poll() is not None:
+            self.close()  # it ended between pages
+        if self.process is None:
             self.start()
         self.log.seek(0, os.SEEK_END)
         mark = self.log.tell()
@@ -128,8 +131,9 @@ class DocRunner:
                 pytest.fail(f"the blocks ran past {timeout} s")
             if not line:
                 self.log.seek(mark)
-                pytest.fail(f"the interpreter ended (exit code {self.process.wait()}):\n"
-                            f"{self.log.read()[-3000:]}")
+                output, code = self.log.read()[-3000:], self.process.wait()
+                self.close()
+                pytest.fail(f"the interpreter ended (exit code {code}):\n{output}")
             reply = json.loads(line)
             if reply.get("done"):
                 return outcomes
@@ -138,7 +142,8 @@ class DocRunner:
     def close(self) -> None:
         """End the interpreter as a script ends (its exit handlers run), killed if it stalls."""
         if self.process is not None:
-            self.process.stdin.close()
+            with contextlib.suppress(BrokenPipeError):  # it may have ended already
+                self.process.stdin.close()
             try:
                 self.process.wait(timeout=60)
             except subprocess.TimeoutExpired:
