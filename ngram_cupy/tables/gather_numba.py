@@ -90,6 +90,7 @@ def prefetch_row(codes, block_scales, line):
         prefetch_line(block_scales, int64(block_scales.shape[0] - 1))
 
 
+@cache
 def gather_kernel(code: int, out_code: int, parallel: bool, tiered: bool = False,
                   packed: bool = False):
     """The gather for one (storage, output) format pair, threaded or not, tiered or not, ``nogil``:
