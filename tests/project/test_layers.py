@@ -30,6 +30,7 @@ FLOORS = {
     "files": BELOW_FILES | {"faces"},
     "faces": BELOW_FILES | {"files", "faces", "torch"},
     "torch": BELOW_FILES | {"files", "faces"},
+    "jax": BELOW_FILES | {"files", "faces"},
     "distributed": BELOW_FILES | {"files", "faces"},
     "cli": BELOW_FILES | {"files", "faces"},
     "package": BELOW_FILES | {"files", "faces", "torch", "distributed", "cli"},
