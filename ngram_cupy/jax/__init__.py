@@ -7,8 +7,14 @@ try:
 except ImportError as error:
     raise ImportError("ngram_cupy.jax needs jax: pip install 'ngram-cupy[jax]'") from error
 
-from .api import (compute_engram_ids, compute_ngram_ids, id_dtype, lookup, lookup_dtype,
-                  step_from_output_grad)
+from .api import (
+    compute_engram_ids,
+    compute_ngram_ids,
+    id_dtype,
+    lookup,
+    lookup_dtype,
+    step_from_output_grad,
+)
 
 __all__ = ["compute_engram_ids", "compute_ngram_ids", "id_dtype", "lookup", "lookup_dtype",
            "step_from_output_grad"]

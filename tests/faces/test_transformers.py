@@ -553,7 +553,7 @@ def test_prefetch_hook_finds_the_cache_under_either_name(float32_pair):
         hook(None, (), {"ple_input_ids": ids[:, 5:], name: cache})
         want = nc.compute_ngram_ids(ours.layout, ids[:, 5:],
                                     ngram_context=cache.get_conv_state(2, 2)).view(-1, 4)
-        assert torch.equal(ours._prefetched, ours.table.lookup(want))
+        assert torch.equal(ours.step.prefetched, ours.table.lookup(want))
 
 
 def test_releases_outside_the_tested_range(monkeypatch, float32_pair):
