@@ -11,7 +11,7 @@ from ..hashing.layout import LayerLayout
 from ..runtime.backends import DEVICE
 from ..tables.table import EmbeddingTable
 from ..training.table_rows import check_trainable
-from .layer import LayerStep
+from .layer import LayerStep, SteppedLayer
 
 # The cache's conv state that holds each PLE layer's last n-1 tokens (transformers' layout).
 CONTEXT_STATE = 2
@@ -25,7 +25,7 @@ def one_cache(cache, past_key_values):
     return past_key_values if cache is None else cache
 
 
-class CachedNGramEmbedding(torch.nn.Module):
+class CachedNGramEmbedding(SteppedLayer, torch.nn.Module):
     """One PLE layer's n-gram embedding for transformers: ids of ``[B, S]`` rows (every row one
     sequence, left padding hashed as it is) after the context the cache holds, then the rows of
     ``embedding.table`` in the model dtype (``out_like``'s, which follows ``model.to(dtype)``).
@@ -57,21 +57,6 @@ class CachedNGramEmbedding(torch.nn.Module):
             self.ngram_embedding = self.step.hold(table, trainable)
             if table.format.scaled:  # float8's scale, NVFP4's global one
                 self.ngram_embedding.set_scale(torch.tensor(float(scale)))
-
-    @property
-    def handle(self) -> int:
-        """The key the registered ops reach the layer's step by (``runtime/handles.py``)."""
-        return self.step.handle
-
-    @property
-    def embedding(self) -> NGramEmbedding:
-        """The layer's lookups (the framework-free ``NGramEmbedding``)."""
-        return self.step.embedding
-
-    @property
-    def trainable_rows(self):
-        """With ``trainable=True``, the ``TrainableRows`` (autograd.py); else None."""
-        return self.step.rows
 
     @property
     def layout(self) -> LayerLayout:

@@ -82,3 +82,24 @@ class LayerStep:
                 or out.dtype != dtype:
             out = self._empty_rows(ids, dtype)
         return ops.lookup(self.handle, ids, out)
+
+
+class SteppedLayer:
+    """What a torch layer running a ``LayerStep`` (its ``step``) answers through it."""
+
+    step: LayerStep
+
+    @property
+    def handle(self) -> int:
+        """The key the registered ops reach the layer's step by (``runtime/handles.py``)."""
+        return self.step.handle
+
+    @property
+    def embedding(self) -> NGramEmbedding:
+        """The layer's lookups (the framework-free ``NGramEmbedding``)."""
+        return self.step.embedding
+
+    @property
+    def trainable_rows(self) -> TrainableRows | None:
+        """With ``trainable=True``, the ``TrainableRows`` (autograd.py); else None."""
+        return self.step.rows

@@ -22,7 +22,7 @@ from ..hashing.layout import layer_layout
 from ..tables.storage import place_filled, placement_named
 from ..tables.table import EmbeddingTable
 from .call_shapes import seed_call_shape
-from .layer import LayerStep
+from .layer import LayerStep, SteppedLayer
 from .loading import WeightLoading
 from .placement import default_placement
 from .weights import storage_view, stored_rows_format
@@ -30,7 +30,7 @@ from .weights import storage_view, stored_rows_format
 _TORCH_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-class NGramEmbeddingModule(torch.nn.Module):
+class NGramEmbeddingModule(SteppedLayer, torch.nn.Module):
     """Dense PLE layer ``layer`` of ``config``: ids of a packed batch, then their table rows,
     with vLLM 0.33's layer shape (``forward(input_ids, query_start_loc, ngram_context)``), or
     the seed reference layer's with ``hidden_states`` first (``seed_call_shape``).
@@ -109,21 +109,6 @@ class NGramEmbeddingModule(torch.nn.Module):
         self.loading = WeightLoading(layout, self.ngram_embedding)
         self.register_load_state_dict_pre_hook(NGramEmbeddingModule._check_state_dict)
         self.register_load_state_dict_post_hook(NGramEmbeddingModule._share)
-
-    @property
-    def handle(self) -> int:
-        """The key the registered ops reach the layer's step by (``runtime/handles.py``)."""
-        return self.step.handle
-
-    @property
-    def embedding(self) -> NGramEmbedding:
-        """The layer's lookups (the framework-free ``NGramEmbedding``)."""
-        return self.step.embedding
-
-    @property
-    def trainable_rows(self):
-        """With ``trainable=True``, the ``TrainableRows`` (autograd.py); else None."""
-        return self.step.rows
 
     @property
     def allow_missing_weights(self) -> bool:
