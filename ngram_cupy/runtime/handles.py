@@ -43,8 +43,7 @@ def resolve(handle: int) -> object:
         raise RuntimeError(f"ngram_cupy handle {handle} was made by another process: a graph "
                            "or program holding it must be traced again in this process, over "
                            "this process's layers and tables")
-    with _LOCK:
-        target = _LIVE.get(handle)
+    target = _LIVE.get(handle)  # a read needs no lock: every op call passes here
     if target is None:
         raise RuntimeError(f"ngram_cupy handle {handle} names no live layer: the object the "
                            "graph or jitted call was traced with is gone (garbage collected), "

@@ -190,6 +190,9 @@ def test_a_dead_handle_is_a_clear_error():
     gc.collect()
     with pytest.raises(RuntimeError, match=f"handle {handle} names no live layer"):
         torch.ops.ngram_cupy.ngram_ids(handle, *batch(3))
+    foreign = handle & (1 << 32) - 1  # the same counter under another process's tag (none)
+    with pytest.raises(RuntimeError, match=f"handle {foreign} was made by another process"):
+        torch.ops.ngram_cupy.ngram_ids(foreign, *batch(3))
 
 
 def peak_bytes() -> int:
