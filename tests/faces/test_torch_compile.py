@@ -1,8 +1,10 @@
 """torch.compile over the registered ops: one graph, eager bits, no table copy, opcheck.
 
 Compiling dominates the time here, so one model holds a layer of every placement and format and
-is compiled once (Inductor) for the whole module; token-count and graph-break checks use
-dynamo's own counting backends, which stop before Inductor.
+is compiled once for the whole module, by AOTAutograd without Inductor (``aot_eager``: the ops'
+fake kernels, functionalization and mutations, as Inductor sees them); one smaller model runs
+through Inductor itself, bit for bit. Token-count and graph-break checks use dynamo's own
+counting backends, which stop before Inductor.
 """
 
 from __future__ import annotations
@@ -75,9 +77,9 @@ class EveryLayer(torch.nn.Module):
     """A layer of each placement and format, a prefetching one and a stored-rows one whose
     rows ``dequantize`` decodes, all called on one batch."""
 
-    def __init__(self):
+    def __init__(self, specs=LAYERS):
         super().__init__()
-        self.layers = torch.nn.ModuleList(filled(*spec, seed=i) for i, spec in enumerate(LAYERS))
+        self.layers = torch.nn.ModuleList(filled(*spec, seed=i) for i, spec in enumerate(specs))
         self.prefetching = filled("pinned", "bfloat16", seed=20)
         self.stored = filled("cpu", "float8_e4m3fn", seed=21, return_stored_rows=True)
 
@@ -115,16 +117,29 @@ def test_one_graph_without_breaks(every_layer):
         assert f"ngram_cupy.{op}" in called
 
 
-def test_inductor_equals_eager_bit_for_bit(every_layer):
-    compiled = torch.compile(every_layer, fullgraph=True, dynamic=True)  # one compile, both
+def assert_compiled_equals_eager(model, backend: str) -> None:
+    """``model`` compiled once by ``backend`` (dynamic in the token count) gives eager's bits
+    for every output, at two token counts."""
+    compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=True)
     for num_tokens in (5, 37):
         args = batch(num_tokens, requests=3, seed=num_tokens)
         with torch.no_grad():
-            want = every_layer(*args)
+            want = model(*args)
             got = compiled(*args)
-        assert len(got) == len(want) == len(LAYERS) + 2
+        assert len(got) == len(want) == len(model.layers) + 2
         for index, (g, w) in enumerate(zip(got, want, strict=True)):
             assert g.dtype == w.dtype and torch.equal(bits(g), bits(w)), index
+
+
+def test_every_layer_compiled_equals_eager_bit_for_bit(every_layer):
+    assert_compiled_equals_eager(every_layer, "aot_eager")
+
+
+def test_inductor_equals_eager_bit_for_bit():
+    """Inductor's own code around the ops (buffers it allocates, reinplaced mutations, the
+    prefetch's side effect, a dequantize it may fuse with) on a float8 layer, a prefetching
+    layer and a stored-rows one."""
+    assert_compiled_equals_eager(EveryLayer([("cpu", "float8_e4m3fn", None)]), "inductor")
 
 
 def test_token_counts_compile_at_most_twice():
