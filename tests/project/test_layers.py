@@ -19,8 +19,9 @@ LEAVES = ("_version", "formats")
 # checkpoint loaders build.
 LAYER = ("embedding",)
 # What each area may import besides its own folder (leaves: not even each other). ``faces`` are
-# the other root modules, which ``files`` may not import; ``package`` is ``ngram_cupy/__init__.py``, which no module imports (a
-# module takes a name from the module that defines it).
+# the other root modules, which ``files`` may not import; ``package`` is
+# ``ngram_cupy/__init__.py``, which no module imports (a module takes a name from the module that
+# defines it).
 BELOW_FILES = {"leaves", "runtime", "memory", "codecs", "hashing", "tables", "ids", "training"}
 FLOORS = {
     "leaves": set(),
