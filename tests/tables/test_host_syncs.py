@@ -1,0 +1,141 @@
+"""GPU lookups and prefetches never wait on the host: every host synchronisation the fake CuPy
+sees is counted (``Stream.synchronize``, ``Event.synchronize``, a blocking ``get``, ``asnumpy``,
+``runtime.deviceSynchronize``), for tables in GPU and pinned memory, the fused lookup, and (on a
+GPU) the torch ops. Ids outside the table then surface at a later call or ``check()``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from fake_cupy import DeviceArray, install
+
+import ngram_cupy as nc
+from ngram_cupy.ids import fused_cuda, ids_cuda
+from ngram_cupy.runtime.cuda_launch import NumbaKernel
+from ngram_cupy.tables import gather_cupy
+from ngram_cupy.tables.row_ids import UNCHECKED
+
+ROWS, DIM = 40, 4
+
+
+def note_bad_ids(grid, block, args, stream=None):
+    """The gather kernel's id check: the least flat position of an id outside
+    ``[0, total_rows)`` into the word (its last two parameters; see ``launch_plan``)."""
+    ids, total_rows, bad = args[3].host.reshape(-1), int(args[-2]), args[-1]
+    outside = np.flatnonzero((ids < 0) | (ids >= total_rows))
+    if total_rows != UNCHECKED and outside.size:
+        bad.host[0] = min(int(bad.host[0]), int(outside[0]))
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    """The fake CuPy in place of CuPy, with the gather kernel's id check as its launch."""
+    cupy = install(monkeypatch)
+    monkeypatch.setattr(gather_cupy, "_kernel", lambda name, device: note_bad_ids)
+    return cupy
+
+
+def device_ids(cupy, seed, shape=(6, 2), high=ROWS):
+    return DeviceArray(cupy, np.random.default_rng(seed).integers(0, high, shape), 0)
+
+
+def tables(cupy):
+    """A table of each placement a GPU lookup reads: GPU memory, pinned host memory."""
+    weight = np.random.default_rng(0).standard_normal((ROWS, DIM)).astype(np.float32)
+    return {"gpu": nc.EmbeddingTable(DeviceArray(cupy, weight.copy(), 0), placement="gpu"),
+            "pinned": nc.EmbeddingTable(weight, placement="pinned")}
+
+
+@pytest.mark.parametrize("placement", ["gpu", "pinned"])
+def test_lookups_and_prefetches_make_no_host_synchronisation(gpu, placement):
+    table = tables(gpu)[placement]
+    assert table.pinned == (placement == "pinned")
+    table.lookup(device_ids(gpu, 1))  # warm-up: the table's bad-id word is made
+    gpu.syncs.clear()
+    for seed in range(3):
+        table.lookup(device_ids(gpu, seed))
+        table.start_prefetch(device_ids(gpu, 10 + seed))
+        assert gpu.syncs == [], "start_prefetch waited on the host"
+        table.lookup(device_ids(gpu, 10 + seed))  # joins the prefetch
+        table.start_prefetch(device_ids(gpu, 20 + seed))
+        table.lookup(device_ids(gpu, 30 + seed))  # joins it; other ids re-gathered
+    assert gpu.syncs == []
+
+
+def test_a_bad_id_surfaces_at_the_next_call_once_the_gpu_ran_it_or_at_check(gpu):
+    table = tables(gpu)["gpu"]
+    bad = device_ids(gpu, 2)
+    bad.host[3, 1] = ROWS + 7  # flat position 7
+    table.lookup(bad)  # queued: nothing waits for the kernel, nothing raised yet
+    with pytest.raises(IndexError, match=r"rows \[0, 40\) \(the first at flat position 7"):
+        table.lookup(device_ids(gpu, 3))  # the GPU ran it: its copy's event is done
+    table.lookup(device_ids(gpu, 3))  # raised once
+    gpu.events_done = False  # the GPU has not run the bad lookup yet: nothing to raise
+    table.start_prefetch(bad)
+    table.lookup(device_ids(gpu, 3))
+    gpu.syncs.clear()
+    with pytest.raises(IndexError, match="flat position 7"):
+        table.check()  # waits for the streams that looked the table up
+    assert gpu.syncs and "get" in gpu.syncs
+    table.check()
+
+
+def test_a_captured_bad_id_surfaces_at_check(gpu):
+    """Inside a capture nothing is copied (a replay's word is read by ``check``); no word is
+    made inside one (every replay would clear it)."""
+    table = tables(gpu)["gpu"]
+    table.lookup(device_ids(gpu, 4))  # warm-up outside the capture: the word is made
+    stream = gpu.cuda.Stream()
+    stream.capturing = True
+    bad = device_ids(gpu, 5)
+    bad.host[0, 0] = -1
+    table.lookup(bad, stream=stream)
+    stream.capturing = False
+    with pytest.raises(IndexError, match="flat position 0"):
+        table.check()
+    fresh = tables(gpu)["gpu"]  # first looked up inside a capture: no word, ids unchecked
+    stream.capturing = True
+    fresh.lookup(bad, stream=stream)
+    stream.capturing = False
+    assert not fresh.bad_ids.words
+    fresh.check()
+
+
+def test_the_next_prefetch_waits_for_the_lookup_that_read_its_snapshot(gpu):
+    """A lookup on stream A re-gathers against the prefetch's ids snapshot; the next prefetch,
+    on stream B, overwrites that snapshot only after A's reads (an event; device-side)."""
+    table = tables(gpu)["gpu"]
+    first, second = gpu.cuda.Stream(ptr=0xA), gpu.cuda.Stream(ptr=0xB)
+    ids = device_ids(gpu, 6)
+    table.start_prefetch(ids, stream=first)
+    gpu.log.clear()
+    table.lookup(ids, stream=first)
+    read = [entry[2] for entry in gpu.log if entry[:2] == ("record", 0xA)][-1]
+    table.start_prefetch(ids, stream=second)
+    assert ("wait", 0xB, read) in gpu.log and gpu.syncs == []
+
+
+def test_the_fused_lookup_makes_no_host_synchronisation(gpu, monkeypatch):
+    layout = nc.layer_layout(nc.NGramConfig(50, 3, 1, 7, 0, embedding_dim=16), 0)
+    monkeypatch.setattr(NumbaKernel, "__call__", lambda *args, **kwargs: None)
+    rows = DeviceArray(gpu, np.zeros((layout.padded_rows, layout.head_dim), np.float32), 0)
+    tokens = DeviceArray(gpu, np.arange(8, dtype=np.int64), 0)
+    starts = DeviceArray(gpu, np.array([0, 8], np.int64), 0)
+    context = DeviceArray(gpu, np.zeros((1, 2), np.int64), 0)
+    out = DeviceArray(gpu, np.empty((8, layout.num_heads * layout.head_dim), np.float32), 0)
+    words = nc.EmbeddingTable(rows, placement="gpu").bad_ids
+    stream = gpu.cuda.get_current_stream()
+
+    def fused():
+        fused_cuda.fused_lookup_cuda(layout, rows, nc.formats.FORMATS[0], 0, None, tokens,
+                                     starts, context, out, 0, None, stream,
+                                     total_rows=layout.padded_rows, bad_ids=words)
+
+    fused()  # warm-up: the layer's constants and the placeholders are uploaded once
+    gpu.syncs.clear()
+    fused()
+    fused()
+    assert gpu.syncs == []
+    ids_cuda.device_params.cache_clear()  # made with the fake CuPy: not for later tests
+    fused_cuda.placeholder_ids.cache_clear()
+    fused_cuda.device_unchecked_word.cache_clear()
