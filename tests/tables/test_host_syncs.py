@@ -139,3 +139,54 @@ def test_the_fused_lookup_makes_no_host_synchronisation(gpu, monkeypatch):
     ids_cuda.device_params.cache_clear()  # made with the fake CuPy: not for later tests
     fused_cuda.placeholder_ids.cache_clear()
     fused_cuda.device_unchecked_word.cache_clear()
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_every_call_returns_while_the_gpu_is_busy():
+    """On hardware: each call returns while the GPU still runs a long kernel queued before it on
+    the caller's stream (a host synchronisation, of any stream that waits for it, would wait
+    for that kernel too): table lookups (GPU and pinned memory), a prefetch and the lookup that
+    joins it, the fused lookup, and the torch ops by their public names."""
+    import torch
+
+    from ngram_cupy.torch import NGramEmbeddingModule
+
+    config = nc.NGramConfig(vocab_size=60, ngram_size=3, heads_per_ngram=2,
+                            ngram_vocab_size_base=40, eos_token_id=1, embedding_dim=32)
+    layout = nc.layer_layout(config, 0)
+    module = NGramEmbeddingModule(config, 0, placement="gpu", weight_dtype=torch.bfloat16)
+    weight = torch.randn(layout.padded_rows, layout.head_dim, device="cuda")
+    gpu_table = nc.EmbeddingTable(weight, placement="gpu")
+    pinned_table = nc.EmbeddingTable(weight.cpu().numpy(), placement="pinned")
+    tokens = torch.randint(0, 60, (64,), device="cuda")
+    starts = torch.tensor([0, 30, 64], device="cuda")
+    context = torch.zeros((2, 2), dtype=torch.int64, device="cuda")
+    ids = torch.randint(0, layout.padded_rows, (64, layout.num_heads), device="cuda")
+    out = torch.empty((64, layout.num_heads * layout.head_dim), dtype=torch.bfloat16,
+                      device="cuda")
+    ops = torch.ops.ngram_cupy
+    calls = {
+        "gpu lookup": lambda: gpu_table.lookup(ids),
+        "pinned lookup": lambda: pinned_table.lookup(ids),
+        "prefetch": lambda: gpu_table.start_prefetch(ids),
+        "joining lookup": lambda: gpu_table.lookup(ids),
+        "fused": lambda: nc.NGramEmbedding(layout, gpu_table, fused=True)(tokens, starts,
+                                                                           context),
+        "ngram_ids op": lambda: ops.ngram_ids(module.handle, tokens, starts, context),
+        "prefetch_ op": lambda: ops.prefetch_(module.handle, ids, out),
+        "lookup_ op": lambda: ops.lookup_(module.handle, ids, out),
+    }
+    for call in calls.values():  # compiles, uploads and bad-id words first
+        call()
+    waited = []
+    for name, call in calls.items():
+        torch.cuda.synchronize()
+        torch.cuda._sleep(1 << 31)  # about a second of GPU cycles on torch's current stream
+        busy = torch.cuda.Event()
+        busy.record()
+        call()
+        if busy.query():
+            waited.append(name)
+        torch.cuda.synchronize()
+    assert waited == []
+    gpu_table.check()
