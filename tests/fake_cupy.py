@@ -222,7 +222,7 @@ def install(monkeypatch, cupy: FakeCupy | None = None) -> FakeCupy:
         cudaDevAttrCanUseHostPointerForRegisteredMem=91,
         hostRegister=lambda pointer, size, flags: cupy.log.append(("register", pointer)),
         hostUnregister=lambda pointer: cupy.log.append(("unregister", pointer)),
-        deviceSynchronize=device_synchronize)
+        deviceSynchronize=device_synchronize, free=lambda pointer: None)
     for name, module in list(sys.modules.items()):
         if name.startswith("ngram_cupy"):
             if hasattr(module, "cupy_module"):
