@@ -8,9 +8,12 @@
 # Bring what it lacks as wheels in .whl/ (ignored by git: `echo /.whl/ >> .git/info/exclude`),
 # downloaded here without their dependencies, and name .whl in the device tool's `carry`:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
-#       --implementation cp --platform manylinux2014_x86_64 -d .whl transformers==5.NN.0
-# (pure-Python wheels need no --platform). They are unpacked into a folder after the checkout
-# on the path, never from an index. At most five files come back in $OUT (./device-results):
+#       --implementation cp --platform manylinux2014_x86_64 -d .whl transformers==5.25.0 \
+#       huggingface_hub==2.4.0 kernels==0.19.1 httpx2==2.17.0 httpcore2==2.17.0 truststore \
+#       tomlkit==0.15.3
+# (transformers 5.25 and what it needs beyond the image, as this venv has them; the versions
+# step prints the image's click, hf-xet, idna, regex and tokenizers, to add if too old). They
+# are unpacked into a folder after the checkout on the path, never from an index. At most five files come back in $OUT (./device-results):
 #   summary.txt      the plan, then one line per step: exit status (124: out of time), seconds
 #   results.tgz      every step's full log (remade after each step: a cut run keeps its logs)
 #   packed-uva.md    the UVA gather of packed NVFP4 records vs fp8 rows vs two arrays
@@ -30,9 +33,9 @@ deadline="${DEVICE_CHECK_SECONDS:-560}"  # the device tool's 600 s, less a margi
 
 # name, time box in seconds, what it brings back (sized from measured or estimated times).
 PLAN="
-versions      10  GPU, driver, NVVM, NVRTC, CuPy, Numba, torch, JAX versions
+versions      15  GPU, driver, NVVM, NVRTC, CuPy, Numba, torch, JAX versions
 compile       60  the kernel cache for sm_90, 16 CPUs (~40 s; 100 s on 2 loaded CPUs here)
-gpu-tests    200  every test marked gpu, one pytest over the cores, most valuable files first
+gpu-tests    195  every test marked gpu, one pytest over the cores, most valuable files first
 graph         15  torch.cuda.graph capture of forward, replayed on new tokens
 misaligned    15  a table adopted 1 byte off an 8-byte boundary, plain and fused
 fresh-fill    15  rows written, then read at once on another stream
@@ -129,7 +132,9 @@ for name, probe in [
      lambda: __import__("cuda.bindings.driver", fromlist=["x"]).cuDriverGetVersion()),
     ("nvJitLink", lambda: __import__("cuda.bindings.nvjitlink", fromlist=["version"]).version()),
 ] + [(package, lambda package=package: metadata.version(package)) for package in (
-    "numba-cuda", "cuda-bindings", "jax", "transformers", "pytest-timeout", "pytest-xdist")]:
+    "numba-cuda", "cuda-bindings", "jax", "transformers", "huggingface-hub", "kernels",
+    "httpx2", "click", "hf-xet", "idna", "regex", "tokenizers", "safetensors",
+    "pytest-timeout", "pytest-xdist")]:
     try:
         print(name, probe())
     except Exception as error:  # a diagnostic line, never a reason to stop

@@ -123,13 +123,12 @@ def test_the_fused_lookup_makes_no_host_synchronisation(gpu, monkeypatch):
     starts = DeviceArray(gpu, np.array([0, 8], np.int64), 0)
     context = DeviceArray(gpu, np.zeros((1, 2), np.int64), 0)
     out = DeviceArray(gpu, np.empty((8, layout.num_heads * layout.head_dim), np.float32), 0)
-    words = nc.EmbeddingTable(rows, placement="gpu").bad_ids
     stream = gpu.cuda.get_current_stream()
 
-    def fused():
+    def fused():  # as NGramEmbedding(..., fused=True) calls it
         fused_cuda.fused_lookup_cuda(layout, rows, nc.formats.FORMATS[0], 0, None, tokens,
-                                     starts, context, out, 0, None, stream,
-                                     total_rows=layout.padded_rows, bad_ids=words)
+                                     starts, context, out, 0, None, stream, None, None,
+                                     layout.padded_rows)
 
     fused()  # warm-up: the layer's constants and the placeholders are uploaded once
     gpu.syncs.clear()
