@@ -84,6 +84,7 @@ class FakeCupy:
 
             @property
             def done(self):
+                cupy.log.append(("query", self))
                 return cupy.events_done
 
         def current_stream():

@@ -99,7 +99,10 @@ class BadIds:
 
     def poll(self, total_rows: int, stream) -> None:
         """Raise (once) a bad id already copied to the host: only when every copy is done (an
-        event query; no wait). The words are cleared on ``stream`` (the raising call's)."""
+        event query; no wait). The words are cleared on ``stream`` (the raising call's). Not
+        while ``stream`` captures a CUDA graph (an event query there would break the capture)."""
+        if stream.is_capturing():
+            return
         for device, entry in self.words.items():
             if not entry.copies or not all(event.done for event in entry.copies.values()):
                 continue

@@ -241,19 +241,20 @@ class StreamPrefetcher:
         return pending
 
     def read_by(self, stream) -> None:
-        """A lookup on ``stream`` has queued its reads of the joined prefetch's snapshot."""
-        self._read.record(stream)
-        self._read_on = stream
+        """A lookup on ``stream`` has queued its reads of the joined prefetch's snapshot (in a
+        capture nothing is recorded: a replay is ordered by its graph, and an event recorded in
+        a capture cannot be waited for outside it)."""
+        self._read_on = None if stream.is_capturing() else stream
+        if self._read_on is not None:
+            self._read.record(stream)
 
     def before_snapshot(self, caller) -> None:
         """Order ``caller`` (about to overwrite a snapshot) after the last lookup that read one,
-        when that lookup ran on another stream; device-side, and never across a capture's edge
-        (a capturing stream cannot wait for work outside its capture, nor the reverse)."""
+        when that lookup ran on another stream; device-side, and not from inside a capture (a
+        capturing stream cannot wait for work outside its capture)."""
         read_on, self._read_on = self._read_on, None
-        if read_on is None or read_on.ptr == caller.ptr:
-            return  # none, or the same stream: already in order
-        if read_on.is_capturing() or caller.is_capturing():
-            return
+        if read_on is None or read_on.ptr == caller.ptr or caller.is_capturing():
+            return  # none, the same stream (already in order), or a capture
         caller.wait_event(self._read)
 
     def close(self) -> None:

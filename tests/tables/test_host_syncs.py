@@ -81,16 +81,26 @@ def test_a_bad_id_surfaces_at_the_next_call_once_the_gpu_ran_it_or_at_check(gpu)
 
 
 def test_a_captured_bad_id_surfaces_at_check(gpu):
-    """Inside a capture nothing is copied (a replay's word is read by ``check``); no word is
-    made inside one (every replay would clear it)."""
+    """Inside a capture nothing is copied nor queried (a replay's word is read by ``check``);
+    no word is made inside one (every replay would clear it)."""
     table = tables(gpu)["gpu"]
     table.lookup(device_ids(gpu, 4))  # warm-up outside the capture: the word is made
-    stream = gpu.cuda.Stream()
+    table.start_prefetch(device_ids(gpu, 4))
+    table.lookup(device_ids(gpu, 4))  # a lookup that read a snapshot, outside the capture
+    stream = gpu.cuda.Stream(ptr=0xC)
     stream.capturing = True
     bad = device_ids(gpu, 5)
     bad.host[0, 0] = -1
+    gpu.log.clear()
     table.lookup(bad, stream=stream)
+    table.start_prefetch(bad, stream=stream)
+    table.lookup(bad, stream=stream)  # joins it inside the capture
     stream.capturing = False
+    recorded = set()
+    for entry in gpu.log:  # no event query; waits only for events recorded in the capture
+        assert entry[0] != "query" and (entry[0] != "wait" or id(entry[2]) in recorded), entry
+        if entry[0] == "record":
+            recorded.add(id(entry[2]))
     with pytest.raises(IndexError, match="flat position 0"):
         table.check()
     fresh = tables(gpu)["gpu"]  # first looked up inside a capture: no word, ids unchecked
