@@ -223,7 +223,9 @@ def install(monkeypatch, cupy: FakeCupy | None = None) -> FakeCupy:
         cudaDevAttrCanUseHostPointerForRegisteredMem=91,
         hostRegister=lambda pointer, size, flags: cupy.log.append(("register", pointer)),
         hostUnregister=lambda pointer: cupy.log.append(("unregister", pointer)),
-        deviceSynchronize=device_synchronize, free=lambda pointer: None)
+        deviceSynchronize=device_synchronize, free=lambda pointer: None,
+        memcpyDeviceToHost=2, memcpyAsync=lambda dst, src, size, kind, stream: ctypes.memmove(
+            dst, src, size))
     for name, module in list(sys.modules.items()):
         if name.startswith("ngram_cupy"):
             if hasattr(module, "cupy_module"):

@@ -91,7 +91,9 @@ class BadIds:
             return
         cupy = cupy_module()
         with cupy.cuda.Device(device):
-            entry.word.get(stream=stream, out=entry.host, blocking=False)
+            runtime = cupy.cuda.runtime  # an asynchronous copy into page-locked memory
+            runtime.memcpyAsync(entry.host.ctypes.data, entry.word.data.ptr, 8,
+                                runtime.memcpyDeviceToHost, stream.ptr)
             if stream.ptr not in entry.copies:
                 entry.copies[stream.ptr] = cupy.cuda.Event(disable_timing=True)
             entry.copies[stream.ptr].record(stream)

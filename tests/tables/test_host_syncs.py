@@ -199,3 +199,13 @@ def test_on_a_gpu_every_call_returns_while_the_gpu_is_busy():
         torch.cuda.synchronize()
     assert waited == []
     gpu_table.check()
+    bad = ids.clone()
+    bad[5, 1] = layout.padded_rows + 3
+    gpu_table.lookup(bad)
+    with pytest.raises(IndexError, match=f"flat position {5 * layout.num_heads + 1} "):
+        gpu_table.check()
+    torch.cuda.synchronize()
+    gpu_table.lookup(bad)  # the GPU has run it: the next call raises
+    torch.cuda.synchronize()
+    with pytest.raises(IndexError, match="flat position"):
+        gpu_table.lookup(ids)
