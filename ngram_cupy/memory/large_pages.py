@@ -56,11 +56,14 @@ def gpu_pages_wanted(gpu_pages: str | None = None) -> str:
 
 
 def driver():
-    """``cuda.bindings.driver``, or LargePagesUnavailable."""
+    """``cuda.bindings.driver`` with host NUMA allocations, or LargePagesUnavailable."""
     try:
         from cuda.bindings import driver as bindings
     except ImportError as error:
         raise LargePagesUnavailable(f"no cuda.bindings ({error})") from None
+    if not hasattr(bindings.CUdevice_attribute,
+                   "CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED"):
+        raise LargePagesUnavailable("this cuda.bindings predates host NUMA allocations")
     return bindings
 
 
