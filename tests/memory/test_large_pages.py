@@ -153,3 +153,15 @@ def test_on_a_gpu_a_large_page_table_gives_the_registered_tables_rows(monkeypatc
     np.testing.assert_array_equal(got, nc.EmbeddingTable(weight).lookup(ids))
     table.check()
     table.close()
+
+
+def test_a_shared_table_stays_registered_and_says_so(gpu, monkeypatch, shm_dir):
+    """Its rows are a segment other processes map: the GPU maps it registered, with the
+    warning when large pages were chosen."""
+    monkeypatch.setattr(large_pages, "driver", lambda: pytest.fail("driver asked"))
+    monkeypatch.setenv(large_pages.GPU_PAGES_ENV, "large")
+    weight = np.arange(64, dtype=np.float32).reshape(16, 4)
+    with pytest.warns(RuntimeWarning, match="registered, not in large GPU pages"):
+        table = nc.EmbeddingTable(weight, placement="shared")
+    assert type(table.storage.buffer) is pinned.PinnedBuffer and table.pinned
+    table.close()
