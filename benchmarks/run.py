@@ -209,8 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         if markdown is not None:  # after each section: a run cut short keeps what it measured
             merge_into(markdown, fresh, [b.name for b in benches])
             print(f"wrote {markdown}", flush=True)
-    if png is not None and measured and plot(measured, png):
-        print(f"wrote {png}")
+        if png is not None and plot(measured, png):  # the plot too
+            print(f"wrote {png}", flush=True)
     for section in measured:
         if png is not None and section.curves is not None:
             from .sections_train_model import plot_losses

@@ -224,16 +224,18 @@ def bench_host_gpu(quick: bool) -> Section:
     table = nc.EmbeddingTable.empty(rows, RELEASED_HEAD_DIM, "float8_e4m3fn", placement="host",
                                     scale=0.5)
     width = RELEASED_HEADS * RELEASED_HEAD_DIM
+    registered = {}
     for num_tokens in (256, 4096, 65536):
         ids = cupy.asarray(rng.integers(0, rows, (num_tokens, RELEASED_HEADS)))
         out = cupy.empty((num_tokens, width), cupy.uint16)
-        seconds = graph_seconds(partial(table.lookup, ids, out=out))
+        seconds = registered[num_tokens] = graph_seconds(partial(table.lookup, ids, out=out))
         read = ids.size * RELEASED_HEAD_DIM
         section.rows.append(Row(
             case=f"UVA gather, {num_tokens:,} tokens, uniform ids", seconds=seconds,
             rate=f"{read / seconds / 1e9:.1f} GB/s",
             notes=f"{read / seconds / bandwidth:.0%} of the pinned cudaMemcpy bandwidth "
                   f"({rows:,}-row table, {table.nbytes / 2**30:.1f} GiB)", tokens=num_tokens))
+    section.rows.extend(large_page_rows(rng, rows, bandwidth, registered))
     for num_tokens in (4096, 65536):
         ids = cupy.asarray(zipf_ids(rng, num_tokens, rows))
         distinct = int(cupy.unique(ids).size) / ids.size
@@ -258,6 +260,44 @@ def bench_host_gpu(quick: bool) -> Section:
     return section
 
 
+
+
+def large_page_rows(rng, rows: int, bandwidth: float, registered: dict[int, float]) -> list:
+    """The UVA gather from a table in large GPU pages (``cuMemCreate`` on the GPU's host NUMA
+    node) against the same gather from registered memory and the pinned copy floor."""
+    import warnings
+
+    import cupy
+
+    from ngram_cupy.formats import storage_format
+    from ngram_cupy.memory.large_pages import LargePageBuffer
+    from ngram_cupy.tables.storage.pinned import PinnedStorage
+
+    with warnings.catch_warnings(record=True) as refused:
+        warnings.simplefilter("always")
+        storage = PinnedStorage(rows, RELEASED_HEAD_DIM, storage_format("float8_e4m3fn"),
+                                gpu_pages="large")
+    if not isinstance(storage.buffer, LargePageBuffer):
+        storage.close()
+        reason = str(refused[0].message) if refused else "registered memory was made"
+        return [Row(case="UVA gather, large GPU pages", seconds=0.0,
+                    notes=f"not measured: {reason}")]
+    table = nc.EmbeddingTable(storage, scale=0.5)
+    result = []
+    for num_tokens in (4096, 65536):
+        ids = cupy.asarray(rng.integers(0, rows, (num_tokens, RELEASED_HEADS)))
+        out = cupy.empty((num_tokens, RELEASED_HEADS * RELEASED_HEAD_DIM), cupy.uint16)
+        seconds = graph_seconds(partial(table.lookup, ids, out=out))
+        read = ids.size * RELEASED_HEAD_DIM
+        result.append(Row(
+            case=f"UVA gather, large GPU pages ({storage.buffer.granularity >> 20} MiB), "
+                 f"{num_tokens:,} tokens, uniform ids", seconds=seconds,
+            rate=f"{read / seconds / 1e9:.1f} GB/s",
+            notes=f"{read / seconds / bandwidth:.0%} of the pinned cudaMemcpy bandwidth; "
+                  f"registered memory {registered[num_tokens] * 1e6:,.0f} us "
+                  f"({registered[num_tokens] / seconds:.2f}x)", tokens=num_tokens))
+    table.close()
+    return result
 
 
 def nvfp4_table(rows: int, placement: str, hot_rows=None):

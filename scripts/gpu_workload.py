@@ -4,7 +4,7 @@
 
 Cases: ``kernels`` (ids, context rolling, plain and deduplicating gathers, the fused kernel and a
 prefetch, on gpu and pinned tables, fp8 and NVFP4 records with a hot tier; small enough for
-compute-sanitizer memcheck and racecheck), ``packed-uva`` (the UVA gather from pinned memory of
+compute-sanitizer memcheck), ``packed-uva`` (the UVA gather from pinned memory of
 NVFP4 records, fp8 rows and NVFP4 in two arrays: bytes per token and GB/s against a copy of the
 same bytes, results written to the file named by ``PACKED_UVA_OUT``, if set),
 ``graph`` (a ``torch.cuda.graph`` capture of ``forward`` replayed on new tokens, results taken

@@ -6,7 +6,7 @@ torch-graphs):
 - a ``torch.cuda.graph`` capture of ``start_prefetch`` and ``forward`` of the pinned layer,
   replayed on new tokens;
 - a lookup captured with an id outside the table: nothing raised during capture or replay, the
-  IndexError at ``check_errors()``.
+  IndexError at ``check()``.
 
 Each result is compared bit for bit with the eager layer. Prints one line per case; exit 1 if any
 failed.
@@ -104,13 +104,13 @@ def case_captured_bad_id() -> None:
     graph.replay()  # no host read: nothing raised here
     torch.cuda.synchronize()
     try:
-        table.check_errors()
+        table.check()
     except IndexError as error:
         if "position 7" not in str(error):
             raise AssertionError(f"the wrong position: {error}") from None
     else:
-        raise AssertionError("check_errors() did not raise for the replayed bad id")
-    table.check_errors()  # raised once
+        raise AssertionError("check() did not raise for the replayed bad id")
+    table.check()  # raised once
 
 
 CASES = {"reduce-overhead": case_reduce_overhead, "cuda-graph": case_cuda_graph,

@@ -28,8 +28,9 @@ from ..hashing.arithmetic import clamp, stage_token_ids
 from ..runtime.backends import cupy_module, data_address
 from ..runtime.cuda_launch import NumbaKernel
 from ..runtime.jitable import inline_jitable
+from ..tables.bad_ids import BadIds
 from ..tables.hot_rows import hot_slot
-from ..tables.row_ids import NO_BAD_WORD, UNCHECKED, first_bad
+from ..tables.row_ids import NO_BAD_WORD, UNCHECKED
 from .ids_cuda import device_params, staging_shape
 
 WORD_BYTES = (8, 4, 2, 1)
@@ -239,16 +240,25 @@ def launch_fused(layout, tokens, query_start_loc, context, params, table_words, 
         args += (np.int64(scale_column),)
         checked = total_rows is not None and bad is not None
         args += (np.int64(total_rows if checked else UNCHECKED),
-                 bad if checked else bad_word(table_words))
+                 bad if checked else unchecked_word(table_words))
         kernel(-(-num_tokens // block), block, args, stream)
     return out
 
 
-def bad_word(like):
-    """A fresh ``bad`` word (uint64 ``[1]``, ``NO_BAD_WORD``) beside the array ``like``: NumPy
-    for NumPy arrays (the simulator), else CuPy on the current stream."""
-    module = np if isinstance(like, np.ndarray) else cupy_module()
-    return module.full(1, NO_BAD_WORD, np.uint64)
+def unchecked_word(like):
+    """The ``bad`` argument of a launch that checks no ids (never read nor written): NumPy for
+    NumPy arrays (the simulator), else one CuPy word per GPU, made once."""
+    if isinstance(like, np.ndarray):
+        return np.full(1, NO_BAD_WORD, np.uint64)
+    return device_unchecked_word(like.device.id)
+
+
+@cache
+def device_unchecked_word(device: int):
+    """``unchecked_word`` of one GPU."""
+    cupy = cupy_module()
+    with cupy.cuda.Device(device):
+        return cupy.full(1, NO_BAD_WORD, np.uint64)
 
 
 def table_words(rows, itemsize: int, *also, values: int | None = None):
@@ -275,10 +285,15 @@ def placeholder_ids(device: int):
     return array
 
 
+# The bad-id words of fused lookups whose caller passes no table's (``bad_ids``).
+UNOWNED_BAD_IDS = BadIds()
+
+
 def fused_lookup_cuda(layout, rows, fmt: Format, row_start: int, scale, tokens, query_start_loc,
                       context, out, out_code: int, ids_out, stream, tier=None, scales=None,
-                      total_rows: int | None = None):
-    """Fused ids + gather on checked, contiguous CuPy arrays, on the CuPy ``stream``.
+                      total_rows: int | None = None, bad_ids: BadIds | None = None):
+    """Fused ids + gather on checked, contiguous CuPy arrays, on the CuPy ``stream``, with no
+    host synchronisation.
 
     ``rows`` is the table's raw ``[rows, head_dim]`` CuPy view (``EmbeddingTable.device_rows``)
     of format ``fmt``, holding global rows from ``row_start``; ``scale`` its scale or None;
@@ -287,23 +302,26 @@ def fused_lookup_cuda(layout, rows, fmt: Format, row_start: int, scale, tokens, 
     hot block scales), or None. ``scales``: a block-scaled table's block scales beside ``rows``
     (rows and scales that are views into packed records are read as the whole records).
     With ``total_rows``, a hashed id outside ``[0, total_rows)`` (a layout that does not match
-    the table) is an IndexError naming its token and head, read after the launch (waiting for
-    the stream; not while it captures a CUDA graph).
+    the table) is noted in ``bad_ids`` (the table's ``EmbeddingTable.bad_ids``; default: one
+    set of words for every caller that passes none) and raised as the table's lookups raise
+    theirs (``tables.bad_ids``): a bad id noted earlier surfaces here, before this launch.
     """
     device = out.device.id
     write_ids = ids_out is not None
     if not write_ids:
         ids_out = placeholder_ids(device)
     tables = kernel_tables(rows, fmt.itemsize, scales, tier)
-    checked = total_rows is not None and not stream.is_capturing()
-    with stream:
-        bad = bad_word(tables["table_words"]) if checked else None
+    bad_ids = UNOWNED_BAD_IDS if bad_ids is None else bad_ids
+    bad = None
+    if total_rows is not None:
+        bad_ids.poll(total_rows, stream)
+        bad = bad_ids.word(device, stream)
     launch_fused(layout, tokens, query_start_loc, context, device_params(layout, device),
                  code=fmt.code, row_start=row_start, scale=1.0 if scale is None else scale,
                  write_ids=write_ids, ids_out=ids_out, out=out, out_code=out_code,
                  stream=stream, total_rows=total_rows, bad=bad, **tables)
-    if checked:
-        raise_hashed(bad.get(stream=stream), layout.num_heads, total_rows)
+    if bad is not None:
+        bad_ids.noted(device, stream)
     return out
 
 
@@ -323,13 +341,3 @@ def kernel_tables(rows, itemsize: int, scales=None, tier=None) -> dict:
     words = tables["table_words"] = table_words(rows, itemsize, hot_rows, values=values)
     tables["hot"], tables["counts"] = (tier.map, hot_rows.view(words.dtype)), tier.counts
     return tables
-
-
-def raise_hashed(recorded, heads: int, total_rows: int) -> None:
-    """The IndexError for a fused launch whose ``bad`` word (on the host) holds a position: the
-    ids were hashed in the kernel, so the token and head are named (the id is in ``ids_out``)."""
-    position = first_bad(recorded)
-    if position >= 0:
-        raise IndexError(f"the id hashed for token {position // heads}, head {position % heads} "
-                         f"is outside the table's rows [0, {total_rows}): the layout does not "
-                         f"match the table")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import mmap
 import warnings
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -35,11 +36,14 @@ def host_unregister(pointer: int) -> None:
 
 
 class Registration:
-    """One registered range and the memory behind it (kept mapped until unregistered)."""
+    """One registered range and the memory behind it (kept mapped until unregistered by
+    ``unregister(pointer)``: ``cudaHostUnregister`` when None)."""
 
-    def __init__(self, pointer: int, memory: Any):
+    def __init__(self, pointer: int, memory: Any,
+                 unregister: Callable[[int], None] | None = None):
         self.pointer = pointer
         self.memory = memory
+        self.unregister = unregister
         self.streams = UsedStreams()  # the streams that read the memory
 
     @property
@@ -59,7 +63,7 @@ class Registration:
         if self.streams.capturing():
             return False
         self.streams.synchronize()
-        host_unregister(self.pointer)
+        (self.unregister or host_unregister)(self.pointer)
         self.memory = None
         return True
 
@@ -67,7 +71,7 @@ class Registration:
 _deferred: list[Registration] = []
 
 
-def _collected(registration: Registration) -> None:
+def queue_release(registration: Registration) -> None:
     """The finaliser: queue the release (no CUDA call here)."""
     _deferred.append(registration)
 
@@ -101,12 +105,61 @@ def _registration_error(nbytes: int, error: Exception) -> RuntimeError:
     )
 
 
-class PinnedBuffer:
+class MappedHostBuffer:
+    """Host memory the GPU reads at its host address: the NumPy byte array ``array``, its
+    ``pointer``, the streams that read it, and its release (see the module's docstring)."""
+
+    nbytes: int
+    array: np.ndarray
+    pointer: int
+    device: int
+
+    def track(self, registration: Registration) -> None:
+        """Release ``registration`` at ``close``, or queue it when the buffer is collected."""
+        self._registration = registration
+        self._finalizer = weakref.finalize(self, queue_release, registration)
+        self._finalizer.atexit = False  # at exit the process's memory goes anyway
+
+    @property
+    def registered(self) -> bool:
+        """Whether the memory is still page-locked and mapped for the GPU."""
+        return not self._registration.released
+
+    def used_on(self, stream: Any) -> None:
+        """Note that a kernel reading this memory runs on ``stream`` (a CuPy stream)."""
+        self._registration.used_on(stream)
+
+    def device_array(self, shape: tuple[int, ...], dtype):
+        """A CuPy array over the mapped memory: GPU kernels read the host rows through it (UVA)."""
+        cupy = cupy_module()
+        if not self.registered:
+            raise ValueError("the pinned buffer is closed")
+        memory = cupy.cuda.UnownedMemory(self.pointer, self.nbytes, self, self.device)
+        return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, 0))
+
+    def close(self) -> None:
+        """Release the memory now, after the streams that read it. Inside a capture on one of
+        those streams: a RuntimeError."""
+        if not self._registration.release():
+            raise RuntimeError("cannot release pinned memory while a stream that reads it is "
+                               "capturing a CUDA graph: close it after the capture")
+        self._finalizer.detach()
+        release_deferred()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class PinnedBuffer(MappedHostBuffer):
     """``nbytes`` of page-locked host memory, as a NumPy byte array and a GPU-visible address.
 
     ``memory``: an existing mapping of at least ``nbytes`` to page-lock (a shared-memory
     segment), instead of new private memory (in huge pages, see ``anonymous``). Either way
     it is advised ``MADV_DONTFORK``: a ``fork()`` does not copy (or share) locked pages.
+    ``close`` unregisters; the NumPy view stays readable as ordinary memory.
     """
 
     def __init__(self, nbytes: int, device: int | None = None, memory: mmap.mmap | None = None,
@@ -130,38 +183,4 @@ class PinnedBuffer:
         except Exception as error:
             raise _registration_error(self.nbytes, error) from error
         advise(memory, "MADV_DONTFORK")
-        self._registration = Registration(self.pointer, memory)
-        self._finalizer = weakref.finalize(self, _collected, self._registration)
-        self._finalizer.atexit = False  # at exit the process's memory goes anyway
-
-    @property
-    def registered(self) -> bool:
-        """Whether the memory is still page-locked and mapped for the GPU."""
-        return not self._registration.released
-
-    def used_on(self, stream: Any) -> None:
-        """Note that a kernel reading this memory runs on ``stream`` (a CuPy stream)."""
-        self._registration.used_on(stream)
-
-    def device_array(self, shape: tuple[int, ...], dtype):
-        """A CuPy array over the mapped memory: GPU kernels read the host rows through it (UVA)."""
-        cupy = cupy_module()
-        if not self.registered:
-            raise ValueError("the pinned buffer is closed")
-        memory = cupy.cuda.UnownedMemory(self.pointer, self.nbytes, self, self.device)
-        return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, 0))
-
-    def close(self) -> None:
-        """Unregister the memory now, after the streams that read it; the NumPy view stays
-        readable as ordinary memory. Inside a capture on one of those streams: a RuntimeError."""
-        if not self._registration.release():
-            raise RuntimeError("cannot release pinned memory while a stream that reads it is "
-                               "capturing a CUDA graph: close it after the capture")
-        self._finalizer.detach()
-        release_deferred()
-
-    def __enter__(self) -> PinnedBuffer:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+        self.track(Registration(self.pointer, memory))

@@ -23,7 +23,7 @@ from ..codecs.scales import require_block_scales
 from ..runtime import kernel_cache, nvrtc
 from ..runtime.backends import cupy_module, data_address
 from ..runtime.kernel_cache import entry_key
-from .row_ids import NO_BAD_WORD, UNCHECKED, check_row_ids, raise_recorded
+from .row_ids import UNCHECKED, check_row_ids
 
 # kernels/ at the top of a source checkout; installed wheels carry it as ngram_cupy/kernels.
 _PACKAGE = Path(__file__).resolve().parents[1]
@@ -186,7 +186,7 @@ def launch_plan(table, code: int, row_start: int, scale, ids, out, out_code: int
 
 def gather_rows(table, code: int, row_start: int, scale, ids, out, out_code: int,
                 expected=None, stream=None, hot=None, counts=None, scales=None,
-                hot_scales=None, total_rows=None, captured=None):
+                hot_scales=None, total_rows=None, bad_ids=None):
     """Launch the gather: raw rows ``table[ids - row_start]`` dequantised into raw ``out``.
 
     ``table`` is a CuPy ``[rows, head_dim]`` array of raw bits (device memory or mapped host
@@ -197,25 +197,16 @@ def gather_rows(table, code: int, row_start: int, scale, ids, out, out_code: int
     ``hot_rows``) hot rows are read from the hot rows and each row read is counted in ``counts``
     (uint64 ``[COUNTER_LANES, 2]``: hot, cold). Block-scaled rows (``[rows, head_dim / pack]``)
     come with their ``scales`` (``[rows, head_dim / block]``; ``hot_scales`` for the hot tier).
-    Runs on ``stream`` (default: CuPy's current stream); no host sync, except with
-    ``total_rows``: the kernel notes the first id outside ``[0, total_rows)`` in a word that is
-    read after the launch (waiting for the stream) and raised on (``row_ids``); while the stream
-    captures a CUDA graph the kernel notes into ``captured``'s persistent word (``CapturedIds``,
-    made by an earlier gather outside a capture; without one ids are not checked), read at the
-    next gather outside a capture.
+    Runs on ``stream`` (default: CuPy's current stream) with no host synchronisation. With
+    ``total_rows`` and ``bad_ids`` (the table's ``BadIds``), the kernel notes the first id
+    outside ``[0, total_rows)`` in ``bad_ids``' persistent word of the GPU, raised later
+    (``bad_ids``: at the table's next call once the GPU ran this one, or ``check``); without
+    ``bad_ids`` ids are not checked.
     """
     cupy = cupy_module()
     stream = stream if stream is not None else cupy.cuda.get_current_stream()
     device = ids.device.id
-    bad = None
-    capturing = stream.is_capturing()
-    if total_rows is not None and capturing:
-        bad = None if captured is None else captured.words.get(device)  # made outside
-    elif total_rows is not None:
-        with cupy.cuda.Device(device), stream:
-            bad = cupy.full(1, NO_BAD_WORD, np.uint64)
-        if captured is not None:
-            captured.word(device, stream)  # allocated and cleared outside any capture
+    bad = None if total_rows is None or bad_ids is None else bad_ids.word(device, stream)
     plan = launch_plan(table, code, row_start, scale, ids, out, out_code, expected, hot, counts,
                        scales, hot_scales, total_rows, bad)
     if plan is None:
@@ -223,11 +214,8 @@ def gather_rows(table, code: int, row_start: int, scale, ids, out, out_code: int
     kernel = _kernel(plan.name, device)
     with cupy.cuda.Device(device):  # the module's context is the arrays' device's
         kernel((plan.grid,), (plan.block,), plan.args, stream=stream)
-        if bad is not None and not capturing:
-            raise_recorded(ids, bad.get(stream=stream), total_rows,
-                           held=(row_start, row_start + table.shape[0]))
-            if captured is not None:
-                captured.check(device, stream, total_rows)
+    if bad is not None:
+        bad_ids.noted(device, stream)
     return out
 
 

@@ -178,6 +178,12 @@ class ThreadPrefetcher:
 class StreamPrefetcher:
     """GPU prefetch: the gather runs on a private stream that first waits for an event recorded
     on the caller's stream; ``join`` makes the caller's stream wait for the gather's event.
+    Nothing here waits on the host: ``start`` returns once the gather is queued.
+
+    The ids snapshot of a shape is reused by the next prefetch of that shape, which may be
+    issued on another stream than the lookup that read the snapshot (its re-gather):
+    ``read_by`` records an event behind that lookup, and ``before_snapshot`` makes the next
+    prefetch's stream wait for it before it overwrites the snapshot.
 
     A prefetch issued inside a CUDA graph capture must be joined (by its lookup) inside the same
     capture, and one issued outside cannot be joined inside one: either mismatch is a clear
@@ -192,7 +198,8 @@ class StreamPrefetcher:
                 else contextlib.nullcontext():
             self.stream = cupy.cuda.Stream(non_blocking=True) if stream is None else stream
             event = event or (lambda: cupy.cuda.Event(disable_timing=True))
-            self._ready, self._done = event(), event()
+            self._ready, self._done, self._read = event(), event(), event()
+        self._read_on: Any = None  # the stream of the last lookup that read a snapshot
         self._pending: Pending | None = None
         self._owner: int | None = None  # the thread that started the pending prefetch
         self._lock = threading.Lock()
@@ -232,6 +239,23 @@ class StreamPrefetcher:
                 "capture: capture prefetch and lookup together; the prefetch is dropped")
         caller.wait_event(self._done)
         return pending
+
+    def read_by(self, stream) -> None:
+        """A lookup on ``stream`` has queued its reads of the joined prefetch's snapshot (in a
+        capture nothing is recorded: a replay is ordered by its graph, and an event recorded in
+        a capture cannot be waited for outside it)."""
+        self._read_on = None if stream.is_capturing() else stream
+        if self._read_on is not None:
+            self._read.record(stream)
+
+    def before_snapshot(self, caller) -> None:
+        """Order ``caller`` (about to overwrite a snapshot) after the last lookup that read one,
+        when that lookup ran on another stream; device-side, and not from inside a capture (a
+        capturing stream cannot wait for work outside its capture)."""
+        read_on, self._read_on = self._read_on, None
+        if read_on is None or read_on.ptr == caller.ptr or caller.is_capturing():
+            return  # none, the same stream (already in order), or a capture
+        caller.wait_event(self._read)
 
     def close(self) -> None:
         """Let the private stream drain: its gather may still read the table."""
@@ -277,6 +301,8 @@ class Prefetcher:
         device = None if side is HOST else device_index(ids)
         buffers = self.buffers(side, device)
         self.join(side, stream)
+        if side is not HOST and self.streams is not None:
+            self.streams.before_snapshot(stream)
         snapshot = buffers.get("ids", ids.shape, np.int64)
         snapshot[...] = ids
         rows = out if out is not None else buffers.get("rows", rows_shape, rows_dtype)
@@ -303,6 +329,8 @@ class Prefetcher:
         if side.address(target) != side.address(pending.rows):
             target[...] = pending.rows
         gather(ids, target, pending.ids)
+        if side is not HOST:
+            self.streams.read_by(stream)  # the next prefetch's snapshot waits for these reads
         return target
 
     def close(self, wait: bool = True) -> None:

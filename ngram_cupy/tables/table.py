@@ -35,7 +35,7 @@ from ..runtime.checks import (
     check_integer,
     check_out,
 )
-from .captured_ids import CapturedIds
+from .bad_ids import BadIds
 from .hot_rows import check_hot_rows
 from .prefetch import Prefetcher
 from .storage import (
@@ -198,7 +198,7 @@ class EmbeddingTable:
         self.nbytes = self.num_rows * self.format.row_bytes(self.head_dim)
         self.dedup = bool(dedup)
         self.prefetcher = Prefetcher()
-        self.captured_ids = CapturedIds()
+        self.bad_ids = BadIds()  # ids outside the table met by GPU lookups, raised later
         self.writers = Writers()  # row updates: asynchronous optimizers, writes since a prefetch
         self.closed = False
         weakref.finalize(self, self.prefetcher.close, False)  # never joins the worker
@@ -325,6 +325,8 @@ class EmbeddingTable:
         call = bind(stream, ids=ids, out=out)
         check_index_array("ids", call["ids"], 2)
         self._check_side(call.side)
+        if call.side is DEVICE:  # a bad id an earlier GPU lookup met, once the GPU ran it
+            self.bad_ids.poll(self.total_rows, call.stream)
         with call.on():
             ids = call.side.contiguous(call["ids"])
         out_format, out = self.destination(call.side, ids.shape, call["out"], out_dtype,
@@ -380,14 +382,13 @@ class EmbeddingTable:
             request.side, ids, out.view(request.out_format.raw), request.out_format.code,
             self.row_start, self.lookup_scale(request.out_format), expected,
             worker, self.dedup, cuda_stream() if request.side is DEVICE else None,
-            self.total_rows, self.captured_ids))
+            self.total_rows, self.bad_ids))
 
-    def check_errors(self) -> None:
-        """Raise the IndexError of an id outside ``[0, total_rows)`` that a GPU lookup captured
-        in a CUDA graph met in a replay (``captured_ids``; read on each GPU's current stream,
-        so call it after the replays there). The table's next GPU lookup outside a capture
-        checks the same."""
-        self.captured_ids.check_all(self.total_rows)
+    def check(self) -> None:
+        """Wait for the table's GPU lookups (and graph replays on each GPU's current stream),
+        then raise (once) the IndexError of an id outside ``[0, total_rows)`` one met: the
+        point that never misses one (``bad_ids``; the next call raises it only once run)."""
+        self.bad_ids.check(self.total_rows)
 
     def lookup_scale(self, out_format: Format) -> np.float32:
         """The float32 scale lookups to ``out_format`` multiply by (``scale_rounding``; a
@@ -413,9 +414,9 @@ class EmbeddingTable:
         written since the prefetch began (``write_rows``, an optimizer step), are gathered again;
         that buffer is reused by the next prefetch of the same shape. Ids of other shards (in
         ``[0, total_rows)``) give zero rows; an id outside ``[0, total_rows)`` is an IndexError
-        naming the first (``row_ids``; a GPU lookup then waits for its stream to read the
-        kernel's error word; a lookup captured in a CUDA graph notes it in a persistent word
-        instead, raised at the next GPU lookup outside a capture or by ``check_errors``).
+        naming the first (``row_ids``). A GPU lookup does not wait for its kernel: the
+        kernel notes the id in the table's persistent word (``bad_ids``), raised by the table's
+        first call after the GPU ran the lookup, or by ``check()``, which waits for it.
         A lookup waits for the row updates an asynchronous optimizer has pending (and raises an
         error one of them raised); heads whose rows were updated after the joined prefetch
         began are gathered again.
@@ -443,7 +444,8 @@ class EmbeddingTable:
         this point; on the CPU, on a worker thread. ``ids`` may change afterwards: a copy is
         gathered (ids outside ``[0, total_rows)`` are refused as by ``lookup``). Rows go to
         ``out`` when given (pass the same ``out`` to ``lookup``), else to a staging buffer kept
-        per shape (see ``keep_staging``). Errors in the worker (CPU) surface at the next
+        per shape (see ``keep_staging``). On the GPU this returns once the gather is queued
+        (bad ids surface as ``lookup``'s). Errors in the worker (CPU) surface at the next
         ``lookup`` or ``prefetch``, whatever ids it passes: such an IndexError begins "the
         earlier prefetch of ids of shape (T, H)" and names the prefetch's id. In a CUDA graph
         capture, capture the ``lookup`` that consumes a prefetch in the same graph. The gather

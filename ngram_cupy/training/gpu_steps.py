@@ -100,7 +100,8 @@ def device_of(table):
 
 def apply(optimizer, local, values, stream) -> None:
     """Launch the update kernel on ``stream`` after the lookups still reading the rows, then
-    wait for it (later lookups on any stream see the new rows)."""
+    wait for it (later lookups on any stream see the new rows). Stochastic rounding hashes the
+    global row (``row_start`` + local): a shard rounds as the whole table would."""
     from .updates_cuda import launch_update_rows
 
     table = optimizer.table
@@ -110,6 +111,7 @@ def apply(optimizer, local, values, stream) -> None:
     states = [optimizer.state[key] for key, _ in optimizer.state_widths] + [empty, empty]
     launch_update_rows(optimizer.kind, optimizer.rows, optimizer.code, local, values,
                        states[0], states[1], DEVICE.asarray(optimizer.hyper(step_count)),
-                       optimizer.stochastic_rounding, optimizer.seed, step_count, stream)
+                       optimizer.stochastic_rounding, optimizer.seed, step_count,
+                       row_start=table.row_start, stream=stream)
     stream.synchronize()
     optimizer.steps = step_count

@@ -17,8 +17,8 @@ pytest.importorskip("transformers")
 from test_transformers import (  # noqa: E402
     NAMES,
     generated,
-    prompts,
     ple_tables,
+    prompts,
     tiny_config,
     tiny_model,
 )

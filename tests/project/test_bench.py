@@ -55,3 +55,24 @@ def test_an_output_that_cannot_take_the_report_exits_2_before_running(tmp_path, 
     assert other.read_text() == "my notes\n"
     assert run.output_problem(None) is None
     assert run.output_problem(str(tmp_path / "new.md")) is None
+
+
+def test_the_tables_and_the_plot_are_written_after_each_section(tmp_path, monkeypatch):
+    """A run cut short (the device check's time box) keeps the figures and plot it measured:
+    when the second section starts, the first one's table and plot are on disk."""
+    from benchmarks.report import Row, Section
+
+    markdown, png = tmp_path / "out.md", tmp_path / "out.png"
+    seen = []
+
+    def first(quick):
+        return Section("first", "cpu", rows=[Row("a", 1e-3, tokens=256)])
+
+    def second(quick):
+        seen.append((markdown.exists(), png.exists()))
+        return Section("second", "cpu", rows=[Row("b", 2e-3, tokens=512)])
+
+    monkeypatch.setattr(run, "sections", lambda: [run.Bench("one", "cpu", "", first),
+                                                  run.Bench("two", "cpu", "", second)])
+    assert run.main(["--output", str(markdown)]) == 0
+    assert seen == [(True, True)] and "first" in markdown.read_text()

@@ -92,3 +92,57 @@ def test_compiled_kernel_rounds_every_float32_operation(raw):
     operations = re.findall(r"\b((?:add|sub|mul|div|fma|sqrt)(?:\.\w+)*\.f32)\b", ptx)
     assert {"mul.rn.f32", "sub.rn.f32", "div.rn.f32", "sqrt.rn.f32"} <= set(operations)
     assert all(".rn." in op and not op.startswith("fma") for op in operations), operations
+
+
+def test_a_gpu_step_passes_each_launch_parameter_its_value(simulate, monkeypatch):
+    """``gpu_steps.apply`` (a ``placement="gpu"`` table's optimizer step) through the real
+    launcher, with the fake CuPy's arrays on the host and the kernel simulated: each kernel
+    parameter receives its value (``row_start`` the shard's first global row, ``stream`` the
+    step's stream), and a sharded bfloat16 table rounds stochastically as the whole table does
+    (the noise hashes the global row, not the local one)."""
+    import inspect
+    import types as pytypes
+
+    from fake_cupy import FakeCupy
+
+    import ngram_cupy as nc
+    from ngram_cupy.runtime import backends
+    from ngram_cupy.training import gpu_steps
+
+    cupy = FakeCupy()
+    cupy.empty, cupy.asarray, cupy.ndarray = np.empty, np.asarray, pytypes.SimpleNamespace
+    monkeypatch.setattr(backends, "cupy_module", lambda: cupy)
+    launches = []
+    real = updates_cuda.update_rows_kernel
+
+    def recorded(grid, block, args, stream):
+        launches.append((args, stream))
+        real(grid, block, args, stream)
+
+    monkeypatch.setattr(updates_cuda, "update_rows_kernel", recorded)
+    start, rng = 4, np.random.default_rng(11)
+    weight = rng.standard_normal((ROWS, DIM)).astype(ml_dtypes.bfloat16)
+    rows = np.array([4, 6, 7, 11])
+    grads = rng.standard_normal((rows.size, DIM)).astype(np.float32)
+
+    def stepped(table, indices):
+        return nc.SGD(table, lr=0.1, stochastic_rounding=True, seed=7), indices
+
+    whole, _ = stepped(nc.EmbeddingTable(weight.copy()), rows)
+    whole.step(nc.SparseRows(rows, grads.copy()))
+    shard = nc.EmbeddingTable(weight[start:].copy(), row_start=start, total_rows=ROWS)
+    optimizer, local = stepped(shard, rows - start)
+    stream = cupy.cuda.get_current_stream()
+    gpu_steps.apply(optimizer, local, grads.copy(), stream)
+    (args, launched_on), = launches
+    received = dict(zip(inspect.signature(real.py_func).parameters, args, strict=True))
+    assert launched_on is stream and optimizer.steps == 1
+    assert received["row_start"] == start and received["step"] == 1 and received["seed"] == 7
+    assert received["stochastic"] and received["kind"] == updates_numba.SGD
+    assert received["rows"] is optimizer.rows and received["code"] == BFLOAT16
+    np.testing.assert_array_equal(received["local"], local)
+    assert shard.host_view.tobytes() == whole.table.host_view[start:].tobytes()
+    local_only = nc.EmbeddingTable(weight[start:].copy())  # the noise of local rows differs
+    nc.SGD(local_only, lr=0.1, stochastic_rounding=True, seed=7).step(
+        nc.SparseRows(rows - start, grads.copy()))
+    assert local_only.host_view.tobytes() != shard.host_view.tobytes()

@@ -28,7 +28,7 @@ class Gather:
     skipped. ``worker``: on the CPU prefetch worker (serial gathers only). ``dedup``: fetch each
     distinct id once (GPU; waits for the GPU). ``stream``: the CuPy stream (GPU).
     ``total_rows``: the whole table's rows; an id outside ``[0, total_rows)`` is an IndexError
-    (``row_ids``), None leaves ids unchecked.
+    (``row_ids``; on the GPU raised later, ``bad_ids``), None leaves ids unchecked.
     """
 
     side: Backend
@@ -42,7 +42,7 @@ class Gather:
     dedup: bool = False
     stream: Any = None
     total_rows: int | None = None
-    captured: Any = None  # the table's CapturedIds: GPU ids checked in CUDA graphs
+    bad_ids: Any = None  # the table's BadIds: the GPU kernels note bad ids there (bad_ids)
 
 
 class Storage:

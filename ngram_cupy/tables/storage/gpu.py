@@ -24,7 +24,7 @@ def gather_device(rows, code: int, job: Gather, scales=None) -> None:
     else:
         gather_cupy.gather_rows(rows, code, job.row_start, job.scale, job.ids, job.out,
                                 job.out_code, job.expected, stream=job.stream, scales=scales,
-                                total_rows=job.total_rows, captured=job.captured)
+                                total_rows=job.total_rows, bad_ids=job.bad_ids)
 
 
 def fill(destination, rows, stream: Any) -> None:

@@ -1,4 +1,5 @@
-"""Rows in page-locked host memory mapped into the GPU: read by the CPU and, over PCIe, the GPU."""
+"""Rows in page-locked host memory mapped into the GPU: read by the CPU and, over PCIe, the GPU
+(registered, or in large GPU pages: ``memory.large_pages``)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import numpy as np
 
 from ...codecs.records import record_bytes, record_views
 from ...formats import Format
-from ...memory.pinned import PinnedBuffer
+from ...memory.large_pages import host_buffer
 from ...runtime.backends import HOST
 from .base import Gather, Storage
 from .cpu import gather_host, write_host
@@ -14,17 +15,18 @@ from .gpu import gather_device
 
 
 class PinnedStorage(Storage):
-    """``[num_rows, head_dim]`` values of ``fmt`` in a ``PinnedBuffer`` of exactly their size; a
+    """``[num_rows, head_dim]`` values of ``fmt`` in pinned host memory of their size; a
     block-scaled format's rows packed with their block scales, one record per row (``packed``),
-    which the CPU and the GPU both read as records."""
+    which the CPU and the GPU both read as records. ``gpu_pages``: how the GPU maps the memory,
+    ``"registered"`` or ``"large"`` (``memory.large_pages``; default: the process's choice)."""
 
     placement = "pinned"
     page_locked = True
 
-    def __init__(self, num_rows: int, head_dim: int, fmt: Format):
+    def __init__(self, num_rows: int, head_dim: int, fmt: Format, gpu_pages: str | None = None):
         super().__init__(num_rows, head_dim, fmt)
         shape = (num_rows, record_bytes(fmt, head_dim))
-        self.buffer = PinnedBuffer(shape[0] * shape[1])
+        self.buffer = host_buffer(shape[0] * shape[1], gpu_pages)
         host = self.buffer.array.reshape(shape)
         device = self.buffer.device_array(shape, np.uint8)
         self.packed = fmt.blocked

@@ -15,12 +15,14 @@ import hashlib
 import itertools
 import json
 import mmap
+import warnings
 from collections.abc import Callable
 
 import numpy as np
 
 from ...formats import Format
 from ...memory import shared as shared_memory
+from ...memory.large_pages import gpu_pages_wanted
 from ...memory.pinned import PinnedBuffer
 from ...runtime.backends import HOST, gpu_available
 from .base import Gather, Storage, placement_list
@@ -79,6 +81,10 @@ class SharedStorage(Storage):
         try:
             self.buffer = (PinnedBuffer(self.nbytes, memory=self.segment.memory)
                            if gpu_available() else None)
+            if self.buffer is not None and gpu_pages_wanted() == "large":
+                warnings.warn("a shared table's rows are a segment every process maps, which "
+                              "the GPU maps registered, not in large GPU pages",
+                              RuntimeWarning, stacklevel=2)
         except BaseException:
             self.segment.close()
             raise

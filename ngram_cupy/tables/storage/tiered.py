@@ -216,7 +216,7 @@ class TieredStorage(Storage):
                                 stream=job.stream, hot=(self.device_map, self.device_hot),
                                 counts=self.device_counts, scales=self.cold.device_scales,
                                 hot_scales=self.device_hot_scales, total_rows=job.total_rows,
-                                captured=job.captured)
+                                bad_ids=job.bad_ids)
 
     @property
     def counters(self) -> dict[str, int]:

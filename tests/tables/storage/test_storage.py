@@ -233,7 +233,7 @@ def test_a_collected_pinned_buffer_is_released_later_without_cuda_calls(monkeypa
     stream = FakeStream(log, "s", capturing=True)
     registration = pinned.Registration(0x2000, memory=object())
     registration.used_on(stream)
-    pinned._collected(registration)  # what the finaliser does
+    pinned.queue_release(registration)  # what the finaliser does
     assert log == []
     assert pinned.release_deferred() == 1 and log == []  # still capturing: kept queued
     stream.capturing = False
@@ -254,7 +254,7 @@ def test_one_failed_unregister_does_not_stop_the_other_releases(monkeypatch):
     monkeypatch.setattr(pinned, "host_unregister", unregister)
     monkeypatch.setattr(pinned, "_deferred", [])
     for pointer in (0x1000, 0x2000, 0x3000):
-        pinned._collected(pinned.Registration(pointer, memory=object()))
+        pinned.queue_release(pinned.Registration(pointer, memory=object()))
     with pytest.warns(RuntimeWarning, match="0x2000.*cudaErrorHostMemoryNotRegistered"):
         assert pinned.release_deferred() == 0
     assert log == [0x1000, 0x3000]
@@ -267,7 +267,7 @@ def test_a_failed_deferred_unregister_leaves_pinned_allocation_working(monkeypat
     make every later ``PinnedBuffer`` fail."""
     monkeypatch.setattr(pinned, "_deferred", [])
     never_registered = np.zeros(1 << 16, np.uint8)
-    pinned._collected(pinned.Registration(never_registered.ctypes.data, never_registered))
+    pinned.queue_release(pinned.Registration(never_registered.ctypes.data, never_registered))
     with pytest.warns(RuntimeWarning, match="could not unregister"):
         first = pinned.PinnedBuffer(1 << 20)
     assert first.registered and pinned._deferred == []
