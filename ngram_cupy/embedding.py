@@ -151,7 +151,8 @@ class NGramEmbedding:
                                   table.lookup_scale(out_format),
                                   batch.tokens, batch.query_start_loc, batch.context,
                                   result.view(out_format.raw), out_format.code, ids_out,
-                                  call.stream, tier, table.device_scales, table.total_rows)
+                                  call.stream, tier, table.device_scales, table.total_rows,
+                                  bad_ids=table.bad_ids)
         return call.result(result, out_format)
 
     def __repr__(self) -> str:

@@ -135,7 +135,8 @@ def lookup(table: EmbeddingTable, ids, out_dtype=None) -> jax.Array:
     """``table.lookup(ids, out_dtype=out_dtype)`` for JAX ids ``[T, H]`` (int32 or int64): the
     same bits, ``[T, H * head_dim]`` of ``lookup_dtype(table, out_dtype)``; any table (every
     placement and format, hot rows, shared). Ids outside ``[0, total_rows)`` raise the
-    table's IndexError eagerly."""
+    table's IndexError: at once on the host; from the GPU at the table's next call once the GPU
+    has run the lookup, or at ``table.check()`` (the GPU never waits for the host)."""
     ids = _array(ids)
     _integers("ids", ids, (2,))
     dtype = lookup_dtype(table, out_dtype)

@@ -68,16 +68,15 @@ class TrainableRows:
 
     def fresh(self, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """``rows`` with the tokens that touch rows updated since the prefetch began gathered
-        again from the table."""
+        again from the table: every token is gathered again and the stale ones taken, so that
+        nothing waits on the host to count them (a GPU prefetch stays asynchronous)."""
         touched, self._touched = self._touched, []
         prefetched, self.prefetched = self.prefetched, False
         if not (prefetched and touched):
             return rows
-        stale = torch.isin(ids, torch.cat(touched).to(ids.device)).any(dim=1)
-        if bool(stale.any()):
-            again = torch.empty_like(rows[stale])
-            rows[stale] = self.table.lookup(ids[stale].contiguous(), out=again)
-        return rows
+        stale = torch.isin(ids, torch.cat(touched).to(ids.device)).any(dim=1, keepdim=True)
+        again = self.table.lookup(ids.contiguous(), out=torch.empty_like(rows))
+        return torch.where(stale, again, rows, out=rows)
 
     def backward(self, ids: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor | None:
         """The weight's gradient for ``grad_out`` ``[T, H * D]``: None after a fused optimizer
