@@ -46,6 +46,7 @@ from .checkpoint_reading import (
     table_shards,
     verify_buffers,
 )
+from .disk_blocks import disk_files, disk_options
 from .safetensors_files import Checkpoint
 
 
@@ -61,6 +62,8 @@ def load_ngram_embedding(
     hot_rows=None,
     weight_dtype=None,
     scale_rounding: str = "output",
+    cache_bytes: int = 0,
+    cache_policy: str = "lru",
 ):
     """Load one PLE layer from a safetensors checkpoint into a ready ``NGramEmbedding``.
 
@@ -81,7 +84,8 @@ def load_ngram_embedding(
             None: found as above.
         placement: ``"cpu"`` (default), ``"gpu"``, ``"pinned"`` / ``"host"``, ``"shared"`` (one
             segment per node, filled by the first process and attached by the others) or
-            ``"mmap"`` (rows served from the mapped files, nothing copied).
+            ``"mmap"`` (rows served from the mapped files, nothing copied) or ``"disk"`` (rows
+            read from the files per lookup, around the page cache: docs/disk.md).
         rank, world_size: row sharding: this rank reads only rows
             ``[rank * ceil(N / world_size), (rank + 1) * ceil(N / world_size))``; default 0, 1.
         progress: a tqdm bar; default None: only on a terminal and only if loading takes over
@@ -93,6 +97,9 @@ def load_ngram_embedding(
             ``"stored"``: whatever the checkpoint holds; a dtype (float32, float16, bfloat16)
             converts unscaled rows to it while loading.
         scale_rounding: ``"output"`` (default, vLLM 0.33) or ``"float32"`` (EmbeddingTable).
+        cache_bytes, cache_policy: ``placement="disk"``'s row cache: host memory for rows read
+            recently (default 0: none) and its eviction policy (``"lru"``, ``"clock"`` or
+            ``"lfu"``); see docs/disk.md.
 
     Returns:
         An :class:`~ngram_cupy.NGramEmbedding`: ``embedding(tokens, query_start_loc, context)``
@@ -121,7 +128,8 @@ def load_ngram_embedding(
         prefix = find_prefix(checkpoint.tensors, config, layer)
     source, scale = layer_rows(checkpoint, prefix, layout, (row_start, row_stop),
                                loaded=(weight_dtype, placement), progress=progress)
-    table = EmbeddingTable(place(placement, source), scale, row_start=row_start,
+    options = disk_options(placement, cache_bytes, cache_policy)
+    table = EmbeddingTable(place(placement, source, **options), scale, row_start=row_start,
                            total_rows=layout.padded_rows, hot_rows=hot_rows,
                            scale_rounding=scale_rounding)
     return NGramEmbedding(layout, table)
@@ -182,4 +190,7 @@ def layer_rows(checkpoint: Checkpoint, prefix: str, layout: LayerLayout, rows: t
     key = shared_key(checkpoint, prefix, [name for name, *_ in pieces], layout.layer, row_start,
                      row_stop, target.name)
     return RowsSource(row_stop - row_start, layout.head_dim, target, blocks, key,
-                      mapped_blocks, checkpoint.check_mapped), scale
+                      mapped_blocks, checkpoint.check_mapped,
+                      disk_files(checkpoint, [(name, scales, a, b, lo - row_start)
+                                              for name, scales, a, b, lo in pieces],
+                                 target, layout.head_dim)), scale

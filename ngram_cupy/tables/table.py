@@ -232,6 +232,10 @@ class EmbeddingTable:
         table up, and refuses while one of them captures a CUDA graph); else empty."""
         return self.storage.counters
 
+    def cache_stats(self) -> dict:
+        """A disk table's row cache counters per tier and overall (docs/disk.md); else empty."""
+        return self.storage.cache_stats()
+
     @property
     def host_view(self) -> np.ndarray | None:
         """The rows in host memory (of the storage dtype), or None when they are not there."""
@@ -462,8 +466,6 @@ class EmbeddingTable:
             self.writers.prefetching()
 
     start_prefetch = prefetch
-
-    # ---- lifetime ----
 
     def close(self) -> None:
         """Finish any prefetch and release the storage's registrations (pinned memory: the
