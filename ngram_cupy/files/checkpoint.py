@@ -92,6 +92,7 @@ def load_ngram_embedding(
             a second.
         hot_rows: sorted unique global row ids served from a hot tier (see
             :class:`~ngram_cupy.EmbeddingTable`); a rank keeps those among its rows. Default None.
+            For ``placement="disk"`` they seed the row cache (within ``cache_bytes``).
         weight_dtype: default None: the rows must be of the config's ``ple_embedding_dtype``
             when it names one (bf16 rows for a float8 config are refused, naming both);
             ``"stored"``: whatever the checkpoint holds; a dtype (float32, float16, bfloat16)
@@ -112,14 +113,15 @@ def load_ngram_embedding(
     if not isinstance(config, NGramConfig):
         raise TypeError(f"config must be an NGramConfig, got {type(config).__name__}")
     mapped = placement_named(placement, mapped=True).mapped
+    options = disk_options(placement, cache_bytes, cache_policy)  # a disk table's row cache
     if config.head_dim is None:
         raise ValueError("config has no embedding_dim (ple_embed_dim): the table size is unknown")
     layout = layer_layout(config, layer)
     row_start, row_stop = rank_rows(layout, rank, world_size)
     if hot_rows is not None:
-        if mapped:
-            raise ValueError(f"hot_rows need placement {placement_list('pinned', 'cpu')}, not "
-                             f"{placement!r}")
+        if mapped and not options:
+            raise ValueError(f"hot_rows need placement "
+                             f"{placement_list('pinned', 'cpu', 'disk')}, not {placement!r}")
         hot_rows = check_hot_rows(hot_rows, 0, layout.padded_rows)
         hot_rows = hot_rows[np.searchsorted(hot_rows, row_start):
                             np.searchsorted(hot_rows, row_stop)]
@@ -128,7 +130,8 @@ def load_ngram_embedding(
         prefix = find_prefix(checkpoint.tensors, config, layer)
     source, scale = layer_rows(checkpoint, prefix, layout, (row_start, row_stop),
                                loaded=(weight_dtype, placement), progress=progress)
-    options = disk_options(placement, cache_bytes, cache_policy)
+    if options and hot_rows is not None:  # they seed the row cache
+        options["seed_rows"], hot_rows = hot_rows - row_start, None
     table = EmbeddingTable(place(placement, source, **options), scale, row_start=row_start,
                            total_rows=layout.padded_rows, hot_rows=hot_rows,
                            scale_rounding=scale_rounding)

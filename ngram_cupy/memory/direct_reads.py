@@ -136,7 +136,16 @@ class AioContext:
         while sent < which.size or flight:
             if sent < which.size and flight < self.depth:
                 count = min(self.depth - flight, which.size - sent)
-                taken = self.call(self.submit, count, pointers[sent:].ctypes.data)
+                try:
+                    taken = self.call(self.submit, count, pointers[sent:].ctypes.data)
+                except OSError as error:  # the file of the first block not taken
+                    file = files[int(which[sent])]
+                    if error.errno != errno.EINVAL or not file.direct:
+                        raise OSError(error.errno, f"{file.path}: {error.strerror}",
+                                      file.path) from None
+                    file.buffered()  # refused at submission: through the page cache
+                    blocks["fd"][which == which[sent]] = file.fd
+                    continue
                 sent, flight = sent + taken, flight + taken
             events = self.events[:self.call(self.getevents, 1 if sent == which.size else
                                             min(flight, 8), self.depth,
@@ -169,7 +178,7 @@ class AioContext:
                 return int(result)
             code = ctypes.get_errno()
             if code != errno.EINTR:
-                raise OSError(code, f"Linux AIO: {os.strerror(code)}")
+                raise OSError(code, os.strerror(code))
 
     @staticmethod
     def check(files: list[DirectFile], which, offsets, lengths, results) -> None:

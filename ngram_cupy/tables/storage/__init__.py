@@ -210,14 +210,19 @@ def mapped_storage(source: RowsSource) -> Storage:
 
 
 def disk_storage(source: RowsSource, cache_bytes: int = 0, cache_policy: str = "lru",
-                 ) -> Storage:
+                 seed_rows=None) -> Storage:
     """The rows read from the source's files per lookup (``disk``), with a row cache of
-    ``cache_bytes``; a ValueError where the source cannot name its files."""
+    ``cache_bytes`` seeded with the local rows ``seed_rows``; a ValueError where the source
+    cannot name its files."""
     if source.files is None:
         raise ValueError("placement='disk' reads a checkpoint's safetensors files: load the "
                          "table with load_ngram_embedding(..., placement='disk')")
     blocks, guard = source.files()
-    return DiskStorage(blocks, source.head_dim, source.format, guard, cache_bytes, cache_policy)
+    storage = DiskStorage(blocks, source.head_dim, source.format, guard, cache_bytes,
+                          cache_policy)
+    if seed_rows is not None:
+        storage.seed_cache(seed_rows)
+    return storage
 
 
 # Every placement, by name; "host" is the old name of "pinned" (page-locked host memory).

@@ -17,6 +17,7 @@ replays). ``close()`` closes the files and the AIO context and releases the stag
 from __future__ import annotations
 
 import errno
+import threading
 import weakref
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -30,6 +31,7 @@ from ...runtime.backends import DEVICE, Backend
 from .. import gather_numba
 from ..row_cache import RowCache
 from .base import Gather, Storage, owned_positions, placement_list
+from .disk_staging import gather_staged
 
 FILE_BITS = 40  # pages of file i are keyed i << FILE_BITS | page: runs never cross files
 
@@ -90,6 +92,7 @@ class DiskStorage(Storage):
         self.buffer = aligned_buffer(0)  # the page buffer, grown as lookups need
         self.staging = None  # GPU ids: page-locked staging (``disk_staging``)
         self.closed = False
+        self.lock = threading.Lock()
         self.release = weakref.finalize(self, release, self.files, self.aio)
 
     def refusal(self, side: Backend) -> str | None:
@@ -120,19 +123,21 @@ class DiskStorage(Storage):
         rows = np.unique(np.asarray(local_rows, np.int64))
         rows = rows[(rows >= 0) & (rows < self.num_rows)]
         records = np.zeros((rows.size, self.record), np.uint8)
-        self.read_disk(rows, records)
-        self.cache.seed(rows, records)
+        with self.lock:
+            self.read_disk(rows, records)
+            self.cache.seed(rows, records)
 
     def records_of(self, rows: np.ndarray) -> np.ndarray:
         """The records ``[n, record]`` of local rows (sorted, unique): the cache's, the rest
         read from the files and kept in the cache."""
         records = np.zeros((rows.size, self.record), np.uint8)
-        missed = self.cache.find(rows, records)
-        if missed.size:
-            read = np.zeros((missed.size, self.record), np.uint8)
-            self.read_disk(rows[missed], read)
-            records[missed] = read
-            self.cache.insert(rows[missed], read)
+        with self.lock:  # GPU lookups read on CUDA's host-function thread
+            missed = self.cache.find(rows, records)
+            if missed.size:
+                read = np.zeros((missed.size, self.record), np.uint8)
+                self.read_disk(rows[missed], read)
+                records[missed] = read
+                self.cache.insert(rows[missed], read)
         return records
 
     def spans(self, rows: np.ndarray, files: np.ndarray, offsets: np.ndarray,
@@ -184,7 +189,7 @@ class DiskStorage(Storage):
         if self.guard is not None:
             self.guard()
         if job.side is DEVICE:
-            from .disk_staging import gather_staged
+            self.used_on(job.stream)
             gather_staged(self, job)
             return
         rows = job.out.reshape(-1, self.head_dim)
