@@ -124,7 +124,7 @@ class DiskStorage(Storage):
         rows = rows[(rows >= 0) & (rows < self.num_rows)]
         records = np.zeros((rows.size, self.record), np.uint8)
         with self.lock:
-            self.read_disk(rows, records)
+            self.read_disk(rows, records, counted=False)
             self.cache.seed(rows, records)
 
     def records_of(self, rows: np.ndarray) -> np.ndarray:
@@ -149,9 +149,10 @@ class DiskStorage(Storage):
         base = files[block] << FILE_BITS
         return base + byte // PAGE, base + (byte + width - 1) // PAGE, byte % PAGE
 
-    def read_disk(self, rows: np.ndarray, out: np.ndarray) -> None:
+    def read_disk(self, rows: np.ndarray, out: np.ndarray, counted: bool = True) -> None:
         """Read local rows (sorted, unique) into records ``out``: the pages they touch (block
-        scales included), each once, then each row's bytes out of them."""
+        scales included), each once, then each row's bytes out of them; ``counted``: in the
+        cache's disk tier (lookups' reads; seeding is not)."""
         if rows.size == 0:
             return
         parts = [(self.row_file, self.offsets, self.width, 0)]
@@ -168,8 +169,9 @@ class DiskStorage(Storage):
             run = np.searchsorted(starts, first, side="right") - 1
             where = at[run] + (first - starts[run]) * PAGE + within
             out[:, column:column + width] = buffer[where[:, None] + np.arange(width)]
-        self.cache.read_from_disk(rows.size, starts.size, int(counts.sum()),
-                                  int(counts.sum()) * PAGE)
+        if counted:
+            self.cache.read_from_disk(rows.size, starts.size, int(counts.sum()),
+                                      int(counts.sum()) * PAGE)
 
     def page_buffer(self, nbytes: int) -> np.ndarray:
         """The aligned page buffer, grown to ``nbytes`` when smaller."""
