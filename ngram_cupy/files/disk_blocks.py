@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 
 from ..formats import Format
@@ -15,7 +16,8 @@ def disk_files(checkpoint: Checkpoint, pieces: Sequence[tuple], fmt: Format, hea
                ) -> Callable[[], tuple[list[DiskBlock], Callable[[], None]]]:
     """``RowsSource.files`` of ``pieces``: ``(tensor, its block scales' tensor or None, first
     row, stop row, first local row)`` of ``fmt`` rows in the checkpoint; gives the ``DiskBlock``s
-    and the guard checking their files (``Checkpoint.check_files``)."""
+    and the guard checking their files (``Checkpoint.check_files``, each file advised
+    ``POSIX_FADV_RANDOM``: its header reads bring in no read-ahead)."""
 
     def files():
         width = fmt.row_width(head_dim) * fmt.itemsize
@@ -30,6 +32,8 @@ def disk_files(checkpoint: Checkpoint, pieces: Sequence[tuple], fmt: Format, hea
                 None if scale is None else checkpoint.descriptor(scale.path)))
         paths = sorted({block.path for block in blocks}
                        | {block.scale_path for block in blocks if block.scale_path is not None})
+        for path in paths:  # the guard's header reads pull in no read-ahead
+            os.posix_fadvise(checkpoint.descriptor(path), 0, 0, os.POSIX_FADV_RANDOM)
         return blocks, lambda: checkpoint.check_files(paths)
 
     return files
