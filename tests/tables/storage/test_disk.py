@@ -17,6 +17,7 @@ import pytest
 import ngram_cupy as nc
 from ngram_cupy.files.checkpoint_names import default_prefix, shard_key
 from ngram_cupy.files.safetensors_files import Checkpoint
+from ngram_cupy.formats import storage_format
 from ngram_cupy.memory import direct_reads, page_reads
 from ngram_cupy.tables.row_cache import RowCache
 
@@ -275,3 +276,101 @@ def test_a_disk_lookup_leaves_no_pages_in_the_page_cache(tmp_path):
     del view
     mapping.close()
     table.close()
+
+
+class FakeStream:
+    """A stream that queues what is enqueued on it until ``run`` (or ``synchronize``)."""
+
+    def __init__(self, ptr: int = 0x2000):
+        self.ptr, self.capturing, self.queued = ptr, False, []
+
+    def is_capturing(self) -> bool:
+        return self.capturing
+
+    def launch_host_func(self, function, argument) -> None:
+        self.queued.append(lambda: function(argument))
+
+    def run(self) -> None:
+        while self.queued:
+            self.queued.pop(0)()
+
+    synchronize = run
+
+
+class FakeDeviceArray:
+    """A device array over host memory whose copies run in stream order."""
+
+    def __init__(self, host: np.ndarray):
+        self.host, self.shape, self.dtype = host, host.shape, host.dtype
+
+    def get(self, stream, out, blocking=True):
+        assert not blocking  # the host never waits for the stream
+        stream.queued.append(lambda: out.__setitem__(..., self.host))
+        return out
+
+    def set(self, array, stream):
+        stream.queued.append(lambda: self.host.__setitem__(..., array))
+
+
+def test_gpu_ids_are_staged_in_stream_order_through_fixed_page_locked_buffers(tmp_path,
+                                                                             monkeypatch):
+    """Fake CuPy: the lookup enqueues the ids' copy, the host read and the rows' copy, and
+    returns before any runs (a prefetch's reads overlap the caller's work); the rows equal a
+    CPU table's, a joined prefetch regathers only the changed heads, buffers stay fixed per
+    shape (a capture of a new shape is refused), a failed read gives NaN bits and raises at the
+    next lookup, and close releases the buffers."""
+    from types import SimpleNamespace
+
+    from ngram_cupy.runtime.backends import DEVICE
+    from ngram_cupy.tables.storage import disk_staging
+    from ngram_cupy.tables.storage.base import Gather
+
+    monkeypatch.setattr(disk_staging, "cupy_module", lambda: SimpleNamespace(
+        cuda=SimpleNamespace(alloc_pinned_memory=bytearray)))
+    save(tmp_path / "m", "float8")
+    cpu = load(tmp_path / "m", "cpu")
+    table = load(tmp_path / "m", "disk", cache_bytes=2048)
+    storage, stream = table.storage, FakeStream()
+    ids = np.random.default_rng(4).integers(0, ROWS, (16, 4))
+    want = cpu.lookup(ids)
+
+    bf16 = storage_format(ml_dtypes.bfloat16)
+
+    def gather(asked, out, expected=None):
+        storage.gather(Gather(DEVICE, FakeDeviceArray(asked), FakeDeviceArray(out), bf16.code,
+                              0, table.lookup_scale(bf16),
+                              None if expected is None else FakeDeviceArray(expected),
+                              stream=stream, total_rows=ROWS))
+
+    out = np.zeros(want.shape, np.uint16)
+    gather(ids, out)
+    assert len(stream.queued) == 3 and not out.any()  # nothing ran yet
+    assert storage.cache_stats()["overall"]["lookups"] == 0
+    stream.run()
+    assert same_bits(out, want)
+    buffers = dict(storage.staging.buffers)
+    changed = ids.copy()
+    changed[::2, 1] = (changed[::2, 1] + 5) % ROWS
+    before = storage.cache_stats()["overall"]["rows"]
+    gather(changed, out, expected=ids)
+    stream.run()
+    assert same_bits(out, cpu.lookup(changed))
+    assert storage.cache_stats()["overall"]["rows"] - before == len(np.unique(changed[::2, 1]))
+    assert storage.staging.buffers.keys() - buffers.keys() == {
+        (stream.ptr, "expected", ids.shape, np.dtype(np.int64).str)}
+    stream.capturing = True
+    gather(ids, out)  # a captured shape seen before: the same buffers
+    stream.run()
+    with pytest.raises(RuntimeError, match="shape \\(8, 4\\) .* outside the capture first"):
+        gather(ids[:8], out[:8])
+    stream.capturing = False
+    storage.guard = lambda: None
+    storage.cache.resize(0)
+    os.truncate(sorted((tmp_path / "m").glob("*.safetensors"))[-1], 300)
+    gather(ids, out)
+    stream.run()
+    assert np.all(out == 0xFFFF)  # NaN bits
+    with pytest.raises(OSError, match="truncated"):
+        gather(ids, out)
+    table.close()
+    assert storage.staging is None and storage.closed
