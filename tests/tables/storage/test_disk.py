@@ -13,6 +13,7 @@ import engram_cases
 import ml_dtypes
 import numpy as np
 import pytest
+import torch
 
 import ngram_cupy as nc
 from ngram_cupy.files.checkpoint_names import default_prefix, shard_key
@@ -77,6 +78,8 @@ def test_disk_rows_equal_cpu_rows_in_every_format(tmp_path, name):
                              cpu.lookup(ids, out_dtype=np.float32))
             disk.prefetch(ids)
             assert same_bits(disk.lookup(changed), cpu.lookup(changed))
+            torch_rows = disk.lookup(torch.from_numpy(ids), out_dtype=torch.float32)  # torch ids
+            assert same_bits(torch_rows.numpy(), cpu.lookup(ids, out_dtype=np.float32))
             with pytest.raises(IndexError, match=r"ids\[0, 1\] = 64"):
                 disk.lookup(np.array([[0, ROWS]]))
     shard = nc.load_ngram_embedding(tmp_path / "m", CONFIG, 0, placement="disk", rank=1,
