@@ -118,24 +118,33 @@ def load_ngram_embedding(
         raise ValueError("config has no embedding_dim (ple_embed_dim): the table size is unknown")
     layout = layer_layout(config, layer)
     row_start, row_stop = rank_rows(layout, rank, world_size)
-    if hot_rows is not None:
-        if mapped and not options:
-            raise ValueError(f"hot_rows need placement "
-                             f"{placement_list('pinned', 'cpu', 'disk')}, not {placement!r}")
-        hot_rows = check_hot_rows(hot_rows, 0, layout.padded_rows)
-        hot_rows = hot_rows[np.searchsorted(hot_rows, row_start):
-                            np.searchsorted(hot_rows, row_stop)]
+    hot_rows = rank_hot_rows(hot_rows, layout, (row_start, row_stop), placement, options)
     checkpoint = Checkpoint.open(path, random_access=mapped)
     if prefix is None:
         prefix = find_prefix(checkpoint.tensors, config, layer)
     source, scale = layer_rows(checkpoint, prefix, layout, (row_start, row_stop),
                                loaded=(weight_dtype, placement), progress=progress)
-    if options and hot_rows is not None:  # they seed the row cache
-        options["seed_rows"], hot_rows = hot_rows - row_start, None
     table = EmbeddingTable(place(placement, source, **options), scale, row_start=row_start,
                            total_rows=layout.padded_rows, hot_rows=hot_rows,
                            scale_rounding=scale_rounding)
     return NGramEmbedding(layout, table)
+
+
+def rank_hot_rows(hot_rows, layout: LayerLayout, rows: tuple[int, int], placement: str,
+                  options: dict):
+    """The checked hot rows among a rank's ``rows``: a disk table's seed its row cache instead
+    (``options["seed_rows"]``, local) and none is returned; a mapped table has none."""
+    if hot_rows is None:
+        return None
+    if placement_named(placement, mapped=True).mapped and not options:
+        raise ValueError(f"hot_rows need placement {placement_list('pinned', 'cpu', 'disk')}, "
+                         f"not {placement!r}")
+    hot_rows = check_hot_rows(hot_rows, 0, layout.padded_rows)
+    hot_rows = hot_rows[np.searchsorted(hot_rows, rows[0]):np.searchsorted(hot_rows, rows[1])]
+    if options:
+        options["seed_rows"] = hot_rows - rows[0]
+        return None
+    return hot_rows
 
 
 def rank_rows(layout: LayerLayout, rank: int, world_size: int) -> tuple[int, int]:
