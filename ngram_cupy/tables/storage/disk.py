@@ -174,9 +174,9 @@ class DiskStorage(Storage):
                                       int(counts.sum()) * PAGE)
 
     def page_buffer(self, nbytes: int) -> np.ndarray:
-        """The aligned page buffer, grown to ``nbytes`` when smaller."""
+        """The aligned page buffer, grown to ``nbytes`` (at least doubling) when smaller."""
         if self.buffer.size < nbytes:
-            self.buffer = aligned_buffer(nbytes)
+            self.buffer = aligned_buffer(max(nbytes, 2 * self.buffer.size))
         return self.buffer
 
     def check_open(self) -> None:
