@@ -148,6 +148,10 @@ step packed-uva 30 python3 scripts/gpu_workload.py packed-uva
 # the CPU's bits (XLA FFI custom calls on XLA's stream); skipped inside when jax has no CUDA.
 step jax-gpu 30 python3 scripts/jax_gpu_check.py
 
+# 4c. GPU ids on a placement="disk" table: CPU bits, a joined prefetch, CUDA graph replays of
+# new ids (page-locked staging in stream order; never run yet).
+step disk-gpu 30 python3 scripts/disk_gpu_check.py
+
 # 5. The quick GPU benchmark (tables and plot straight into $out).
 step bench 75 python3 bench.py --device gpu --quick --output "$out/bench-results.md"
 
