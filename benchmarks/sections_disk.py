@@ -225,24 +225,30 @@ def run_cases(folder: str, size: str, procs: str, rounds: int) -> dict[str, list
 
 
 def case_rows(results: dict[str, list[dict]], cap: int) -> list[Row]:
-    """One row per case: rows/s and pages/s, against the device, the plain approach, mmap."""
+    """One row per case: rows/s and pages/s; against the device, the plain approach and mmap
+    the median of each round's ratio (the disk's rate drifts between rounds)."""
     median = {case: {key: float(np.median([r[key] for r in got]))
                      for key in got[0] if key != "how"} for case, got in results.items()}
-    device = median["device"]["rate"]
+    device = np.array([r["rate"] for r in results["device"]])
+
+    def ratio(case: str, other: str | None = None) -> float:
+        mine = np.array([r["pages"] / r["seconds"] for r in results[case]])
+        if other is None:
+            return float(np.median(mine / device))
+        return float(np.median(mine / [r["pages"] / r["seconds"] for r in results[other]]))
+
     rows = [Row(case=f"device: random 4 KiB reads ({results['device'][0]['how']})",
-                seconds=1 / device, rate=f"{device / 1e3:,.1f} k pages/s",
+                seconds=1 / median["device"]["rate"],
+                rate=f"{median['device']['rate'] / 1e3:,.1f} k pages/s",
                 notes="the device's rate, O_DIRECT")]
     for case in CASES[1:]:
         got = median[case]
         pages_rate, rows_rate = got["pages"] / got["seconds"], got["rows"] / got["seconds"]
         kind, state = case.split()
-        notes = [f"{pages_rate / device:.2f}x the device"]
-        plain = median.get(f"plain {state}")
-        if kind == "disk" and plain is not None:
-            notes.append(f"{plain['seconds'] / got['seconds']:.1f}x plain {state}")
-        mapped = median.get(f"mmap {state}")
-        if kind == "disk" and mapped is not None:
-            notes.append(f"{mapped['seconds'] / got['seconds']:.1f}x mmap {state}")
+        notes = [f"{ratio(case):.2f}x the device"]
+        for other in ("plain", "mmap"):
+            if kind == "disk" and f"{other} {state}" in results:
+                notes.append(f"{ratio(case, f'{other} {state}'):.2f}x {other} {state}")
         if state == "prefetch":
             notes = [f"lookup waits {got['seconds'] * 1e3:.1f} ms after a stand-in layer of "
                      f"{got['cold'] * 1e3:.1f} ms (the cold lookup's time)"]
@@ -274,6 +280,7 @@ def bench_disk(quick: bool) -> Section:
             results = run_cases(folder, size, procs, SIZES[size][2])
         finally:
             remove_cgroup(procs)
+        print("disk: " + json.dumps(results), flush=True)  # every round, for the record
         section.rows.extend(case_rows(results, cap))
         section.title += f", after {os.getloadavg()[0]:.1f}"
     return section

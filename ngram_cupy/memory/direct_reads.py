@@ -5,7 +5,8 @@ device into page-aligned buffers, with many reads in flight: the kernel's asynch
 interface (``io_setup`` / ``io_submit`` / ``io_getevents``, the one ``fio --ioengine=libaio``
 uses). The control blocks of a whole batch are built as one NumPy array and submitted by one
 system call, so a lookup makes a handful of system calls from Python, never one per row, and
-needs no thread: the device sees up to ``depth`` reads at once. Adjacent pages are read as one
+needs no thread: the device sees up to ``depth`` reads at once, refilled as soon as any
+completes. Adjacent pages are read as one
 run (at most ``MAX_RUN`` bytes).
 
 Files on a filesystem that refuses ``O_DIRECT`` (the open, or the first read, fails with
@@ -27,7 +28,7 @@ import numpy as np
 
 PAGE = 4096  # the unit read: O_DIRECT needs offsets, lengths and buffers aligned to the block
 MAX_RUN = 128 * 1024  # adjacent pages are read as one run of at most this many bytes
-DEPTH = 128  # reads in flight
+DEPTH = 256  # reads in flight: the block queue's depth here (nr_requests)
 # io_setup, io_destroy, io_getevents, io_submit: the system call numbers of each architecture
 SYSCALLS = {"x86_64": (206, 207, 208, 209), "aarch64": (0, 1, 4, 2)}
 IOCB = np.dtype([("data", "<u8"), ("key", "<u4"), ("rw_flags", "<i4"), ("opcode", "<u2"),
@@ -149,7 +150,7 @@ class AioContext:
                     blocks["fd"][which == which[sent]] = file.fd
                     continue
                 sent, flight = sent + taken, flight + taken
-            events = self.events[:self.call(self.getevents, max(1, flight // 4), self.depth,
+            events = self.events[:self.call(self.getevents, 1, self.depth,  # all done so far
                                             self.events.ctypes.data, None)]
             flight -= events.size
             index = events["data"].astype(np.int64)
