@@ -10,8 +10,9 @@ twice that). Cases, each on one batch of the released layer's ids:
   where it is installed, else the library's own reader (Linux AIO) at its full depth;
 - ``disk cold`` / ``disk warm``: a disk lookup with the files' pages dropped, then the same
   lookup again (its rows in the row cache);
-- ``disk prefetch``: ``prefetch`` of the batch, a stand-in layer (a matmul of about the cold
-  lookup's time), then the lookup: the time the lookup waits;
+- ``disk prefetch``: ``prefetch`` of the batch, a stand-in layer of about the cold lookup's time,
+  then the lookup: the time the lookup waits. The layer leaves the host idle (as while a GPU
+  runs it); ``disk prefetch-busy``'s keeps both cores busy with matmuls (a CPU layer);
 - ``plain cold`` / ``plain warm``: the plain approach an engine takes (one
   ``posix_fadvise(WILLNEED)`` per run of pages, one ``os.preadv`` per distinct row, from
   Python), rows then gathered by the same CPU gather;
@@ -45,8 +46,8 @@ from .report import Row, Section
 from .sections_mmap import checkpoint_files, evict, write_table
 
 GIB, MIB = 1 << 30, 1 << 20
-CASES = ("device", "disk cold", "disk warm", "disk prefetch", "plain cold", "plain warm",
-         "mmap cold", "mmap warm")
+CASES = ("device", "disk cold", "disk warm", "disk prefetch", "disk prefetch-busy",
+         "plain cold", "plain warm", "mmap cold", "mmap warm")
 SIZES = {  # ngram_vocab_size_base (table rows ~ 16x it), tokens per batch, rounds
     "quick": (100_000, 1024, 1),
     "full": (850_000, 4096, 3),
@@ -179,7 +180,7 @@ def measure_case(case: str, folder: str, size: str) -> dict:
     evict(files)
     if case.endswith("warm"):
         run()
-    if case.endswith("prefetch"):
+    if "prefetch" in case:
         start = time.perf_counter()
         run()
         cold = time.perf_counter() - start
@@ -188,8 +189,11 @@ def measure_case(case: str, folder: str, size: str) -> dict:
         side = np.ones((1024, 1024), np.float32)
         table.prefetch(ids)
         layer_start = time.perf_counter()
-        while time.perf_counter() - layer_start < cold:  # the stand-in layer
-            side = side @ side * np.float32(1e-3)
+        if case.endswith("busy"):
+            while time.perf_counter() - layer_start < cold:  # the stand-in layer, on the CPU
+                side = side @ side * np.float32(1e-3)
+        else:  # the host waits for the GPU
+            time.sleep(cold)
         start = time.perf_counter()
         table.lookup(ids)
         result["seconds"] = time.perf_counter() - start
@@ -249,7 +253,7 @@ def case_rows(results: dict[str, list[dict]], cap: int) -> list[Row]:
         for other in ("plain", "mmap"):
             if kind == "disk" and f"{other} {state}" in results:
                 notes.append(f"{ratio(case, f'{other} {state}'):.2f}x {other} {state}")
-        if state == "prefetch":
+        if state.startswith("prefetch"):
             notes = [f"lookup waits {got['seconds'] * 1e3:.1f} ms after a stand-in layer of "
                      f"{got['cold'] * 1e3:.1f} ms (the cold lookup's time)"]
         notes.append(f"peak RSS {got['peak_rss'] / MIB:,.0f} MiB (cap {cap / MIB:,.0f} MiB)")

@@ -2,12 +2,12 @@
 
 Nothing is loaded and nothing is mapped: a lookup takes its distinct rows, serves those the row
 cache holds (``row_cache``: seeded hot rows, then recently read rows, within ``cache_bytes``),
-and reads the pages the others touch from the files around the page cache, each page once, up to
-``DEPTH`` reads in flight (``memory.direct_reads``: ``O_DIRECT`` and Linux AIO). A block-scaled
-row's bytes and its block scales (two tensors of the checkpoint) are read in the same batch and
-staged as one record per row (``codecs.records``), which the cache keeps and the CPU gather
-(``gather_numba``, the kernels ``placement="cpu"`` uses) reads whole, so the bytes equal a CPU
-table's.
+and reads the pages the others touch from the files around the page cache, each page once (per
+chunk of ``CHUNK_ROWS`` rows, which bounds the page buffer), up to ``DEPTH`` reads in flight
+(``memory.direct_reads``: ``O_DIRECT`` and Linux AIO). A block-scaled row's bytes and its block
+scales (two tensors of the checkpoint) are read in the same batch and staged as one record per
+row (``codecs.records``), which the cache keeps and the CPU gather (``gather_numba``, the
+kernels ``placement="cpu"`` uses) reads whole, so the bytes equal a CPU table's.
 
 GPU ids are copied to the host, their rows gathered into page-locked staging and copied into
 the lookup's output on its stream (``disk_staging``; see docs/disk.md for what a CUDA graph
@@ -34,6 +34,7 @@ from .base import Gather, Storage, owned_positions, placement_list
 from .disk_staging import gather_staged
 
 FILE_BITS = 40  # pages of file i are keyed i << FILE_BITS | page: runs never cross files
+CHUNK_ROWS = 16_384  # rows read at once: at most 64 MiB of pages for rows of under a page
 
 
 class DiskBlock(NamedTuple):
@@ -150,11 +151,16 @@ class DiskStorage(Storage):
         return base + byte // PAGE, base + (byte + width - 1) // PAGE, byte % PAGE
 
     def read_disk(self, rows: np.ndarray, out: np.ndarray, counted: bool = True) -> None:
+        """Read local rows (sorted, unique) into records ``out``, ``CHUNK_ROWS`` at a time (the
+        page buffer holds one chunk's pages); ``counted``: in the cache's disk tier (lookups'
+        reads; seeding is not)."""
+        for start in range(0, rows.size, CHUNK_ROWS):
+            self.read_chunk(rows[start:start + CHUNK_ROWS], out[start:start + CHUNK_ROWS],
+                            counted)
+
+    def read_chunk(self, rows: np.ndarray, out: np.ndarray, counted: bool) -> None:
         """Read local rows (sorted, unique) into records ``out``: the pages they touch (block
-        scales included), each once, then each row's bytes out of them; ``counted``: in the
-        cache's disk tier (lookups' reads; seeding is not)."""
-        if rows.size == 0:
-            return
+        scales included), each once, then each row's bytes out of them."""
         parts = [(self.row_file, self.offsets, self.width, 0)]
         if self.scale_width:
             parts.append((self.scale_file, self.scale_offsets, self.scale_width, self.width))

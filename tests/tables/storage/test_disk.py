@@ -21,6 +21,7 @@ from ngram_cupy.files.safetensors_files import Checkpoint
 from ngram_cupy.formats import storage_format
 from ngram_cupy.memory import direct_reads, page_reads
 from ngram_cupy.tables.row_cache import RowCache
+from ngram_cupy.tables.storage import disk as disk_storage
 
 # 4 heads, 64 padded rows in 3 shards, head_dim 32: float32 rows of 128 bytes.
 CONFIG = nc.NGramConfig(
@@ -61,9 +62,11 @@ def same_bits(got, want) -> bool:
 
 
 @pytest.mark.parametrize("name", FORMATS)
-def test_disk_rows_equal_cpu_rows_in_every_format(tmp_path, name):
+def test_disk_rows_equal_cpu_rows_in_every_format(tmp_path, name, monkeypatch):
     """Lookups (repeated ids, rows sharing pages, a cache too small for them, another rank's
-    shard, float32 output) and a prefetch that a lookup of changed ids joins."""
+    shard, float32 output, rows read in chunks of 7) and a prefetch that a lookup of changed
+    ids joins."""
+    monkeypatch.setattr(disk_storage, "CHUNK_ROWS", 7)
     save(tmp_path / "m", name)
     cpu = load(tmp_path / "m", "cpu")
     ids = np.random.default_rng(1).integers(0, ROWS, (48, 4))
