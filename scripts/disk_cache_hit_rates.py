@@ -69,6 +69,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-tokens", type=int, default=4096)
     parser.add_argument("--markdown", action="store_true", help="a table for BENCHMARKS.md")
+    parser.add_argument("--shares", type=float, nargs="+", default=SHARES,
+                        help="cache sizes as shares of the table's rows (default 0.01 0.05 0.1)")
     args = parser.parse_args()
     config = nc.NGramConfig.from_hf(os.path.join(ROOT, "data", "config.json"))
     layout = nc.layer_layout(config, 0)
@@ -81,14 +83,14 @@ def main() -> int:
     arms = [("LRU", "lru", 0.0), ("CLOCK", "clock", 0.0), ("LFU", "lfu", 0.0),
             ("seeded half + LRU", "lru", 0.5), ("seeded whole", "lru", 1.0)]
     rows = []
-    for share in SHARES:
+    for share in args.shares:
         capacity = int(layout.padded_rows * share)
         rates = []
         for _, policy, seed in arms:
             hot = hottest_rows(profile, int(capacity * seed)) if seed else None
             rates.append(hit_rate(batches, capacity, policy, hot))
         rows.append((share, capacity, rates))
-        print(f"{share:.0%}: " + ", ".join(f"{name} {rate:.1%}" for (name, *_), rate
+        print(f"{share:.2%}: " + ", ".join(f"{name} {rate:.1%}" for (name, *_), rate
                                            in zip(arms, rates, strict=True)), flush=True)
     print(f"{lookups:,} lookups of {distinct:,} distinct rows in {len(batches)} batches of "
           f"{args.batch_tokens} tokens; profile {profile.rows.size:,} distinct rows; "
@@ -98,7 +100,7 @@ def main() -> int:
               + " | ".join(name for name, *_ in arms) + " |")
         print("|---|---:|" + "---:|" * len(arms))
         for share, capacity, rates in rows:
-            print(f"| {share:.0%} | {capacity:,} | "
+            print(f"| {share:.2%} | {capacity:,} | "
                   + " | ".join(f"{rate:.1%}" for rate in rates) + " |")
     return 0
 
