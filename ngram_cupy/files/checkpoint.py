@@ -25,6 +25,7 @@ from ..formats import (
 from ..hashing.config import NGramConfig
 from ..hashing.layout import LayerLayout, layer_layout, split_rows
 from ..tables.hot_rows import check_hot_rows
+from ..tables.row_cache import DEFAULT_POLICY
 from ..tables.storage import (
     TABLE_PLACEMENT,
     RowsSource,
@@ -63,7 +64,7 @@ def load_ngram_embedding(
     weight_dtype=None,
     scale_rounding: str = "output",
     cache_bytes: int = 0,
-    cache_policy: str = "lru",
+    cache_policy: str = DEFAULT_POLICY,
 ):
     """Load one PLE layer from a safetensors checkpoint into a ready ``NGramEmbedding``.
 
@@ -99,8 +100,8 @@ def load_ngram_embedding(
             converts unscaled rows to it while loading.
         scale_rounding: ``"output"`` (default, vLLM 0.33) or ``"float32"`` (EmbeddingTable).
         cache_bytes, cache_policy: ``placement="disk"``'s row cache: host memory for rows read
-            recently (default 0: none) and its eviction policy (``"lru"``, ``"clock"`` or
-            ``"lfu"``); see docs/disk.md.
+            recently (default 0: none) and its eviction policy (``"lfu"``, the default,
+            ``"lru"`` or ``"clock"``); see docs/disk.md.
 
     Returns:
         An :class:`~ngram_cupy.NGramEmbedding`: ``embedding(tokens, query_start_loc, context)``

@@ -6,7 +6,7 @@ import os
 from collections.abc import Callable, Sequence
 
 from ..formats import Format
-from ..tables.row_cache import check_policy
+from ..tables.row_cache import DEFAULT_POLICY, check_policy
 from ..tables.storage import placement_named
 from ..tables.storage.disk import DiskBlock
 from .safetensors_files import Checkpoint
@@ -44,7 +44,7 @@ def disk_options(placement: str, cache_bytes: int, cache_policy: str) -> dict:
     placement none, and a ValueError when a cache was asked for."""
     if placement_named(placement, mapped=True).name == "disk":
         return {"cache_bytes": cache_bytes, "cache_policy": check_policy(cache_policy)}
-    if cache_bytes or cache_policy != "lru":
+    if cache_bytes or cache_policy != DEFAULT_POLICY:
         raise ValueError(f"cache_bytes and cache_policy are placement='disk''s row cache, not "
                          f"placement={placement!r}'s")
     return {}

@@ -2,11 +2,11 @@
 
 Two tiers inside ``cache_bytes``: rows seeded from corpus statistics (``ngram-cupy stats``'
 hottest rows, ``seed``), which stay, and recently read rows, evicted by a policy when the budget
-is full: ``"lru"`` (least recently used, the default: the bench's best, see BENCHMARKS.md),
-``"clock"`` (one reference bit per row, a hand sweeping them) or ``"lfu"`` (fewest uses, the
-most recent first among equals). Each lookup hands over its distinct rows at once: the tiers are
-searched with ``np.searchsorted`` in sorted row arrays and the policy evicts a whole batch, so no
-Python runs per row.
+is full: ``"lfu"`` (fewest uses, the least recent first among equals: the default, the best
+of the three on the sample corpus, BENCHMARKS.md), ``"lru"`` (least recently used) or
+``"clock"`` (one reference bit per row, a hand sweeping them). Each lookup hands over its
+distinct rows at once: the tiers are searched with ``np.searchsorted`` in sorted row arrays and
+the policy evicts a whole batch, so no Python runs per row.
 
 ``stats()`` counts, per tier and overall, the rows asked (``lookups``: distinct rows per table
 lookup), ``hits`` and ``misses``, and the disk tier's reads, pages and bytes.
@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 POLICIES = ("lru", "clock", "lfu")
+DEFAULT_POLICY = "lfu"
 TIERS = ("seeded", "recent", "disk")
 
 
@@ -32,7 +33,7 @@ class RowCache:
     """``cache_bytes`` of ``record_bytes``-byte rows (records) keyed by local row: the seeded
     tier first, the rest for recently read rows under ``policy``."""
 
-    def __init__(self, record_bytes: int, cache_bytes: int = 0, policy: str = "lru"):
+    def __init__(self, record_bytes: int, cache_bytes: int = 0, policy: str = DEFAULT_POLICY):
         if isinstance(cache_bytes, bool) or not isinstance(cache_bytes, int) or cache_bytes < 0:
             raise ValueError(f"cache_bytes must be a non-negative integer, got {cache_bytes!r}")
         self.policy = check_policy(policy)

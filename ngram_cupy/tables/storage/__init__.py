@@ -71,6 +71,7 @@ from ...codecs.records import device_packed_rows, packed_rows
 from ...formats import Format
 from ...memory.anonymous import anonymous_memory
 from ...runtime.backends import DEVICE, HOST, Backend, bind, gpu_available
+from ..row_cache import DEFAULT_POLICY
 from .base import Gather, Storage, placement_list
 from .cpu import CpuStorage
 from .disk import DiskBlock, DiskStorage
@@ -209,7 +210,7 @@ def mapped_storage(source: RowsSource) -> Storage:
     return MappedStorage(source.mapped(), source.head_dim, source.format, source.guard)
 
 
-def disk_storage(source: RowsSource, cache_bytes: int = 0, cache_policy: str = "lru",
+def disk_storage(source: RowsSource, cache_bytes: int = 0, cache_policy: str = DEFAULT_POLICY,
                  seed_rows=None) -> Storage:
     """The rows read from the source's files per lookup (``disk``), with a row cache of
     ``cache_bytes`` seeded with the local rows ``seed_rows``; a ValueError where the source

@@ -29,7 +29,7 @@ from ...formats import Format
 from ...memory.direct_reads import PAGE, AioContext, DirectFile, aligned_buffer, page_runs
 from ...runtime.backends import DEVICE, Backend
 from .. import gather_numba
-from ..row_cache import RowCache
+from ..row_cache import DEFAULT_POLICY, RowCache
 from .base import Gather, Storage, owned_positions, placement_list
 from .disk_staging import gather_staged
 
@@ -65,7 +65,7 @@ class DiskStorage(Storage):
 
     def __init__(self, blocks: Sequence[DiskBlock], head_dim: int, fmt: Format,
                  guard: Callable[[], None] | None = None, cache_bytes: int = 0,
-                 cache_policy: str = "lru"):
+                 cache_policy: str = DEFAULT_POLICY):
         super().__init__(sum(block.rows for block in blocks), head_dim, fmt)
         self.guard = guard
         self.width = fmt.row_width(head_dim) * fmt.itemsize  # row bytes in the file

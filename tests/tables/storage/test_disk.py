@@ -115,7 +115,8 @@ def test_mxfp8_engram_tables_on_disk_equal_cpu(tmp_path):
 def test_cache_counters_are_exact_on_a_scripted_sequence(tmp_path):
     """float32 rows of 128 bytes; 3 rows of cache (one seeded hot row, two recent ones, LRU)."""
     save(tmp_path / "m", "float32")
-    table = load(tmp_path / "m", "disk", cache_bytes=3 * 128, hot_rows=np.array([40]))
+    table = load(tmp_path / "m", "disk", cache_bytes=3 * 128, hot_rows=np.array([40]),
+                 cache_policy="lru")
     info = Checkpoint.open(tmp_path / "m").info(shard_key(default_prefix(load_layout()), 0))
     page = direct_reads.PAGE
 
