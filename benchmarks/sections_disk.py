@@ -50,7 +50,7 @@ CASES = ("device", "disk cold", "disk warm", "disk prefetch", "disk prefetch-bus
          "plain cold", "plain warm", "mmap cold", "mmap warm")
 SIZES = {  # ngram_vocab_size_base (table rows ~ 16x it), tokens per batch, rounds
     "quick": (100_000, 1024, 1),
-    "full": (850_000, 4096, 3),
+    "full": (850_000, 4096, 5),
 }
 CGROUP_V1 = "/sys/fs/cgroup/memory"
 MIN_CAP = 512 * MIB  # a case's process holds about 320 MiB itself (Python, NumPy, Numba, torch)
