@@ -131,11 +131,11 @@ class DiskStorage(Storage):
     def records_of(self, rows: np.ndarray) -> np.ndarray:
         """The records ``[n, record]`` of local rows (sorted, unique): the cache's, the rest
         read from the files and kept in the cache."""
-        records = np.zeros((rows.size, self.record), np.uint8)
+        records = np.empty((rows.size, self.record), np.uint8)  # every row is written below
         with self.lock:  # GPU lookups read on CUDA's host-function thread
             missed = self.cache.find(rows, records)
             if missed.size:
-                read = np.zeros((missed.size, self.record), np.uint8)
+                read = np.zeros((missed.size, self.record), np.uint8)  # padding zero
                 self.read_disk(rows[missed], read)
                 records[missed] = read
                 self.cache.insert(rows[missed], read)
@@ -200,19 +200,29 @@ class DiskStorage(Storage):
             self.used_on(job.stream)
             gather_staged(self, job)
             return
+        local = job.ids.reshape(-1) - job.row_start
+        if job.expected is None and local.size and local.min() >= 0 \
+                and local.max() < self.num_rows:  # every id this shard's: straight into out
+            distinct, inverse = np.unique(local, return_inverse=True)
+            self.gather_records(job, self.records_of(distinct), inverse.reshape(job.ids.shape),
+                                job.out)
+            return
         rows = job.out.reshape(-1, self.head_dim)
         where, local = owned_positions(job, self.num_rows)
         distinct, inverse = np.unique(local, return_inverse=True)
-        records = self.records_of(distinct)
-        table, scales = record_views(records, self.format, self.head_dim, raw=True)
         gathered = np.empty((where.size, self.head_dim), dtype=rows.dtype)
-        gather_numba.gather_rows(
-            table if self.format.blocked else records.view(self.format.raw),
-            self.format.code, 0, job.scale, inverse.reshape(-1, 1), gathered, job.out_code,
-            parallel=False if job.worker else None,
-            scales=scales if self.format.blocked else None,
-            records=records if self.format.blocked else None)
+        self.gather_records(job, self.records_of(distinct), inverse.reshape(-1, 1), gathered)
         rows[where] = gathered
+
+    def gather_records(self, job: Gather, records: np.ndarray, slots: np.ndarray,
+                       out: np.ndarray) -> None:
+        """The CPU gather (``placement="cpu"``'s kernels) of ``records[slots]`` into ``out``."""
+        table, scales = record_views(records, self.format, self.head_dim, raw=True)
+        blocked = self.format.blocked
+        gather_numba.gather_rows(
+            table if blocked else records.view(self.format.raw), self.format.code, 0,
+            job.scale, slots, out, job.out_code, parallel=False if job.worker else None,
+            scales=scales if blocked else None, records=records if blocked else None)
 
     def close(self) -> None:
         """Close the files and the AIO context, release the page buffer and the staging."""
