@@ -215,14 +215,12 @@ class EmbeddingTable:
 
     @scale.setter
     def scale(self, value) -> None:
-        """Set the scale under the constructors' check: finite and positive (zero, a negative or
-        NaN scale would serve zero, flipped or NaN rows)."""
+        """Set the scale: finite and positive, as constructors check (others give wrong rows)."""
         self._scale = table_scale(self.format, value)
 
     @property
     def pinned(self) -> bool:
-        """Whether the rows (the cold ones, under a hot tier) are in page-locked host memory the
-        GPU reads."""
+        """Whether the rows (a hot tier's cold ones) are in page-locked memory the GPU reads."""
         return self.storage.cold.page_locked
 
     @property

@@ -86,7 +86,7 @@ def gather_staged(storage, job: Gather) -> None:
         job.expected.get(stream=stream, out=expected, blocking=False)
         job.out.get(stream=stream, out=rows, blocking=False)
     host = dataclasses.replace(job, side=HOST, ids=ids, out=rows, expected=expected,
-                               worker=True, stream=None, captured=None)
+                               worker=True, stream=None)
 
     def read(_arg=None) -> None:
         try:
