@@ -31,6 +31,7 @@ def sections() -> list[Bench]:
     """Every section in report order (GPU sections import CuPy only when run)."""
     from . import sections_compile as compiled
     from . import sections_cpu as cpu
+    from . import sections_disk as disk
     from . import sections_gpu as gpu
     from . import sections_hogwild as hogwild
     from . import sections_jax as jax
@@ -91,6 +92,9 @@ def sections() -> list[Bench]:
         Bench("mmap-cold", "cpu", "cold mapped-table lookups (pages dropped, fresh process per "
               "case): plain, faults only, prefetched, against O_DIRECT reads at queue depth 64",
               mapped.bench_mmap_cold),
+        Bench("disk", "cpu", "disk-table lookups in a memory cgroup of half the table: cold, "
+              "warm, prefetched, against the device, the plain per-row approach and mmap",
+              disk.bench_disk),
         Bench("torch-compile", "cpu", "torch.compile of the torch layer against eager: decode "
               "step 256 tokens, prefill 8,192; per-call overhead", compiled.bench_torch_compile),
         Bench("jax", "cpu", "ngram_cupy.jax under jax.jit against eager NumPy calls: lookups and a "

@@ -51,10 +51,11 @@ def config(size: str) -> nc.NGramConfig:
     return dataclasses.replace(RELEASED, ngram_vocab_size_base=SIZES[size][0])
 
 
-def write_table(folder: str, size: str) -> int:
+def write_table(folder: str, size: str, table_config: nc.NGramConfig | None = None) -> int:
     """Layer 0's fp8 table (random bytes, a 16 MiB pattern repeated) written with the project's
-    writer, synced to disk; its size in bytes."""
-    layout = nc.layer_layout(config(size), 0)
+    writer, synced to disk; its size in bytes. ``table_config``: another section's config."""
+    table_config = config(size) if table_config is None else table_config
+    layout = nc.layer_layout(table_config, 0)
     weight = np.empty((layout.padded_rows, RELEASED_HEAD_DIM), np.uint8)
     pattern = np.random.default_rng(5).integers(0, 0x7F, (1 << 24) // RELEASED_HEAD_DIM *
                                                 RELEASED_HEAD_DIM, dtype=np.uint8)
@@ -62,7 +63,7 @@ def write_table(folder: str, size: str) -> int:
     for start in range(0, flat.size, pattern.size):
         piece = flat[start:start + pattern.size]
         piece[...] = pattern[:piece.size]
-    nc.save_ngram_embedding(folder, config(size), 0, weight.view(ml_dtypes.float8_e4m3fn), 0.5)
+    nc.save_ngram_embedding(folder, table_config, 0, weight.view(ml_dtypes.float8_e4m3fn), 0.5)
     os.sync()  # dirty pages cannot be dropped: every case starts from clean, evictable ones
     return weight.nbytes
 

@@ -35,13 +35,14 @@ deadline="${DEVICE_CHECK_SECONDS:-560}"  # the device tool's 600 s, less a margi
 PLAN="
 versions      15  GPU, driver, NVVM, NVRTC, CuPy, Numba, torch, JAX versions
 compile       60  the kernel cache for sm_90, 16 CPUs (~40 s; 100 s on 2 loaded CPUs here)
-gpu-tests    195  every test marked gpu, one pytest over the cores, most valuable files first
+gpu-tests    165  every test marked gpu, one pytest over the cores, most valuable files first
 graph         15  torch.cuda.graph capture of forward, replayed on new tokens
 misaligned    15  a table adopted 1 byte off an 8-byte boundary, plain and fused
 fresh-fill    15  rows written, then read at once on another stream
 torch-graphs  40  torch.compile reduce-overhead and torch.cuda.graph against eager (~30 s)
 train         45  20 steps of every row optimizer on GPU tables against the CPU's bits (~30 s)
 packed-uva    25  UVA gather of NVFP4 records / fp8 rows / two arrays against the copy (~15 s)
+disk-gpu      30  GPU ids on a disk table: CPU bits, a joined prefetch, CUDA graph replays
 jax-gpu       25  ngram_cupy.jax on CUDA arrays, eager and jitted, against the CPU (~15 s)
 bench         70  bench.py --device gpu --quick: ids, gathers, fused, UVA, large pages, prefetch
 memcheck      40  compute-sanitizer memcheck over every kernel once (small batches)
@@ -189,6 +190,7 @@ step_packed-uva() {
         python3 scripts/gpu_workload.py packed-uva
 }
 step_jax-gpu() { run jax-gpu "$1" python3 scripts/jax_gpu_check.py; }
+step_disk-gpu() { run disk-gpu "$1" python3 scripts/disk_gpu_check.py; }
 step_bench() {
     run bench "$1" python3 bench.py --device gpu --quick --output "$out/bench-results.md"
 }

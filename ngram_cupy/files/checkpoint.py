@@ -25,6 +25,7 @@ from ..formats import (
 from ..hashing.config import NGramConfig
 from ..hashing.layout import LayerLayout, layer_layout, split_rows
 from ..tables.hot_rows import check_hot_rows
+from ..tables.row_cache import DEFAULT_POLICY
 from ..tables.storage import (
     TABLE_PLACEMENT,
     RowsSource,
@@ -46,6 +47,7 @@ from .checkpoint_reading import (
     table_shards,
     verify_buffers,
 )
+from .disk_blocks import disk_files, disk_options
 from .safetensors_files import Checkpoint
 
 
@@ -61,6 +63,8 @@ def load_ngram_embedding(
     hot_rows=None,
     weight_dtype=None,
     scale_rounding: str = "output",
+    cache_bytes: int = 0,
+    cache_policy: str = DEFAULT_POLICY,
 ):
     """Load one PLE layer from a safetensors checkpoint into a ready ``NGramEmbedding``.
 
@@ -81,18 +85,23 @@ def load_ngram_embedding(
             None: found as above.
         placement: ``"cpu"`` (default), ``"gpu"``, ``"pinned"`` / ``"host"``, ``"shared"`` (one
             segment per node, filled by the first process and attached by the others) or
-            ``"mmap"`` (rows served from the mapped files, nothing copied).
+            ``"mmap"`` (rows served from the mapped files, nothing copied) or ``"disk"`` (rows
+            read from the files per lookup, around the page cache: docs/disk.md).
         rank, world_size: row sharding: this rank reads only rows
             ``[rank * ceil(N / world_size), (rank + 1) * ceil(N / world_size))``; default 0, 1.
         progress: a tqdm bar; default None: only on a terminal and only if loading takes over
             a second.
         hot_rows: sorted unique global row ids served from a hot tier (see
             :class:`~ngram_cupy.EmbeddingTable`); a rank keeps those among its rows. Default None.
+            For ``placement="disk"`` they seed the row cache (within ``cache_bytes``).
         weight_dtype: default None: the rows must be of the config's ``ple_embedding_dtype``
             when it names one (bf16 rows for a float8 config are refused, naming both);
             ``"stored"``: whatever the checkpoint holds; a dtype (float32, float16, bfloat16)
             converts unscaled rows to it while loading.
         scale_rounding: ``"output"`` (default, vLLM 0.33) or ``"float32"`` (EmbeddingTable).
+        cache_bytes, cache_policy: ``placement="disk"``'s row cache: host memory for rows read
+            recently (default 0: none) and its eviction policy (``"lfu"``, the default,
+            ``"lru"`` or ``"clock"``); see docs/disk.md.
 
     Returns:
         An :class:`~ngram_cupy.NGramEmbedding`: ``embedding(tokens, query_start_loc, context)``
@@ -105,26 +114,38 @@ def load_ngram_embedding(
     if not isinstance(config, NGramConfig):
         raise TypeError(f"config must be an NGramConfig, got {type(config).__name__}")
     mapped = placement_named(placement, mapped=True).mapped
+    options = disk_options(placement, cache_bytes, cache_policy)  # a disk table's row cache
     if config.head_dim is None:
         raise ValueError("config has no embedding_dim (ple_embed_dim): the table size is unknown")
     layout = layer_layout(config, layer)
     row_start, row_stop = rank_rows(layout, rank, world_size)
-    if hot_rows is not None:
-        if mapped:
-            raise ValueError(f"hot_rows need placement {placement_list('pinned', 'cpu')}, not "
-                             f"{placement!r}")
-        hot_rows = check_hot_rows(hot_rows, 0, layout.padded_rows)
-        hot_rows = hot_rows[np.searchsorted(hot_rows, row_start):
-                            np.searchsorted(hot_rows, row_stop)]
+    hot_rows = rank_hot_rows(hot_rows, layout, (row_start, row_stop), placement, options)
     checkpoint = Checkpoint.open(path, random_access=mapped)
     if prefix is None:
         prefix = find_prefix(checkpoint.tensors, config, layer)
     source, scale = layer_rows(checkpoint, prefix, layout, (row_start, row_stop),
                                loaded=(weight_dtype, placement), progress=progress)
-    table = EmbeddingTable(place(placement, source), scale, row_start=row_start,
+    table = EmbeddingTable(place(placement, source, **options), scale, row_start=row_start,
                            total_rows=layout.padded_rows, hot_rows=hot_rows,
                            scale_rounding=scale_rounding)
     return NGramEmbedding(layout, table)
+
+
+def rank_hot_rows(hot_rows, layout: LayerLayout, rows: tuple[int, int], placement: str,
+                  options: dict):
+    """The checked hot rows among a rank's ``rows``: a disk table's seed its row cache instead
+    (``options["seed_rows"]``, local) and none is returned; a mapped table has none."""
+    if hot_rows is None:
+        return None
+    if placement_named(placement, mapped=True).mapped and not options:
+        raise ValueError(f"hot_rows need placement {placement_list('pinned', 'cpu', 'disk')}, "
+                         f"not {placement!r}")
+    hot_rows = check_hot_rows(hot_rows, 0, layout.padded_rows)
+    hot_rows = hot_rows[np.searchsorted(hot_rows, rows[0]):np.searchsorted(hot_rows, rows[1])]
+    if options:
+        options["seed_rows"] = hot_rows - rows[0]
+        return None
+    return hot_rows
 
 
 def rank_rows(layout: LayerLayout, rank: int, world_size: int) -> tuple[int, int]:
@@ -182,4 +203,7 @@ def layer_rows(checkpoint: Checkpoint, prefix: str, layout: LayerLayout, rows: t
     key = shared_key(checkpoint, prefix, [name for name, *_ in pieces], layout.layer, row_start,
                      row_stop, target.name)
     return RowsSource(row_stop - row_start, layout.head_dim, target, blocks, key,
-                      mapped_blocks, checkpoint.check_mapped), scale
+                      mapped_blocks, checkpoint.check_mapped,
+                      disk_files(checkpoint, [(name, scales, a, b, lo - row_start)
+                                              for name, scales, a, b, lo in pieces],
+                                 target, layout.head_dim)), scale

@@ -16,6 +16,7 @@ from ..runtime.checks import check_integer
 from ..tables.storage import TABLE_PLACEMENT, RowsSource, place, placement_named
 from ..tables.table import EmbeddingTable
 from .checkpoint_reading import shared_key
+from .disk_blocks import disk_files
 from .safetensors_files import Checkpoint, write_checkpoint
 
 # The formats Engram checkpoints hold (``Format.checkpoints``): float tables by their dtype, and
@@ -97,7 +98,9 @@ def engram_rows(checkpoint: Checkpoint, layout: EngramLayout, index: int, name: 
 
     key = shared_key(checkpoint, name, [name], index, start, stop, fmt.name)
     return RowsSource(stop - start, layout.head_dim, fmt, blocks, key, mapped,
-                      checkpoint.check_mapped)
+                      checkpoint.check_mapped,
+                      disk_files(checkpoint, [(name, scales, start, stop, 0)], fmt,
+                                 layout.head_dim))
 
 
 def load_engram_embedding(path: str | os.PathLike | Sequence[str | os.PathLike],

@@ -346,25 +346,36 @@ class Checkpoint:
             self._mappings[path] = mapping
         return self._mappings[path]
 
+    def descriptor(self, path: str) -> int:
+        """The descriptor a file of the checkpoint is held open through (``placement="disk"``
+        reopens that inode for direct reads)."""
+        return self._files[path].fd
+
     def check_mapped(self) -> None:
-        """Raise an ``OSError`` if a mapped file changed since its header was read: shrunk
-        (reading a page past its new end would kill the process, SIGBUS), written in place
+        """``check_files`` of the mapped files, for an mmap table."""
+        self.check_files(self._mappings, "mmap")
+
+    def check_files(self, paths: Iterable[str], kind: str = "disk") -> None:
+        """Raise an ``OSError`` if one of these files changed since its header was read: shrunk
+        (reading a page past its new end would kill a mapping process, SIGBUS), written in place
         (its header, size, modification time), or replaced or removed under its name (another
         inode there). An ``fstat``, a ``stat`` and a header read per file, cheap enough to run
-        before every lookup (a file changed during the lookup itself remains a race)."""
-        for path in self._mappings:
+        before every lookup of a ``kind`` table (a file changed during the lookup itself remains
+        a race)."""
+        for path in paths:
             held = self._files[path]
             now = os.fstat(held.fd)
             if now.st_size < held.stat.st_size:
                 raise OSError(
                     errno.ESTALE,
                     f"{path} shrank from {held.stat.st_size} to {now.st_size} bytes since it "
-                    "was mapped: the checkpoint was truncated under the mmap table; load it again",
+                    f"was opened: the checkpoint was truncated under the {kind} table; load it "
+                    "again",
                 )
             if (now.st_size, now.st_mtime_ns) != (held.stat.st_size, held.stat.st_mtime_ns) \
                     or _pread(held.fd, len(held.header), 0) != held.header:
-                raise OSError(errno.ESTALE, f"{path} was written to since it was mapped (its "
-                              "size, header or modification time changed): the mmap table's "
+                raise OSError(errno.ESTALE, f"{path} was written to since it was opened (its "
+                              f"size, header or modification time changed): the {kind} table's "
                               "rows are no longer the checkpoint's; load it again")
             try:
                 named = os.stat(held.absolute)
@@ -372,7 +383,7 @@ class Checkpoint:
                 named = None
             if named is None or (named.st_dev, named.st_ino) != (now.st_dev, now.st_ino):
                 how = "removed" if named is None else "replaced"
-                raise OSError(errno.ESTALE, f"{path} was {how} since it was mapped: the mmap "
+                raise OSError(errno.ESTALE, f"{path} was {how} since it was opened: the {kind} "
                               "table serves a checkpoint that is gone; load it again")
 
 

@@ -215,14 +215,12 @@ class EmbeddingTable:
 
     @scale.setter
     def scale(self, value) -> None:
-        """Set the scale under the constructors' check: finite and positive (zero, a negative or
-        NaN scale would serve zero, flipped or NaN rows)."""
+        """Set the scale: finite and positive, as constructors check (others give wrong rows)."""
         self._scale = table_scale(self.format, value)
 
     @property
     def pinned(self) -> bool:
-        """Whether the rows (the cold ones, under a hot tier) are in page-locked host memory the
-        GPU reads."""
+        """Whether the rows (a hot tier's cold ones) are in page-locked memory the GPU reads."""
         return self.storage.cold.page_locked
 
     @property
@@ -231,6 +229,10 @@ class EmbeddingTable:
         table with ``hot_rows`` (reading the GPU's counts waits for the streams that looked the
         table up, and refuses while one of them captures a CUDA graph); else empty."""
         return self.storage.counters
+
+    def cache_stats(self) -> dict:
+        """A disk table's row cache counters per tier and overall (docs/disk.md); else empty."""
+        return self.storage.cache_stats()
 
     @property
     def host_view(self) -> np.ndarray | None:
@@ -464,8 +466,6 @@ class EmbeddingTable:
             self.writers.prefetching()
 
     start_prefetch = prefetch
-
-    # ---- lifetime ----
 
     def close(self) -> None:
         """Finish any prefetch and release the storage's registrations (pinned memory: the

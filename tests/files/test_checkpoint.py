@@ -566,7 +566,7 @@ def test_config_without_embedding_dim(tmp_path):
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(placement="disk"), "placement must be one of"),
+        (dict(placement="tape"), "placement must be one of"),
         (dict(rank=2, world_size=2), "rank must be an integer in"),
         (dict(world_size=0), "world_size must be a positive integer"),
     ],

@@ -85,7 +85,7 @@ def test_checkpoint_errors(checkpoint_model, tmp_path):
     with pytest.raises(ValueError, match=r"rank must lie in \[0, world_size=2\)"):
         nc.load_engram_embedding(folder, layout, rank=2, world_size=2)
     with pytest.raises(ValueError, match="placement must be one of"):
-        nc.load_engram_embedding(folder, layout, placement="disk")
+        nc.load_engram_embedding(folder, layout, placement="tape")
 
 
 def mxfp8_reference(weight: np.ndarray, scales: np.ndarray, ids: np.ndarray,

@@ -6,7 +6,7 @@ owns the global geometry (``row_start``, ``total_rows``), the scale and the pref
 asks the storage for everything that depends on where the rows live.
 
 The interface (``Storage`` in ``base``; each placement is one module: ``cpu``, ``gpu``,
-``pinned``, ``shared``, ``mapped``, ``tiered``):
+``pinned``, ``shared``, ``mapped``, ``disk``, ``tiered``):
 
 - ``placement``: the storage's kind (``"cpu"``, ``"gpu"``, ``"pinned"``, ``"shared"``,
   ``"mmap"``, ...);
@@ -71,8 +71,10 @@ from ...codecs.records import device_packed_rows, packed_rows
 from ...formats import Format
 from ...memory.anonymous import anonymous_memory
 from ...runtime.backends import DEVICE, HOST, Backend, bind, gpu_available
+from ..row_cache import DEFAULT_POLICY
 from .base import Gather, Storage, placement_list
 from .cpu import CpuStorage
+from .disk import DiskBlock, DiskStorage
 from .gpu import GpuStorage
 from .mapped import MappedStorage
 from .pinned import PinnedStorage
@@ -182,6 +184,7 @@ class Placement:
     adopt: Callable[[Backend, Any, Format], Storage | None] = adopt_none
     mapped: bool = False
     per_node: bool = False
+    serve: Callable[..., Storage] | None = None  # a mapped one's storage from a RowsSource
 
     @property
     def private(self) -> bool:
@@ -202,12 +205,34 @@ class Placement:
             raise ValueError(prefix + block_scales_refusal(fmt))
 
 
+def mapped_storage(source: RowsSource) -> Storage:
+    """The rows served from the source's mapped files."""
+    return MappedStorage(source.mapped(), source.head_dim, source.format, source.guard)
+
+
+def disk_storage(source: RowsSource, cache_bytes: int = 0, cache_policy: str = DEFAULT_POLICY,
+                 seed_rows=None) -> Storage:
+    """The rows read from the source's files per lookup (``disk``), with a row cache of
+    ``cache_bytes`` seeded with the local rows ``seed_rows``; a ValueError where the source
+    cannot name its files."""
+    if source.files is None:
+        raise ValueError("placement='disk' reads a checkpoint's safetensors files: load the "
+                         "table with load_ngram_embedding(..., placement='disk')")
+    blocks, guard = source.files()
+    storage = DiskStorage(blocks, source.head_dim, source.format, guard, cache_bytes,
+                          cache_policy)
+    if seed_rows is not None:
+        storage.seed_cache(seed_rows)
+    return storage
+
+
 # Every placement, by name; "host" is the old name of "pinned" (page-locked host memory).
 PLACEMENTS = {entry.name: entry for entry in (
     Placement("cpu", host_rows, adopt_host), Placement("gpu", device_rows, adopt_device),
     Placement("pinned", pinned_rows), Placement("shared", shared_rows, adopt_shared,
                                                 per_node=True),
-    Placement("mmap", mapped=True))}
+    Placement("mmap", mapped=True, serve=mapped_storage),
+    Placement("disk", mapped=True, serve=disk_storage))}
 ALIASES = {"host": "pinned"}
 # Where a table goes unless told: this process's host memory (the torch module's default is
 # "gpu" where there is one, ``torch.default_placement``; use_ngram_cupy's "pinned").
@@ -275,6 +300,7 @@ class RowsSource:
     key: str | None = None
     mapped: Callable[[], Sequence[tuple]] | None = None
     guard: Callable[[], None] | None = None
+    files: Callable[[], tuple[Sequence[DiskBlock], Callable[[], None]]] | None = None
 
 
 def write_blocks(storage: Storage, blocks: Iterable[tuple]) -> None:
@@ -287,17 +313,18 @@ def write_blocks(storage: Storage, blocks: Iterable[tuple]) -> None:
                                None if scales is None else call["block_scales"].view(np.uint8))
 
 
-def place(placement: str, source: RowsSource) -> Storage:
+def place(placement: str, source: RowsSource, **options) -> Storage:
     """The storage of ``placement`` holding the source's rows: its mapped files for ``"mmap"``
-    (when it has them); for ``"shared"`` the node's segment of ``source.key`` (filled by the
-    process that creates it, attached by the others) or, without a key, the rows filled
-    privately and then moved into the segment of their content; else a new storage of the
-    placement with the rows copied in block by block."""
+    (when it has them); the files read per lookup for ``"disk"`` (``options``: its
+    ``cache_bytes`` and ``cache_policy``); for ``"shared"`` the node's segment of
+    ``source.key`` (filled by the process that creates it, attached by the others) or, without
+    a key, the rows filled privately and then moved into the segment of their content; else a
+    new storage of the placement with the rows copied in block by block."""
     entry = placement_named(placement, mapped=source.mapped is not None)
     fmt, num_rows, head_dim = source.format, source.num_rows, source.head_dim
     entry.check_holds(fmt)
     if entry.mapped:
-        return MappedStorage(source.mapped(), head_dim, fmt, source.guard)
+        return entry.serve(source, **options)
     if entry.per_node and source.key is not None and num_rows * head_dim:
 
         def fill(rows: np.ndarray) -> None:

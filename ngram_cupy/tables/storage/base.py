@@ -11,12 +11,34 @@ from ...codecs.records import record_bytes
 from ...formats import Format
 from ...runtime.backends import HOST, Backend
 from ...runtime.used_streams import UsedStreams
+from ..row_ids import row_id_error
 
 
 def placement_list(*names: str) -> str:
     """Placement names for a message, quoted and joined: ``'cpu', 'pinned' or 'gpu'``."""
     quoted = [repr(name) for name in names]
     return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
+
+
+def owned_positions(job: Gather, num_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """For a CPU gather whose storage reads row by row (mapped, disk): ``(positions, local
+    ids)`` of the flat ids it must gather (all, or with ``job.expected`` those that differ),
+    held by the storage; the other positions of those are zeroed in ``job.out`` (ids of other
+    shards), and an id outside ``[0, job.total_rows)`` is an IndexError (``row_ids``)."""
+    flat = job.ids.reshape(-1)
+    rows = job.out.reshape(flat.size, -1)
+    where = (np.arange(flat.size) if job.expected is None
+             else np.flatnonzero(job.expected.reshape(-1) != flat))
+    rows[where] = 0
+    local = flat[where] - job.row_start
+    owned = (local >= 0) & (local < num_rows)
+    if job.total_rows is not None:  # among the ids not owned (a pass this path makes anyway)
+        other = where[~owned]
+        outside = (flat[other] < 0) | (flat[other] >= job.total_rows)
+        if outside.any():
+            raise row_id_error(job.ids, int(other[outside.argmax()]), job.total_rows,
+                               held=(job.row_start, job.row_start + num_rows))
+    return where[owned], local[owned]
 
 
 @dataclass
@@ -116,6 +138,10 @@ class Storage:
     @property
     def counters(self) -> dict[str, int]:
         """Rows read from each tier: none without a hot tier."""
+        return {}
+
+    def cache_stats(self) -> dict:
+        """A row cache's counters (a disk table's): none here."""
         return {}
 
     def refresh_hot_rows(self) -> None:

@@ -24,8 +24,7 @@ from ...formats import Format
 from ...memory.page_reads import PagePrefetcher
 from ...runtime.backends import DEVICE, HOST, Backend, cupy_module, gpu_available
 from .. import gather_numba
-from ..row_ids import row_id_error
-from .base import Gather, Storage, placement_list
+from .base import Gather, Storage, owned_positions, placement_list
 from .gpu import gather_device
 
 PAGEABLE_MEMORY_ACCESS = 88  # cudaDevAttrPageableMemoryAccess
@@ -118,20 +117,8 @@ class MappedStorage(Storage):
         if job.side is DEVICE:
             self.gather_device(job)
             return
-        flat = job.ids.reshape(-1)
         rows = job.out.reshape(-1, self.head_dim)
-        where = (np.arange(flat.size) if job.expected is None
-                 else np.flatnonzero(job.expected.reshape(-1) != flat))
-        rows[where] = 0
-        local = flat[where] - job.row_start
-        owned = (local >= 0) & (local < self.num_rows)
-        if job.total_rows is not None:  # among the ids not owned (a pass this path makes anyway)
-            other = where[~owned]
-            outside = (flat[other] < 0) | (flat[other] >= job.total_rows)
-            if outside.any():
-                raise row_id_error(job.ids, int(other[outside.argmax()]), job.total_rows,
-                                   held=(job.row_start, job.row_start + self.num_rows))
-        where, local = where[owned], local[owned]
+        where, local = owned_positions(job, self.num_rows)
         self.pages.read_cold(local)
         block = np.searchsorted(self.starts, local, side="right") - 1
         order = np.argsort(block, kind="stable")

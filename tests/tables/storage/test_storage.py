@@ -71,8 +71,8 @@ def test_placement_names():
 
 
 def test_the_registry_knows_every_placement_and_what_it_is():
-    assert tuple(PLACEMENTS) == ("cpu", "gpu", "pinned", "shared", "mmap")
-    assert find_placement("host") is PLACEMENTS["pinned"] and find_placement("disk") is None
+    assert tuple(PLACEMENTS) == ("cpu", "gpu", "pinned", "shared", "mmap", "disk")
+    assert find_placement("host") is PLACEMENTS["pinned"] and find_placement("tape") is None
     assert find_placement(None) is None
     assert [name for name, p in PLACEMENTS.items() if p.private] == ["cpu", "gpu", "pinned"]
     assert PLACEMENTS["shared"].fills == "cpu" and PLACEMENTS["pinned"].fills == "pinned"
@@ -80,8 +80,9 @@ def test_the_registry_knows_every_placement_and_what_it_is():
     with pytest.raises(ValueError, match=r"one of 'cpu', 'gpu', 'pinned', 'shared', 'host', got "
                                          r"'mmap' \('mmap' serves a checkpoint's rows"):
         placement_named("mmap")
-    with pytest.raises(ValueError, match="one of 'cpu', 'gpu', 'pinned', 'shared', 'mmap', 'host'"):
-        placement_named("disk", mapped=True)
+    with pytest.raises(ValueError, match="one of 'cpu', 'gpu', 'pinned', 'shared', 'mmap', "
+                                         "'disk', 'host'"):
+        placement_named("tape", mapped=True)
     with pytest.raises(ValueError, match="weight: placement='shared' holds tables of one array"):
         PLACEMENTS["shared"].check_holds(storage_format("nvfp4"), "weight")
     PLACEMENTS["pinned"].check_holds(storage_format("nvfp4"))

@@ -550,7 +550,7 @@ def test_hot_rows_need_host_rows(tmp_path):
     weight = np.random.default_rng(0).standard_normal((layout.padded_rows, layout.head_dim))
     weight = weight.astype(np.float16)
     nc.save_ngram_embedding(tmp_path / "model", layout, weight)
-    with pytest.raises(ValueError, match="hot_rows need placement 'pinned' or 'cpu'"):
+    with pytest.raises(ValueError, match="hot_rows need placement 'pinned', 'cpu' or 'disk'"):
         nc.load_ngram_embedding(tmp_path / "model", TINY, 0, placement="mmap", hot_rows=[1])
     hot = np.array([0, 3, 21, 22, 40, 63])
     ids = np.arange(64).reshape(16, 4)
