@@ -11,7 +11,6 @@ NumPy ids are gathered on the CPU (Numba), CuPy / CUDA torch ids on the GPU
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -27,7 +26,7 @@ from ..formats import (
     output_format,
     storage_format,
 )
-from ..runtime.backends import DEVICE, HOST, Backend, Call, bind, cuda_stream
+from ..runtime.backends import DEVICE, HOST, Backend, bind, cuda_stream
 from ..runtime.checks import (
     check_destination,
     check_geometry,
@@ -37,6 +36,7 @@ from ..runtime.checks import (
 )
 from .captured_ids import CapturedIds
 from .hot_rows import check_hot_rows
+from .lookup_request import LookupRequest
 from .prefetch import Prefetcher
 from .storage import (
     TABLE_PLACEMENT,
@@ -55,21 +55,6 @@ def public_dtype(side: Backend, fmt: Format):
     """Output dtype: the real one on the host; raw uint16 for bfloat16 on the GPU (no CuPy
     bfloat16: ``torch.from_dlpack(out).view(torch.bfloat16)`` reads it)."""
     return fmt.raw if side is DEVICE and bits_name(fmt) else fmt.dtype
-
-
-@dataclass
-class _Request:
-    """A checked lookup: the bound call, contiguous ids, the output format and destination."""
-
-    call: Call
-    ids: Any
-    out_format: Format
-    shape: tuple[int, int]
-    out: Any  # the caller's out viewed as the output format's array type, or None
-
-    @property
-    def side(self) -> Backend:
-        return self.call.side
 
 
 class EmbeddingTable:
@@ -232,21 +217,30 @@ class EmbeddingTable:
         table up, and refuses while one of them captures a CUDA graph); else empty."""
         return self.storage.counters
 
+    def wait_for_updates(self) -> None:
+        """Wait until every row update issued so far (asynchronous optimizers) is applied,
+        raising once an error a pending one raised: every reader of the rows calls it first."""
+        self.writers.wait()
+
     @property
     def host_view(self) -> np.ndarray | None:
-        """The rows in host memory (of the storage dtype), or None when they are not there."""
+        """The rows in host memory (of the storage dtype), or None when they are not there; read
+        after the pending updates (``wait_for_updates``), as are the views below."""
+        self.wait_for_updates()
         return self.storage.host_view
 
     @property
     def host_scales(self) -> np.ndarray | None:
         """The block scales (uint8 ``[num_rows, head_dim / block]``) beside ``host_view``, for a
         block-scaled table in host memory; else None."""
+        self.wait_for_updates()
         return self.storage.host_scales
 
     @property
     def device_rows(self):
         """The raw-bit ``[num_rows, head_dim]`` CuPy view GPU kernels read (device memory, or
         pinned host memory through its mapped address); None when the GPU cannot read the table."""
+        self.wait_for_updates()
         return self.storage.device_view
 
     def device_rows_on(self, stream):
@@ -255,6 +249,7 @@ class EmbeddingTable:
         over them (``TieredStorage.device_tier``), or None for an untiered table; ``(None,
         None)`` when the GPU cannot read the table. The storage keeps its memory until that
         stream's work is done."""
+        self.wait_for_updates()
         storage = self.storage
         rows = storage.cold.device_view
         if rows is None:
@@ -266,6 +261,7 @@ class EmbeddingTable:
     def device_scales(self):
         """The block scales beside ``device_rows`` (the cold rows' of a tiered table), uint8
         ``[num_rows, head_dim / block]`` on the GPU; None for other formats or off the GPU."""
+        self.wait_for_updates()
         return self.storage.cold.device_scales
 
     def write_rows(self, start: int, rows, block_scales=None) -> None:
@@ -299,7 +295,7 @@ class EmbeddingTable:
                 f"{self.row_start + self.num_rows})")
         if not self.storage.writable:
             raise ValueError("the table's storage is read-only")
-        self.writers.wait()
+        self.wait_for_updates()
         self.storage.wait_for_readers("write rows")
         with call.on():
             self.storage.write_rows(int(start) - self.row_start, rows.view(self.format.raw),
@@ -316,7 +312,7 @@ class EmbeddingTable:
 
     # ---- lookups ----
 
-    def _request(self, ids, out, out_dtype, stream) -> _Request:
+    def _request(self, ids, out, out_dtype, stream) -> LookupRequest:
         """Check and convert one lookup's arguments; errors name the argument."""
         if self.closed and not self.storage.cold.serves_after_close:
             raise ValueError(f"the table is closed: a {self.placement!r} table serves no "
@@ -330,7 +326,7 @@ class EmbeddingTable:
         out_format, out = self.destination(call.side, ids.shape, call["out"], out_dtype,
                                            call.formats.get("out"))
         shape = (ids.shape[0], ids.shape[1] * self.head_dim)
-        return _Request(call, ids, out_format, shape, out)
+        return LookupRequest(call, ids, out_format, shape, out)
 
     def _check_side(self, side: Backend) -> None:
         """Refuse ids on a side that cannot read this table."""
@@ -373,7 +369,7 @@ class EmbeddingTable:
         the captured batch sizes before capturing."""
         self.prefetcher.keep(check_integer("num_tokens", n) for n in num_tokens)
 
-    def _gather(self, request: _Request, ids, out, expected=None, worker: bool = False):
+    def _gather(self, request: LookupRequest, ids, out, expected=None, worker: bool = False):
         """Gather ``ids`` into the public array ``out`` on the request's side (on the current
         stream: the caller's, or the prefetch's private one)."""
         self.storage.gather(Gather(
@@ -421,7 +417,7 @@ class EmbeddingTable:
         began are gathered again.
         """
         request = self._request(ids, out, out_dtype, stream)
-        self.writers.wait()  # every update issued before this lookup lands first
+        self.wait_for_updates()  # every update issued before this lookup lands first
         written = self.writers.take()
         with request.call.on():
             target = self.prefetcher.finish(

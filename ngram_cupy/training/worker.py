@@ -14,7 +14,7 @@ from ..runtime.cpu_threads import threading_layer
 class UpdateWorker:
     """Runs each submitted update on a worker thread; an error it raised (the update changed
     nothing: its checks run before any row is written) surfaces once, at the next ``submit``,
-    ``wait`` or lookup of the table."""
+    ``wait``, lookup or read of the table's rows (``EmbeddingTable.wait_for_updates``)."""
 
     def __init__(self) -> None:
         if threading_layer() == "workqueue":
