@@ -28,6 +28,7 @@ from ..formats import (
 )
 from ..runtime.backends import DEVICE, HOST, Backend, bind, cuda_stream
 from ..runtime.checks import (
+    check_apart,
     check_destination,
     check_geometry,
     check_index_array,
@@ -360,6 +361,9 @@ class EmbeddingTable:
             if holds(out.dtype, fmt):
                 out = out.view(public)
             check_out("out", out, (ids_shape[0], ids_shape[1] * self.head_dim), public)
+            cold = self.storage.cold
+            check_apart("out", out, (cold.host_view, cold.host_scales, cold.device_view,
+                                     cold.device_scales))
         return fmt, out
 
     def keep_staging(self, num_tokens) -> None:
