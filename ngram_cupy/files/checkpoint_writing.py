@@ -182,11 +182,12 @@ def save_ngram_embedding(
     ``load_ngram_embedding(path, NGramConfig.from_hf(path), layer)`` reads it back. ``weight`` is
     the padded table ``[padded_rows, head_dim]`` in float32, float16, bfloat16 or float8 e4m3
     (then with ``scale``), or a whole ``EmbeddingTable`` of any of those formats or NVFP4 (its
-    rows, scale and block scales, read after its pending updates); ``parts`` defaults to ``config.split_ngram_parts``. A folder keeps
-    the other PLE layers it holds (:func:`other_layers`): saving layer after layer into one
-    folder adds each, and saving a layer again replaces it; the folder is rewritten as a whole
-    each time (to write many layers at once, merge their :func:`ngram_tensors` and call
-    :func:`write_checkpoint`). The older form ``(path, layout, weight, scale)`` is accepted.
+    rows, scale and block scales, read after its pending updates); ``parts`` defaults to
+    ``config.split_ngram_parts``. A folder keeps the other PLE layers it holds
+    (:func:`other_layers`): saving layer after layer into one folder adds each, and saving a
+    layer again replaces it; the folder is rewritten as a whole each time (to write many
+    layers at once, merge their :func:`ngram_tensors` and call :func:`write_checkpoint`). The
+    older form ``(path, layout, weight, scale)`` is accepted.
     With ``block_scales`` the table is NVFP4 (``BLOCK_SCALED``): its packed uint8 ``weight``
     ``[padded_rows, head_dim / 2]`` with ``block_scales`` (E4M3 ``[padded_rows, head_dim / 16]``)
     and the float32 global ``scale``, written in vLLM's names (``shard_{i}.weight``,

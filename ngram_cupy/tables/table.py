@@ -29,9 +29,7 @@ from ..formats import (
 from ..runtime.backends import DEVICE, HOST, Backend, bind, cuda_stream
 from ..runtime.checks import (
     check_apart,
-    check_destination,
     check_geometry,
-    check_index_array,
     check_integer,
     check_out,
 )
@@ -313,23 +311,7 @@ class EmbeddingTable:
 
     # ---- lookups ----
 
-    def _request(self, ids, out, out_dtype, stream) -> LookupRequest:
-        """Check and convert one lookup's arguments; errors name the argument."""
-        if self.closed and not self.storage.cold.serves_after_close:
-            raise ValueError(f"the table is closed: a {self.placement!r} table serves no "
-                             "lookups after close()")
-        check_destination("out", out)
-        call = bind(stream, ids=ids, out=out)
-        check_index_array("ids", call["ids"], 2)
-        self._check_side(call.side)
-        with call.on():
-            ids = call.side.contiguous(call["ids"])
-        out_format, out = self.destination(call.side, ids.shape, call["out"], out_dtype,
-                                           call.formats.get("out"))
-        shape = (ids.shape[0], ids.shape[1] * self.head_dim)
-        return LookupRequest(call, ids, out_format, shape, out)
-
-    def _check_side(self, side: Backend) -> None:
+    def check_side(self, side: Backend) -> None:
         """Refuse ids on a side that cannot read this table."""
         if self.storage.reads(side):
             return
@@ -347,7 +329,7 @@ class EmbeddingTable:
         """The output format of a lookup of ``ids_shape`` ids, and ``out`` checked and viewed
         as that format's array type (None stays None). ``out_format``: the format of a torch
         ``out`` passed as its bits."""
-        self._check_side(side)
+        self.check_side(side)
         if out_dtype is not None:
             fmt = output_format(out_dtype)
         elif out is not None and (out_format is not None or out.dtype.kind not in "iu"):
@@ -399,7 +381,8 @@ class EmbeddingTable:
         return rounded_scale(self.scale, out_format.dtype, self.scale_rounding)
 
     def lookup(self, ids, out=None, out_dtype=None, stream=None):
-        """Rows of ``ids[T, H]`` as ``[T, H * head_dim]``: heads in order, dequantised.
+        """Rows of ``ids[T, H]`` as ``[T, H * head_dim]``: heads in order, dequantised (ids of
+        any leading shape ``[..., H]`` give ``[..., H * head_dim]``, ``out`` of either shape).
 
         ``float(value) * scale`` is computed in float32 and rounded once (to nearest even) to
         ``out_dtype``, the scale first rounded to ``out_dtype`` unless ``scale_rounding`` is
@@ -420,7 +403,7 @@ class EmbeddingTable:
         error one of them raised); heads whose rows were updated after the joined prefetch
         began are gathered again.
         """
-        request = self._request(ids, out, out_dtype, stream)
+        request = LookupRequest.checked(self, ids, out, out_dtype, stream)
         self.wait_for_updates()  # every update issued before this lookup lands first
         written = self.writers.take()
         with request.call.on():
@@ -434,7 +417,7 @@ class EmbeddingTable:
                     target = request.side.empty(request.shape,
                                                 public_dtype(request.side, request.out_format))
                 self._gather(request, request.ids, target)
-        return request.call.result(target, request.out_format)
+        return request.returned(target)
 
     def prefetch(self, ids, out=None, out_dtype=None, stream=None) -> None:
         """Start gathering ``ids`` now, so that the next ``lookup`` of them finds them ready.
@@ -449,7 +432,7 @@ class EmbeddingTable:
         capture, capture the ``lookup`` that consumes a prefetch in the same graph. The gather
         first waits (on the worker) for the row updates issued before it.
         """
-        request = self._request(ids, out, out_dtype, stream)
+        request = LookupRequest.checked(self, ids, out, out_dtype, stream)
         with request.call.on():
             self.storage.will_read(request.ids, self.row_start,
                                    cuda_stream() if request.side is DEVICE else None)

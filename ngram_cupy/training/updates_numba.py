@@ -81,10 +81,10 @@ def store(rows, r, d, value, code, stochastic, seed, step, row_start):
 @inline_jitable
 def clamp_norm(g, max_norm):
     """Scale the new row ``g`` down to norm ``max_norm`` when its norm exceeds it: ``g *
-    float32(max_norm / n)``, ``n`` the float32 norm (float64 squares in order, exact). A norm past
-    float32's range is scaled in float64 (``float32(w * (max_norm / n64))``); a row holding infinities keeps its
-    direction: each infinity becomes +-``max_norm / sqrt(count)`` and every finite value 0
-    (infinity times 0 would be NaN)."""
+    float32(max_norm / n)``, ``n`` the float32 norm (float64 squares in order, exact). A norm
+    past float32's range is scaled in float64 (``float32(w * (max_norm / n64))``); a row holding
+    infinities keeps its direction: each infinity becomes +-``max_norm / sqrt(count)`` and every
+    finite value 0 (infinity times 0 would be NaN)."""
     width = g.shape[0]
     squares = 0.0
     infinite = 0

@@ -14,7 +14,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from ..runtime.cpu_threads import threading_layer
 
-
 # Errors updates raised that no ``wait`` has raised yet (a forked child starts with none).
 UNREPORTED: set[BaseException] = set()
 os.register_at_fork(after_in_child=UNREPORTED.clear)
