@@ -98,6 +98,9 @@ def test_data_run_matches_library(tmp_path, capsys):
                                "--doc-id-column", "doc_id"], capsys)
     assert status == 0, err
     assert stdout.startswith(f"wrote {out}: 582 rows, 1,186,603 tokens")
+    timed = re.search(r"read, computed and written in ([\d.]+) s .*the whole command ([\d.]+) s",
+                      stdout)  # the summary says what it timed, and gives the whole run too
+    assert timed and float(timed.group(2)) >= float(timed.group(1)) - 0.05
     result = pq.read_table(out)
     source = pq.read_table(CORPUS)
     assert result.select(source.schema.names).equals(source)
