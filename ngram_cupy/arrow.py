@@ -14,7 +14,6 @@ and that is kept beside them. ``open_tokens`` streams Parquet files and folders 
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -30,16 +29,19 @@ except ImportError:  # as the text extra's hint: say which extra brings it
                               ) from None
 
 from ._version import package_version
+from .files.config_json import config_hash as config_hash  # ngram_cupy.arrow.config_hash
+
+# Public here since before they moved down to files/, where the id steps over files share them.
+from .files.token_columns import TEXT_TYPES as TEXT_TYPES
+from .files.token_columns import TOKEN_TYPES as TOKEN_TYPES
+from .files.token_columns import TextError, check_text_type, check_token_type, field_of
 from .files.token_files import open_tokens as open_tokens  # ngram_cupy.arrow.open_tokens
-from .hashing.config import NGramConfig
 from .hashing.layout import LayerLayout
 from .ids.ngram_ids import advance_context, compute_ngram_ids
 from .text import TextTokenizer, as_tokenizer, check_tokenizer
 
 DEFAULT_OUT_COLUMN = "ngram_ids"
 DEVICES = ("cpu", "gpu")
-TOKEN_TYPES = (pa.int32(), pa.int64())
-TEXT_TYPES = (pa.string(), pa.large_string())
 ID_TYPES = {"int64": np.int64, "int32": np.int32}
 
 
@@ -66,12 +68,6 @@ def id_column_names(layout: LayerLayout | Sequence[LayerLayout],
     return names
 
 
-def config_hash(config: NGramConfig) -> str:
-    """SHA-256 of the config's hash parameters (``to_hf`` as sorted JSON): files of ids made
-    with the same hash carry the same value."""
-    return hashlib.sha256(json.dumps(config.to_hf(), sort_keys=True).encode()).hexdigest()
-
-
 def ids_metadata(layout: LayerLayout | Sequence[LayerLayout], out_column: str | None = None,
                  column: str = "tokens") -> dict[bytes, bytes]:
     """Schema metadata for a file of ids: under ``ngram_cupy``, JSON naming the library version,
@@ -92,24 +88,6 @@ def out_of_vocabulary(tokens: np.ndarray, vocab_size: int) -> int:
     """Tokens outside ``[0, vocab_size)``: hashed as the model hashes them (no error), but worth
     counting, as they usually mean a tokenizer that does not match the config."""
     return int(np.count_nonzero((tokens < 0) | (tokens >= vocab_size)))
-
-
-def check_token_type(column: str, arrow_type: pa.DataType) -> None:
-    """``column`` must be a list or large list of int32/int64 tokens."""
-    if not (pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type)) or (
-        arrow_type.value_type not in TOKEN_TYPES
-    ):
-        raise TypeError(
-            f"column {column!r} must be list<int32|int64> or large_list<int32|int64>, "
-            f"got {arrow_type}"
-        )
-
-
-def field_of(schema: pa.Schema, column: str, role: str) -> pa.Field:
-    """The field named ``column``, or a ValueError saying which columns there are."""
-    if schema.get_field_index(column) < 0:
-        raise ValueError(f"{role} column {column!r} not found; columns are {schema.names}")
-    return schema.field(column)
 
 
 def check_input_schema(schema: pa.Schema, column: str = "tokens",
@@ -241,17 +219,6 @@ def wrap_ids(ids: np.ndarray, row_offsets: pa.Array) -> pa.Array:
     per_token = pa.FixedSizeListArray.from_arrays(pa.array(ids.reshape(-1)), ids.shape[1])
     list_class = pa.LargeListArray if row_offsets.type == pa.int64() else pa.ListArray
     return list_class.from_arrays(row_offsets, per_token)
-
-
-def check_text_type(column: str, arrow_type: pa.DataType) -> None:
-    """``column`` must be a string or large string column."""
-    if arrow_type not in TEXT_TYPES:
-        raise TypeError(f"text column {column!r} must be string or large_string, got {arrow_type}")
-
-
-class TextError(ValueError):
-    """A row that cannot become ids (invalid UTF-8, a token id past int32 or outside the
-    tokenizer's), named by column and row; the command line adds the file."""
 
 
 def token_list_array(encoded: Sequence[Sequence[int]], tokenizer: str = "tokenizer",

@@ -26,6 +26,10 @@ from .tables.table import EmbeddingTable, public_dtype
 class NGramEmbedding:
     """The layer: ``layout`` hashes tokens into rows of ``table`` (which may be a row shard).
 
+    Its step, which every face drives (the torch ops call the three parts one by one): the ids
+    (``compute_ids``), the rows started early (``prefetch_rows``), then the rows joined or
+    gathered (``lookup_rows``); ``forward`` and ``prefetch`` run it on a bound batch.
+
     ``fused=True`` computes ids and gathers rows in a single GPU launch when no prefetch is
     pending (see ``fused_cuda``; a table with ``hot_rows`` is read tier by tier, as its own
     lookups do); otherwise ``forward`` is ``compute_ids`` then
@@ -78,14 +82,25 @@ class NGramEmbedding:
                 out = self._ids_buffers[call.side].get("ids", shape, np.int64)
         return batch_ids(self.layout, batch, out)
 
+    def prefetch_rows(self, ids, out=None, out_dtype=None, stream=None) -> None:
+        """Step two of a layer: start gathering the rows of ``ids`` (GPU side stream / CPU
+        worker), into ``out`` if given, for ``lookup_rows`` to join."""
+        self.table.prefetch(ids, out=out, out_dtype=out_dtype, stream=stream)
+        self._prefetched = True
+
+    def lookup_rows(self, ids, out=None, out_dtype=None, stream=None):
+        """Step three of a layer: the rows of ``ids`` ``[T, num_heads]``, joining a prefetch
+        (only rows whose ids differ from the prefetched ones are gathered again)."""
+        self._prefetched = False
+        return self.table.lookup(ids, out=out, out_dtype=out_dtype, stream=stream)
+
     def prefetch(self, input_ids, query_start_loc, ngram_context, stream=None,
                  out_dtype=None) -> None:
         """Compute the ids and start gathering their rows (GPU side stream / CPU worker), in
         ``out_dtype`` (pass the ``forward``'s: a prefetch of another dtype is discarded)."""
         batch = bind_batch(self.layout, stream, input_ids, query_start_loc, ngram_context,
                            ids_out=None)
-        self.table.prefetch(self._ids(batch), out_dtype=out_dtype, stream=batch.call.stream)
-        self._prefetched = True
+        self.prefetch_rows(self._ids(batch), out_dtype=out_dtype, stream=batch.call.stream)
 
     start_prefetch = prefetch
 
@@ -105,8 +120,8 @@ class NGramEmbedding:
         if use_fused:
             return self._forward_fused(batch, out_dtype)
         call = batch.call
-        rows = self.table.lookup(self._ids(batch), out=call.given["out"], out_dtype=out_dtype,
-                                 stream=call.stream)
+        rows = self.lookup_rows(self._ids(batch), out=call.given["out"], out_dtype=out_dtype,
+                                stream=call.stream)
         if call.given["out"] is not None:
             return rows
         out_format, _ = self.table.destination(call.side, (0, 0), None, out_dtype)

@@ -1,11 +1,12 @@
 """Hugging Face transformers' Qwen4Exp models with ngram_cupy tables: :func:`use_ngram_cupy`.
 
 transformers (>= 5.23) keeps each PLE table as an ``nn.Embedding`` in the model dtype. This
-replaces every ``Qwen4ExpTextNGramEmbedding`` by :class:`CachedNGramEmbedding`: the same call
-(``forward(input_ids[B, S], cache)`` giving ``[B, S, H * head_dim]`` in the model
-dtype) and the same n-gram context in the cache (conv state ``CONTEXT_STATE`` of the layer), but
-the rows in an ``EmbeddingTable`` (float8, bfloat16, ...; pinned host memory the GPU reads, GPU
-or CPU memory, or the mapped checkpoint) read by this library's exact ids and gathers.
+replaces every ``Qwen4ExpTextNGramEmbedding`` by :class:`CachedNGramEmbedding` (torch/cached.py):
+the same call (``forward(input_ids[B, S], cache)`` giving ``[B, S, H * head_dim]`` in the model
+dtype) and the same n-gram context in the cache, but the rows in an ``EmbeddingTable`` (float8,
+bfloat16, ...; pinned host memory the GPU reads, GPU or CPU memory, or the mapped checkpoint)
+read by this library's exact ids and gathers. Here: the checks, the tables (loaded or converted)
+and the model surgery.
 """
 
 from __future__ import annotations
@@ -27,18 +28,13 @@ from .files.safetensors_files import DTYPES, Checkpoint
 from .formats import QWEN4EXP, find_format, output_format, storage_format
 from .hashing.config import NGramConfig
 from .hashing.layout import LayerLayout, layer_layout, split_rows
-from .runtime.backends import DEVICE
 from .tables.storage import RowsSource, place, placement_named
 from .tables.table import EmbeddingTable
-from .torch import ops as torch_ops
-from .torch.autograd import TrainableRows, fused_optimizer
-from .torch.weights import TableWeights
+from .torch.autograd import fused_optimizer
+from .torch.cached import CachedNGramEmbedding, one_cache
 from .training.optimizers import OPTIMIZERS
-from .training.table_rows import check_trainable
 from .transformers_releases import Qwen4ExpTextNGramEmbedding, check_layers, check_release
 
-# The cache's conv state that holds each PLE layer's last n-1 tokens (transformers' layout).
-CONTEXT_STATE = 2
 SINGLE_WEIGHT = "ngram_embedding.weight"
 TABLE_OPTIONS = ("prefetch", "dedup", "progress", "scale_rounding")
 PathLike = str | os.PathLike
@@ -64,115 +60,6 @@ def ngram_config(text_config) -> NGramConfig:
     )
 
 
-class CachedNGramEmbedding(torch.nn.Module):
-    """One PLE layer's n-gram embedding for transformers: ids of ``[B, S]`` rows (every row one
-    sequence, left padding hashed as it is) after the context the cache holds, then the rows of
-    ``embedding.table`` in the model dtype (``out_like``'s, which follows ``model.to(dtype)``).
-
-    ``state_dict`` keys are transformers' (the table's storage dtype, plus ``weight_scale`` for
-    float8); the table itself never moves with ``.to()``. ``prefetch``: gather during the
-    preceding decoder layer (None: only for CUDA inputs and a table outside GPU memory).
-    ``trainable``: ``ngram_embedding.weight`` is a parameter over the rows that a backward
-    reaches (``TrainableRows``).
-    """
-
-    def __init__(self, embedding: NGramEmbedding, layer_idx: int, dtype: torch.dtype,
-                 prefetch: bool | None = None, trainable: bool = False):
-        super().__init__()
-        layout, table = embedding.layout, embedding.table
-        self.embedding = embedding
-        self.layer_idx = layer_idx
-        self.context_len = layout.ngram_size - 1
-        self.prefetch = prefetch
-        self.handle = torch_ops.register(self)  # the key the registered ops reach the layer by
-        self._host_ids = not table.storage.reads(DEVICE)  # CUDA batches go to the CPU
-        self.register_buffer("layer_multipliers", torch.tensor(layout.multipliers))
-        self.register_buffer("ngram_heads_vocab_sizes", torch.tensor(layout.head_sizes))
-        self.register_buffer("ngram_heads_offsets", torch.tensor(layout.head_offsets))
-        self.register_buffer("out_like", torch.empty(0, dtype=dtype), persistent=False)
-        if trainable:  # the core's rule: a shared segment trains too (Hogwild)
-            check_trainable(table, "trainable=True")
-        if table.storage.writable or trainable:  # a read-only table is no module's weight
-            scale = table.scale  # TableWeights starts a scaled table at scale 1
-            self.ngram_embedding = TableWeights(table, table.format.torch_dtype)
-            if table.format.scaled:  # float8's scale, NVFP4's global one
-                self.ngram_embedding.set_scale(torch.tensor(float(scale)))
-        self._prefetched: torch.Tensor | None = None
-        self.trainable_rows = None
-        if trainable:
-            self.trainable_rows = TrainableRows(self.ngram_embedding, "trainable=True")
-
-    @property
-    def layout(self) -> LayerLayout:
-        """The layer's hash layout."""
-        return self.embedding.layout
-
-    @property
-    def table(self) -> EmbeddingTable:
-        """The table the rows live in."""
-        return self.embedding.table
-
-    def _context(self, past_key_values) -> torch.Tensor | None:
-        """The n-1 tokens before this batch, per row, from the cache; None for fresh rows."""
-        if past_key_values is None:
-            return None
-        cached = past_key_values.get_conv_state(self.layer_idx, state_idx=CONTEXT_STATE)
-        return None if cached is None else cached[:, -self.context_len:]
-
-    def _ids(self, input_ids: torch.Tensor, context: torch.Tensor | None) -> torch.Tensor:
-        """``[B * S, H]`` ids, on the GPU when the table is readable there, else on the CPU."""
-        if input_ids.is_cuda and self._host_ids:
-            input_ids = input_ids.cpu()
-            context = None if context is None else context.cpu()
-        return torch_ops.ids(self.handle, input_ids, None, context)
-
-    def _empty_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """A fresh ``[T, H * head_dim]`` output in the model dtype, beside the ids."""
-        width = self.layout.num_heads * self.table.head_dim
-        return torch.empty((ids.shape[0], width), dtype=self.out_like.dtype, device=ids.device)
-
-    def start_prefetch(self, input_ids: torch.Tensor, cache=None) -> None:
-        """Start gathering this batch's rows (side CUDA stream, or a CPU worker) so that the
-        next ``forward`` finds them; a stale prefetch costs time, never correctness."""
-        ids = self._ids(input_ids.long(), self._context(cache))
-        self._prefetched = self._empty_rows(ids)
-        torch_ops.prefetch(self.handle, ids, self._prefetched)
-
-    def forward(self, input_ids: torch.Tensor, cache=None, *, past_key_values=None,
-                **kwargs) -> torch.Tensor:
-        """``[B, S, H * head_dim]`` embeddings; rolls the cache's context on by this batch.
-
-        The cache comes as transformers passes it (second argument, ``cache=`` from 5.25,
-        ``past_key_values=`` before); the model's other keyword arguments
-        (``output_router_logits``, attention settings, ...) are accepted and unused, as
-        transformers' own layer does."""
-        past_key_values = _one_cache(cache, past_key_values)
-        input_ids = input_ids.long()
-        batch, length = input_ids.shape
-        context = self._context(past_key_values)
-        ids = self._ids(input_ids, context)
-        if past_key_values is not None:  # a fresh prompt shorter than n-1: stored after EOS
-            new = input_ids
-            if context is None and length < self.context_len:
-                new = torch.nn.functional.pad(new, (self.context_len - length, 0),
-                                              value=self.layout.eos_token_id)
-            past_key_values.update_conv_state(new, self.layer_idx, state_idx=CONTEXT_STATE,
-                                              conv_kernel_size=self.context_len)
-        out, self._prefetched = self._prefetched, None
-        if out is None or out.shape[0] != ids.shape[0] or out.device != ids.device:
-            out = self._empty_rows(ids)
-        if self.trainable_rows is not None and torch.is_grad_enabled():
-            rows = self.trainable_rows.lookup(ids, out.dtype)
-        else:
-            rows = torch_ops.lookup(self.handle, ids, out)
-        return rows.to(input_ids.device).view(batch, length, -1)
-
-    def extra_repr(self) -> str:
-        return (f"layer_idx={self.layer_idx}, heads={self.layout.num_heads}, "
-                f"head_dim={self.table.head_dim}, weight_dtype={self.table.format.name}, "
-                f"placement={self.table.placement!r}")
-
-
 def _prefetch_hook(target: CachedNGramEmbedding):
     """A forward pre-hook for the decoder layer before ``target``'s: starts its gather."""
     def hook(module, args, kwargs):
@@ -182,17 +69,9 @@ def _prefetch_hook(target: CachedNGramEmbedding):
         if target.prefetch is False or target.prefetch is None and not (
                 input_ids.is_cuda and not target.table.storage.device_resident):
             return
-        target.start_prefetch(input_ids, _one_cache(kwargs.get("cache"),
+        target.start_prefetch(input_ids, one_cache(kwargs.get("cache"),
                                                     kwargs.get("past_key_values")))
     return hook
-
-
-def _one_cache(cache, past_key_values):
-    """The cache under either of its names (``cache`` from transformers 5.25 on,
-    ``past_key_values`` before); both at once is ambiguous."""
-    if cache is not None and past_key_values is not None and cache is not past_key_values:
-        raise TypeError("pass the cache once, as cache= or past_key_values=, not both")
-    return past_key_values if cache is None else cache
 
 
 def _named_dtype(config: NGramConfig) -> str | None:

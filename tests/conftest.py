@@ -59,7 +59,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def load_golden(path: Path):
+def load_ngram_golden(path: Path):
     """(layout, expected layout dict, batches as NumPy arrays) of one golden file."""
     case = json.loads(path.read_text())
     config = nc.NGramConfig(**case["config"])
@@ -80,7 +80,7 @@ def load_golden(path: Path):
 @pytest.fixture(params=GOLDEN_FILES, ids=lambda p: p.stem)
 def golden(request):
     """Each golden case in turn."""
-    return load_golden(request.param)
+    return load_ngram_golden(request.param)
 
 
 @pytest.fixture(scope="session")
@@ -109,7 +109,7 @@ def host_gather():
 
     if host_kernels.compiler() is None:
         pytest.skip("no g++ on PATH: gather.cu cannot be built for the host")
-    return host_kernels.HostGather(host_kernels.build())
+    return host_kernels.HostGather(host_kernels.build_library())
 
 
 @pytest.fixture(scope="session")
@@ -137,6 +137,18 @@ def shm_dir(monkeypatch, shm_root):
     left = sorted(os.listdir(folder)) + shared_memory.own_segments(folder)
     shutil.rmtree(folder)
     assert not left, f"segments left behind: {left}"
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch intra-op thread for a module (``usefixtures``): on a loaded 2-core machine two
+    threads make small training loops ~10x slower, and both arms of a comparison run alike."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def assert_same(got, want, message=""):

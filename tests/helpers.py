@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -30,10 +31,14 @@ def every_pair_table(fmt) -> tuple[np.ndarray, np.ndarray]:
 
 
 def run_cli(argv: list, capsys) -> tuple[int, str, str]:
-    """Run the ``ngram-cupy`` command line in this process: (exit status, stdout, stderr)."""
+    """Run the ``ngram-cupy`` command line in this process: (exit status, stdout, stderr);
+    usage errors (argparse's ``SystemExit``) included."""
     from ngram_cupy.cli.main import main
 
-    status = main([str(a) for a in argv])
+    try:
+        status = main([str(a) for a in argv])
+    except SystemExit as exit:
+        status = exit.code
     captured = capsys.readouterr()
     return status, captured.out, captured.err
 
@@ -48,3 +53,22 @@ def run_signal_worker(case: str, *args) -> dict | list:
                          timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     return json.loads(run.stdout.splitlines()[-1])
+
+
+def in_order_sum(values: np.ndarray) -> np.ndarray:
+    """Row sums in float64 added left to right (NumPy's sum is pairwise)."""
+    return np.cumsum(values.astype(np.float64), axis=1)[:, -1]
+
+
+def gated(optimizer) -> threading.Event:
+    """Hold every update of ``optimizer`` (a busy worker thread) until the returned event is
+    set."""
+    gate = threading.Event()
+    apply = optimizer.apply
+
+    def held(*args) -> None:
+        gate.wait(10)
+        apply(*args)
+
+    optimizer.apply = held
+    return gate

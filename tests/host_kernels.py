@@ -35,7 +35,7 @@ SHIM_DIR = Path(__file__).resolve().with_name("host")
 FLAGS = ("-std=c++17", "-O1", "-fPIC", "-ffp-contract=off", "-fsanitize=alignment", "-w")
 
 
-class MisalignedAccess(AssertionError):
+class MisalignedHostAccess(AssertionError):
     """A kernel loaded or stored a value at an address not aligned to its size (a GPU fault)."""
 
 
@@ -62,7 +62,7 @@ extern "C" int host_launch(const char* name, unsigned grid, unsigned block, unsi
 """
 
 
-def build(folder: Path | None = None) -> Path:
+def build_library(folder: Path | None = None) -> Path:
     """The shared library of every gather instance, built unless a build of this text exists."""
     cxx = compiler()
     if cxx is None:
@@ -149,7 +149,7 @@ class HostGather:
                             "bytes, the kernel's parameter differs")
         address, alignment = ctypes.c_uint64(), ctypes.c_uint()
         if self._misaligned(ctypes.byref(address), ctypes.byref(alignment)) or status == -3:
-            raise MisalignedAccess(f"{plan.name}: a misaligned access at {address.value:#x} "
+            raise MisalignedHostAccess(f"{plan.name}: a misaligned access at {address.value:#x} "
                                    f"(needs {alignment.value}-byte alignment) ended the launch")
 
     def gather(self, table, code, row_start, scale, ids, out, out_code, expected=None):

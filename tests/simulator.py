@@ -70,7 +70,7 @@ def install(monkeypatch) -> None:
     monkeypatch.setattr(FakeCUDAArray, "__setitem__", checked(FakeCUDAArray.__setitem__))
 
 
-def random_batch(rng, layout, num_tokens, num_requests, dtypes=(np.int64,) * 3, spare_rows=1):
+def wild_batch(rng, layout, num_tokens, num_requests, dtypes=(np.int64,) * 3, spare_rows=1):
     """Tokens mixing valid ids, EOS and arbitrary int64 values; cuts with empty requests."""
     vocab, eos = layout.config.vocab_size, layout.eos_token_id
 

@@ -33,7 +33,7 @@ from .common import (
 def compile_kernels(layouts: list[LayerLayout], schema: Any, column: str, quiet: bool) -> float:
     """Compile (or load from cache) the CPU id kernels for the input's types before the clock
     starts; on a terminal, say so when it takes long (a first run). Returns the seconds."""
-    from ..arrow import check_token_type
+    from ..files.token_columns import check_token_type
     from ..ids.ids_numba import compile_kernels as compile_ids
 
     token_type = schema.field(column).type
@@ -56,8 +56,9 @@ def cmd_ids(args: argparse.Namespace) -> int:
     """Stream INPUT through the id columns into OUTPUT (Parquet), atomically."""
     if args.scheme == "engram":
         return cmd_engram_ids(args)
-    from ..arrow import NGramIds, TextError, ids_metadata, out_of_vocabulary
+    from ..arrow import NGramIds, ids_metadata, out_of_vocabulary
     from ..files.pipeline import tokens_per_call, write_ids, writer_options
+    from ..files.token_columns import TextError
     from ..files.token_files import open_tokens, token_slices
 
     check_output(args.output, [args.input])
@@ -112,8 +113,9 @@ def cmd_ids(args: argparse.Namespace) -> int:
 
 def cmd_engram_ids(args: argparse.Namespace) -> int:
     """``ids --scheme engram``: every row a whole sequence, ``[T, L, H]`` int32 ids per row."""
-    from ..arrow import TextError, TextTokens
+    from ..arrow import TextTokens
     from ..files.engram_parquet import EngramIds, write_engram_ids
+    from ..files.token_columns import TextError
     from ..files.token_files import open_tokens
 
     if args.doc_id_column is not None:

@@ -71,7 +71,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
     """Print hash statistics and held-out row reuse of INPUT (and plot them)."""
     import numpy as np
 
-    from ..arrow import NGramIds, TextError, check_input_schema
+    from ..arrow import NGramIds, check_input_schema
+    from ..files.token_columns import TextError
     from ..files.token_files import open_tokens
     from ..stats import hottest_rows, ngram_stats, plot_stats, reuse_stats
 

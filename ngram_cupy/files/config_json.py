@@ -1,8 +1,9 @@
 """A model folder's ``config.json``: read without replacing what cannot be read, merged and
-written atomically."""
+written atomically; and the hash of a config's parameters that files of ids record."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -35,3 +36,9 @@ def write_config_json(folder: str | os.PathLike, config: NGramConfig) -> str:
     with atomic_file(path) as temporary:
         Path(temporary).write_text(json.dumps(merged, indent=2, sort_keys=True) + "\n")
     return str(path)
+
+
+def config_hash(config: NGramConfig) -> str:
+    """SHA-256 of the config's hash parameters (``to_hf`` as sorted JSON): files of ids made
+    with the same hash carry the same value."""
+    return hashlib.sha256(json.dumps(config.to_hf(), sort_keys=True).encode()).hexdigest()

@@ -11,10 +11,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ..arrow import TextError, TextTokens, check_token_type, field_of
 from ..hashing.engram_layout import EngramLayout, check_engram_layout
 from ..ids.engram_ids import compute_engram_ids
+from .config_json import config_hash
 from .pipeline import open_output, writer_options
+from .token_columns import TextError, TokenStep, check_token_type, field_of
 
 
 def row_positions(offsets: np.ndarray) -> np.ndarray:
@@ -30,7 +31,7 @@ class EngramIds:
     Feed the batches in reading order: an error names its row among all the rows seen."""
 
     def __init__(self, layout: EngramLayout, column: str = "tokens",
-                 out_column: str = "engram_ids", text: TextTokens | None = None,
+                 out_column: str = "engram_ids", text: TokenStep | None = None,
                  to_device: Callable | None = None):
         self.layout = check_engram_layout(layout)
         self.column, self.out_column, self.text = column, out_column, text
@@ -72,7 +73,6 @@ class EngramIds:
         the config's hash and fields, the token column, the id column's Engram layers and the
         token map's tokenizer."""
         from .._version import package_version
-        from ..arrow import config_hash
 
         config = self.layout.config
         record = {"version": package_version(), "scheme": "engram",

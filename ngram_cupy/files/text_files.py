@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 
 import pyarrow as pa
 
-from .token_files import TokenSource, slices
+from .token_source import TokenSource, slices
 
 # Bytes a reader parses at once: the longest line (or JSON record) it can take.
 BLOCK_BYTES = 16 << 20

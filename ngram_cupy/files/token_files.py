@@ -5,31 +5,13 @@ the work of one call."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 import pyarrow as pa
 
-
-@dataclass
-class TokenSource:
-    """A Parquet file or dataset folder, or an Arrow IPC file or stream, read in record batches."""
-
-    path: str
-    schema: pa.Schema
-    num_rows: int | None  # None for an IPC stream
-    batches: Callable[[], Iterator[pa.RecordBatch]]  # fresh iterator of batches of bounded size
-    # Every file read and its own schema (a folder's files may differ from one another).
-    files: list[tuple[str, pa.Schema]] = field(default_factory=list)
-    text_column: str | None = None  # plain text: the column of its lines, to be tokenized
-
-
-def slices(batches: Iterable[pa.RecordBatch], rows: int) -> Iterator[pa.RecordBatch]:
-    """Zero-copy slices of at most ``rows`` rows of each batch."""
-    for batch in batches:
-        for start in range(0, batch.num_rows, rows):
-            yield batch.slice(start, rows)
+from .text_files import open_json_lines, open_plain_text, text_kind
+from .token_source import TokenSource, slices
 
 
 def token_slices(batches: Iterable[pa.RecordBatch], column: str,
@@ -95,8 +77,6 @@ def open_tokens(path: str | os.PathLike, batch_rows: int = 256,
                            batch_rows),
             [(path, reader.schema)],
         )
-    from .text_files import open_json_lines, open_plain_text, text_kind
-
     kind = text_kind(path)
     if kind == "text":
         return open_plain_text(path, batch_rows, text_column or "text")

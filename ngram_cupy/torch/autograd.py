@@ -17,7 +17,6 @@ from ..tables.table import EmbeddingTable
 from ..training.backward import embedding_backward
 from ..training.optimizers import OPTIMIZERS
 from ..training.table_rows import check_trainable
-from .ops import register
 
 
 def trainable_weight(table: EmbeddingTable, weight: torch.Tensor) -> torch.Tensor:
@@ -42,7 +41,6 @@ class TrainableRows:
         weight = trainable_weight(weights.table, weights.weight)
         del weights._buffers["weight"]
         weights.weight = torch.nn.Parameter(weight, requires_grad=True)
-        self.handle = register(self)  # the key the registered ops reach these rows by
 
     @property
     def table(self) -> EmbeddingTable:
@@ -58,13 +56,6 @@ class TrainableRows:
         if self.optimizer_arguments is not None:
             kind, lr, options = self.optimizer_arguments
             self.optimizer = kind(table, lr=lr, **options)
-
-    def lookup(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The rows of ``ids`` ``[T, H]`` in ``dtype``, recorded for autograd (the registered
-        op ``trainable_lookup``); tokens a prefetch may have read before an update are gathered
-        again."""
-        return torch.ops.ngram_cupy.trainable_lookup(self.handle, self.weights.weight, ids, dtype,
-                                                     self.optimizer is not None)
 
     def prefetch_started(self) -> None:
         """A prefetch begins: the rows of the weight's accumulated gradient (micro-steps a

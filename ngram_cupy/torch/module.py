@@ -11,41 +11,26 @@ so CPU tensors run on the CPU and CUDA tensors on the GPU, on torch's current st
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 
-import numpy as np
 import torch
 
 from ..embedding import NGramEmbedding
-from ..files.checkpoint_names import BUFFERS
-from ..formats import FORMATS, default_output, output_format
+from ..formats import default_output, output_format
 from ..hashing.config import NGramConfig
-from ..hashing.layout import layer_layout, split_rows
-from ..runtime.checks import check_scale
+from ..hashing.layout import layer_layout
 from ..tables.storage import place_filled, placement_named
 from ..tables.table import EmbeddingTable
-from . import ops as torch_ops
-from .autograd import TrainableRows
 from .call_shapes import seed_call_shape
+from .layer import LayerStep, SteppedLayer
+from .loading import WeightLoading
 from .placement import default_placement
-from .weights import TableWeights, layer_key, storage_view, stored_rows_format
+from .weights import storage_view, stored_rows_format
 
-WEIGHT = "ngram_embedding.weight"
 _TORCH_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_SHARD = re.compile(r"ngram_embedding\.shard_(\d+)\.(\w+)", re.ASCII)
-# Every format's scale, by the name the layer gives it (float8: weight_scale; NVFP4: the global
-# weight_scale_2).
-_SCALES = {f"ngram_embedding.{fmt.layer_names.scale}" for fmt in FORMATS if fmt.scaled}
 
 
-def _is_ignored(name: str) -> bool:
-    """Checkpoint entries the layer never uses: hash statistics and token lookups."""
-    leaf = name.rsplit(".", 1)[-1]
-    return leaf.startswith("hashstats_") or leaf == "token_lookup"
-
-
-class NGramEmbeddingModule(torch.nn.Module):
+class NGramEmbeddingModule(SteppedLayer, torch.nn.Module):
     """Dense PLE layer ``layer`` of ``config``: ids of a packed batch, then their table rows,
     with vLLM 0.33's layer shape (``forward(input_ids, query_start_loc, ngram_context)``), or
     the seed reference layer's with ``hidden_states`` first (``seed_call_shape``).
@@ -114,24 +99,25 @@ class NGramEmbeddingModule(torch.nn.Module):
         self._stored_format = stored
         self._lookup_dtype = self.out_dtype if stored is None else stored.torch_dtype
         self._kept_sizes: set[int] = set()
-        self.embedding = self._embedding_over(table)
-        self.handle = torch_ops.register(self)  # the key the registered ops reach the layer by
-        self._prefetch_rows: torch.Tensor | None = None  # start_prefetch's, for forward
+        if trainable and self.return_stored_rows:
+            raise ValueError("trainable=True needs return_stored_rows=False")
+        self.step = LayerStep(self._embedding_over(table))  # what the ops reach by ``handle``
         self.register_buffer("layer_multipliers", torch.tensor(layout.multipliers))
         self.register_buffer("ngram_heads_vocab_sizes", torch.tensor(layout.head_sizes))
         self.register_buffer("ngram_heads_offsets", torch.tensor(layout.head_offsets))
-        self.ngram_embedding = TableWeights(table, table.format.torch_dtype)
+        self.ngram_embedding = self.step.hold(table, trainable)
+        self.loading = WeightLoading(layout, self.ngram_embedding)
         self.register_load_state_dict_pre_hook(NGramEmbeddingModule._check_state_dict)
         self.register_load_state_dict_post_hook(NGramEmbeddingModule._share)
-        self._loaded_shards: set[int] = set()
-        self._scale_loaded = False
-        self.allow_missing_weights = False  # True: look rows up before every shard has arrived
-        self._pending: dict[int, dict[str, torch.Tensor]] = {}  # block-scaled shard halves
-        self.trainable_rows = None  # trainable=True: see TrainableRows (autograd.py)
-        if trainable:
-            if self.return_stored_rows:
-                raise ValueError("trainable=True needs return_stored_rows=False")
-            self.trainable_rows = TrainableRows(self.ngram_embedding, "trainable=True")
+
+    @property
+    def allow_missing_weights(self) -> bool:
+        """True: look rows up before every shard has arrived (default False)."""
+        return self.loading.allow_missing
+
+    @allow_missing_weights.setter
+    def allow_missing_weights(self, value: bool) -> None:
+        self.loading.allow_missing = value
 
     @property
     def table(self) -> EmbeddingTable:
@@ -142,32 +128,14 @@ class NGramEmbeddingModule(torch.nn.Module):
     def scale_name(self) -> str | None:
         """The checkpoint name of the table's one scale (``ngram_embedding.weight_scale`` for
         float8, ``ngram_embedding.weight_scale_2`` for NVFP4's global scale), or None."""
-        scale = self.table.format.layer_names.scale
-        return None if scale is None else layer_key(scale)
+        return self.loading.scale_name
 
     @property
     def missing_shards(self) -> list[int | str]:
         """Indexes of checkpoint shards holding rows that ``load_weights`` has not received yet
         (a block-scaled shard counts once its rows and block scales are in), then the scale's name
         (``scale_name``) when it has not arrived."""
-        parts, rows = self.layout.config.split_ngram_parts, self.layout.padded_rows
-        holding_rows = (i for i in range(parts) if len(range(*split_rows(rows, parts, i))))
-        missing: list[int | str] = [i for i in holding_rows if i not in self._loaded_shards]
-        if self.scale_name is not None and not self._scale_loaded:
-            missing.append(self.scale_name)
-        return missing
-
-    def _check_loaded(self) -> None:
-        """Refuse lookups of a partly loaded table (rows never loaded, or a float8 table without
-        its scale), unless ``allow_missing_weights``; a table never loaded is left alone."""
-        if self.allow_missing_weights or not (self._loaded_shards or self._scale_loaded):
-            return
-        missing = self.missing_shards
-        if missing:
-            shown = ", ".join(map(str, missing[:20])) + (", ..." if len(missing) > 20 else "")
-            raise ValueError(
-                f"layer {self.layout.layer} is partly loaded: missing {shown} (missing_shards); "
-                "load them, or set allow_missing_weights = True to look up what is there")
+        return self.loading.missing_shards
 
     def __reduce__(self):
         """Pickle and ``copy.deepcopy`` (a prefetcher's lock and the table's memory cannot be
@@ -177,7 +145,8 @@ class NGramEmbeddingModule(torch.nn.Module):
                          return_stored_rows=self.return_stored_rows,
                          scale_rounding=self.table.scale_rounding,
                          out_dtype=self.out_dtype, trainable=self.trainable_rows is not None)
-        loaded = (set(self._loaded_shards), self._scale_loaded, self.allow_missing_weights)
+        loaded = (set(self.loading.loaded_shards), self.loading.scale_loaded,
+                  self.allow_missing_weights)
         # As integer bits: torch cannot unpickle float8 tensors (torch 2.13: UntypedStorage).
         state = {name: (value.view(_TORCH_BITS[value.element_size()]), value.dtype)
                  for name, value in self.state_dict().items()}
@@ -254,17 +223,11 @@ class NGramEmbeddingModule(torch.nn.Module):
         (``seed_call_shape``). After ``start_prefetch`` this joins the prefetch and gathers
         again only heads whose ids changed, so a stale prefetch costs time, never correctness.
         """
-        self._check_loaded()
+        self.loading.check_loaded()
         input_ids, query_start_loc, ngram_context, _ = self._batch(
             input_ids, query_start_loc, ngram_context)
-        ids = torch_ops.ids(self.handle, input_ids, query_start_loc, ngram_context)
-        out, self._prefetch_rows = self._prefetch_rows, None
-        if self.trainable_rows is not None:  # autograd, and exact after a prefetch
-            return self.trainable_rows.lookup(ids, self._lookup_dtype)
-        if out is None or out.shape[0] != ids.shape[0] or out.device != ids.device:
-            width = self.layout.num_heads * self.layout.head_dim
-            out = torch.empty((ids.shape[0], width), dtype=self._lookup_dtype, device=ids.device)
-        rows = torch_ops.lookup(self.handle, ids, out)
+        ids = self.step.ids(input_ids, query_start_loc, ngram_context)
+        rows = self.step.lookup(ids, self._lookup_dtype, trainable=self.trainable_rows is not None)
         if self._stored_format is not None and rows.dtype != self.table.format.torch_dtype:
             return rows.to(self.table.format.torch_dtype)  # exact: see stored_rows_format
         return rows
@@ -278,88 +241,13 @@ class NGramEmbeddingModule(torch.nn.Module):
         Nothing for a table in GPU memory, as in the reference layer."""
         if self.table.storage.device_resident:
             return
-        self._check_loaded()
+        self.loading.check_loaded()
         input_ids, query_start_loc, ngram_context, _ = self._batch(
             input_ids, query_start_loc, ngram_context)
-        ids = torch_ops.ids(self.handle, input_ids, query_start_loc, ngram_context)
-        rows = torch.empty((ids.shape[0], self.layout.num_heads * self.layout.head_dim),
-                           dtype=self._lookup_dtype, device=ids.device)
-        torch_ops.prefetch(self.handle, ids, rows)
-        self._prefetch_rows = rows
+        self.step.start_prefetch(self.step.ids(input_ids, query_start_loc, ngram_context),
+                                 self._lookup_dtype)
 
     # ---- weights ----
-
-    def _check_buffer(self, name: str, value: torch.Tensor) -> None:
-        """A hash buffer from a checkpoint must equal the derived layout in shape and values."""
-        layout = self.layout
-        want = dict(zip(BUFFERS, (layout.multipliers, layout.head_sizes, layout.head_offsets),
-                        strict=True))[name]
-        if tuple(value.shape) != tuple(want.shape):
-            raise ValueError(f"{name} has shape {tuple(value.shape)} but layer "
-                             f"{self.layout.layer} needs {tuple(want.shape)}")
-        if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
-            raise ValueError(f"{name} must be an integer tensor (int64), got {value.dtype}")
-        got = value.detach().to("cpu", torch.int64).numpy()
-        differ = np.flatnonzero(got != want)
-        if differ.size:
-            i = int(differ[0])
-            raise ValueError(f"{name} differs from the layout of layer {self.layout.layer} first "
-                             f"at index {i}: got {int(got[i])}, the layout derives {int(want[i])}")
-
-    def _check_rows(self, name: str, value: torch.Tensor, rows: int) -> None:
-        """A block of table rows must be ``[rows, row_width]`` of the storage dtype (``head_dim``
-        values; packed formats' ``head_dim / pack`` bytes)."""
-        shape = (rows, self.table.format.row_width(self.layout.head_dim))
-        if tuple(value.shape) != shape:
-            raise ValueError(f"{name} has shape {tuple(value.shape)} but must be {shape}")
-        if value.dtype != self.ngram_embedding.weight.dtype:
-            raise TypeError(f"{name} has dtype {value.dtype} but the table stores "
-                            f"{self.ngram_embedding.weight.dtype} (weight_dtype)")
-
-    def _load_shard(self, name: str, index: int, tensor: str, value: torch.Tensor) -> None:
-        """Copy checkpoint shard ``index`` of ``tensor`` (the rows, or their block scales) into
-        its rows of the table."""
-        parts = self.layout.config.split_ngram_parts
-        if index >= parts:
-            raise ValueError(f"{name}: shard index {index} is at or past "
-                             f"split_ngram_parts={parts}")
-        start, stop = split_rows(self.layout.padded_rows, parts, index)
-        if self.table.format.layer_names.block_scales:  # rows and block scales written together
-            self._load_block_scaled_shard(name, index, tensor, start, stop, value)
-            return
-        self._check_rows(name, value, stop - start)
-        self.table.write_rows(start, value.detach())
-        self._loaded_shards.add(index)
-
-    def _load_block_scaled_shard(self, name: str, index: int, tensor: str, start: int,
-                                 stop: int, value: torch.Tensor) -> None:
-        """Keep one half of a block-scaled shard (rows or block scales) until the other
-        arrives, then write both (one shard held at most while a checkpoint streams by)."""
-        pending = self._pending.setdefault(index, {})
-        fmt = self.table.format
-        if tensor == fmt.layer_names.block_scales:
-            shape = (stop - start, fmt.scale_width(self.layout.head_dim))
-            kind = getattr(torch, fmt.block_scale.name)
-            if tuple(value.shape) != shape or value.dtype not in (kind, torch.uint8):
-                raise ValueError(f"{name} must be {fmt.block_scale.name} of shape {shape} (one "
-                                 f"scale per {fmt.block} values), got {value.dtype} of shape "
-                                 f"{tuple(value.shape)}")
-            pending["scales"] = value.detach()
-        else:
-            self._check_rows(name, value, stop - start)
-            pending["rows"] = value.detach()
-        if len(pending) == 2:
-            self.table.write_rows(start, pending["rows"], pending["scales"])
-            del self._pending[index]
-            self._loaded_shards.add(index)
-
-    def _load_scale(self, name: str, value: torch.Tensor) -> None:
-        """The table's one scale (``scale_name``): one floating value."""
-        if value.numel() != 1 or not value.dtype.is_floating_point:
-            raise ValueError(f"{name} must hold one floating value, got {value.dtype} of shape "
-                             f"{tuple(value.shape)}")
-        self.ngram_embedding.set_scale(value)
-        self._scale_loaded = True
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load ``(name, tensor)`` pairs named as in the checkpoint, relative to the layer.
@@ -369,42 +257,7 @@ class NGramEmbeddingModule(torch.nn.Module):
         ``hashstats_*`` and ``token_lookup`` entries are skipped. Returns the names loaded, with
         shards reported as ``ngram_embedding.weight`` (see ``missing_shards``).
         """
-        loaded: set[str] = set()
-        fmt = self.table.format
-        names = fmt.layer_names
-        whole = {layer_key(name) for name in (names.rows, names.block_scales) if name}
-        for name, value in weights:
-            if _is_ignored(name):
-                continue
-            if not isinstance(value, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
-            if value.device.type == "meta":
-                raise ValueError(f"{name} is on the meta device: it holds no values to load")
-            if name in BUFFERS:
-                self._check_buffer(name, value)
-            elif (match := _SHARD.fullmatch(name)) and match.group(2) in (names.rows,
-                                                                           names.block_scales):
-                self._load_shard(name, int(match.group(1)), match.group(2), value)
-                name = layer_key(match.group(2))
-            elif name == self.scale_name:
-                self._load_scale(name, value)
-            elif name in whole and names.block_scales:
-                sharded = names.sharded()
-                raise ValueError(f"{name}: an unsharded {fmt.name} tensor is refused; load "
-                                 f"{sharded.rows.format(index='{i}')} and "
-                                 f"{sharded.block_scales.format(index='{i}')}")
-            elif name in _SCALES:
-                raise ValueError(f"unexpected weight {name!r}: the table stores {fmt.name}, "
-                                 f"which takes no scale"
-                                 + ("" if self.scale_name is None else
-                                    f" of that name (its scale is {self.scale_name})"))
-            elif name == WEIGHT:
-                self._check_rows(name, value, self.layout.padded_rows)
-                self.table.write_rows(0, value.detach())
-                self._loaded_shards.update(range(self.layout.config.split_ngram_parts))
-            else:
-                raise ValueError(f"unexpected weight {name!r} for an n-gram embedding layer")
-            loaded.add(name)
+        loaded = self.loading.load_weights(weights)
         self._share()
         return loaded
 
@@ -416,7 +269,7 @@ class NGramEmbeddingModule(torch.nn.Module):
         private = self.table
         table = EmbeddingTable(place_filled(self._placement.name, private.storage), private.scale,
                                hot_rows=self._hot_rows, scale_rounding=private.scale_rounding)
-        self.embedding = self._embedding_over(table)
+        self.step.embedding = self._embedding_over(table)
         self.ngram_embedding.table = table
         if self.trainable_rows is not None:  # the segment trains in place (Hogwild)
             self.trainable_rows.moved_to(table)
@@ -426,50 +279,8 @@ class NGramEmbeddingModule(torch.nn.Module):
         private.close()
 
     def _check_state_dict(self, state_dict, prefix, *args) -> None:
-        """Before ``load_state_dict`` copies (or ``assign=True`` puts) anything in place: hash
-        buffers equal to the layout, the rows of the table's shape and storage dtype, block
-        scales of theirs, the table's scale one finite positive value."""
-        names = self.table.format.layer_names
-        tensors = [layer_key(name) for name in (names.block_scales, names.scale) if name]
-        for name in (*BUFFERS, WEIGHT, *tensors):
-            value = state_dict.get(prefix + name)
-            if isinstance(value, torch.Tensor) and value.device.type == "meta":
-                raise ValueError(f"{name} is on the meta device: it holds no values to load")
-        for name in BUFFERS:
-            if prefix + name in state_dict:
-                self._check_buffer(name, state_dict[prefix + name])
-        if prefix + WEIGHT in state_dict:
-            if not self.table.storage.writable:  # torch would copy into the node's segment
-                raise ValueError(f"{WEIGHT}: this layer's rows are in the node's shared segment "
-                                 "(placement='shared'), read by every process: they are "
-                                 "read-only; load into a new module")
-            self._check_rows(WEIGHT, state_dict[prefix + WEIGHT], self.layout.padded_rows)
-        if names.block_scales and prefix + layer_key(names.block_scales) in state_dict:
-            self._check_block_scales(state_dict[prefix + layer_key(names.block_scales)])
-        scale = self.scale_name and state_dict.get(prefix + self.scale_name)
-        if isinstance(scale, torch.Tensor):
-            if scale.numel() != 1 or not scale.dtype.is_floating_point:  # as load_weights
-                raise ValueError(f"{self.scale_name} must hold one floating value, got "
-                                 f"{scale.dtype} of shape {tuple(scale.shape)}")
-            check_scale(self.scale_name,
-                        float(scale.detach().to("cpu", torch.float32).reshape(())))
-            state_dict[prefix + self.scale_name] = scale.reshape(())  # the buffer's shape
-        if prefix + WEIGHT in state_dict:
-            self._loaded_shards.update(range(self.layout.config.split_ngram_parts))
-        if self.scale_name is not None and prefix + self.scale_name in state_dict:
-            self._scale_loaded = True
-
-    def _check_block_scales(self, scales: torch.Tensor) -> None:
-        """A state_dict's block scales: the table's ``[rows, head_dim / block]`` of the block
-        scale type (torch would convert other dtypes by value, not bits)."""
-        fmt = self.table.format
-        shape = (self.layout.padded_rows, fmt.scale_width(self.layout.head_dim))
-        dtype = getattr(torch, fmt.block_scale.name)
-        if tuple(scales.shape) != shape or scales.dtype != dtype:
-            raise ValueError(f"{layer_key(fmt.layer_names.block_scales)} must be {dtype} of "
-                             f"shape {shape} (one scale per "
-                             f"{fmt.block} values), got {scales.dtype} of shape "
-                             f"{tuple(scales.shape)}")
+        """Before ``load_state_dict`` puts anything in place: ``WeightLoading.check_state_dict``."""
+        self.loading.check_state_dict(state_dict, prefix)
 
     def extra_repr(self) -> str:
         return (f"layer={self.layout.layer}, heads={self.layout.num_heads}, "
@@ -484,5 +295,6 @@ def _rebuild(config: NGramConfig, layer: int, arguments: dict, state: dict,
     """An ``NGramEmbeddingModule`` from what ``__reduce__`` gave (pickle, ``copy.deepcopy``)."""
     module = NGramEmbeddingModule(config, layer, **arguments)
     module.load_state_dict({name: bits.view(dtype) for name, (bits, dtype) in state.items()})
-    module._loaded_shards, module._scale_loaded, module.allow_missing_weights = loaded
+    module.loading.loaded_shards, module.loading.scale_loaded, module.allow_missing_weights = \
+        loaded
     return module

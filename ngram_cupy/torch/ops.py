@@ -2,9 +2,11 @@
 ``torch.compile``, CUDA graphs and ``torch.export`` see one opaque call per step instead of
 tracing into NumPy, Numba and CuPy code.
 
-A table is not a tensor: every op takes ``handle``, an integer key into a registry of live
-layers (held weakly; ``register``), so schemas stay plain and a graph never holds the table,
-and fake (meta) implementations allocate only their outputs from the layer's shapes. Ops:
+A table is not a tensor: every op takes ``handle``, the integer key of a layer's ``LayerStep``
+(``layer.py``) in the one registry of live objects (``runtime/handles.py``, held weakly), so
+schemas stay plain and a graph never holds the table, and fake (meta) implementations allocate
+only their outputs from the step's shapes. A step offers ``layout``, ``embedding`` (the lookups:
+``NGramEmbedding``), ``table`` (the stored rows) and ``rows`` (``TrainableRows`` or None). Ops:
 
 - ``ngram_ids(handle, input_ids, query_start_loc, ngram_context) -> Tensor``: ``[T, H]`` int64
   row ids of a packed batch (``query_start_loc`` None: ``[B, S]`` rows, one sequence each);
@@ -20,49 +22,24 @@ and fake (meta) implementations allocate only their outputs from the layer's sha
 - ``row_gradient(handle, ids, grad_out) -> Tensor`` and
   ``optimizer_step_(handle, ids, grad_out, weight!) -> ()``.
 
-The layers (``NGramEmbeddingModule``, transformers' ``CachedNGramEmbedding``) call these in eager
-mode too, so compiled and eager runs share every kernel and give the same bits.
+Both torch layers (``NGramEmbeddingModule``, transformers' ``CachedNGramEmbedding``) run their
+step through these in eager mode too, so compiled and eager runs share every kernel and give the
+same bits.
 """
 
 from __future__ import annotations
 
-import functools
-import itertools
-import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from ..formats import output_format
-from ..hashing.config import NGramConfig
-from ..ids.ngram_ids import compute_ngram_ids
+from ..runtime.handles import resolve
 from ..tables.table import EmbeddingTable
 
 # torch dtypes NumPy has no type for -> the integer type of their width.
 _BITS = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8,
          torch.float8_e8m0fnu: torch.uint8}
-
-# Live layers by handle: anything with ``layout`` and ``embedding`` (``NGramEmbedding``), a
-# ``TableWeights`` (``table``) or a ``TrainableRows``; dropped with the object.
-_LIVE: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
-_NEXT = itertools.count(1)
-
-
-def register(layer: Any) -> int:
-    """A new handle for ``layer`` (held weakly), for the ops to reach it by."""
-    handle = next(_NEXT)
-    _LIVE[handle] = layer
-    return handle
-
-
-def resolve(handle: int) -> Any:
-    """The live object registered as ``handle``; a RuntimeError once it is gone."""
-    layer = _LIVE.get(handle)
-    if layer is None:
-        raise RuntimeError(f"ngram_cupy handle {handle} names no live layer (it was garbage "
-                           "collected): a graph that captured it outlived its module")
-    return layer
 
 
 def _stream(device: torch.device) -> Any:
@@ -80,21 +57,13 @@ def _array(tensor: torch.Tensor | None) -> Any:
     return tensor.numpy()
 
 
-def _rows_into(table: EmbeddingTable, ids: torch.Tensor, out: torch.Tensor,
-               prefetch: bool = False) -> None:
-    """``table.lookup`` (or ``prefetch``) of ``ids`` into ``out``, in ``out``'s dtype."""
-    call = table.prefetch if prefetch else table.lookup
-    call(_array(ids), out=_array(out), out_dtype=output_format(out.dtype).name,
-         stream=_stream(ids.device))
-
-
 def _ngram_ids(handle, input_ids, query_start_loc, ngram_context):
-    layout = resolve(handle).layout
-    out = torch.empty((input_ids.numel(), layout.num_heads), dtype=torch.int64,
-                      device=input_ids.device)
-    shaped = out.view(*input_ids.shape, layout.num_heads) if query_start_loc is None else out
-    compute_ngram_ids(layout, _array(input_ids), _array(query_start_loc), _array(ngram_context),
-                      out=_array(shaped), stream=_stream(input_ids.device))
+    embedding = resolve(handle).embedding
+    heads = embedding.layout.num_heads
+    out = torch.empty((input_ids.numel(), heads), dtype=torch.int64, device=input_ids.device)
+    shaped = out.view(*input_ids.shape, heads) if query_start_loc is None else out
+    embedding.compute_ids(_array(input_ids), _array(query_start_loc), _array(ngram_context),
+                          out=_array(shaped), stream=_stream(input_ids.device))
     return out
 
 
@@ -103,16 +72,24 @@ def _ngram_ids_fake(handle, input_ids, query_start_loc, ngram_context):
     return input_ids.new_empty((input_ids.numel(), heads), dtype=torch.int64)
 
 
+def _rows_into(handle: int, ids: torch.Tensor, out: torch.Tensor,
+               prefetch: bool = False) -> None:
+    """The step's rows of ``ids`` into ``out`` in ``out``'s dtype (``NGramEmbedding.lookup_rows``,
+    which joins a prefetch), or a prefetch of them (a trainable step notes it first)."""
+    step = resolve(handle)
+    if prefetch and step.rows is not None:
+        step.rows.prefetch_started()
+    call = step.embedding.prefetch_rows if prefetch else step.embedding.lookup_rows
+    call(_array(ids), out=_array(out), out_dtype=output_format(out.dtype).name,
+         stream=_stream(ids.device))
+
+
 def _lookup(handle, ids, out):
-    _rows_into(resolve(handle).embedding.table, ids, out)
+    _rows_into(handle, ids, out)
 
 
 def _prefetch(handle, ids, out):
-    layer = resolve(handle)
-    rows = getattr(layer, "trainable_rows", None)
-    if rows is not None:
-        rows.prefetch_started()
-    _rows_into(layer.embedding.table, ids, out, prefetch=True)
+    _rows_into(handle, ids, out, prefetch=True)
 
 
 def _nothing(*args):
@@ -140,20 +117,21 @@ def _dequantize_fake(handle, rows, block_scales, dtype):
 
 
 def _trainable_lookup(handle, weight, ids, dtype, fused):
-    rows = resolve(handle)
+    rows = resolve(handle).rows
     out = torch.empty((ids.shape[0], ids.shape[1] * rows.table.head_dim), dtype=dtype,
                       device=ids.device)
-    _rows_into(rows.table, ids, out)
+    rows.table.lookup(_array(ids), out=_array(out), out_dtype=output_format(dtype).name,
+                      stream=_stream(ids.device))
     return rows.fresh(ids, out)
 
 
 def _trainable_lookup_fake(handle, weight, ids, dtype, fused):
-    head_dim = resolve(handle).table.head_dim
+    head_dim = resolve(handle).rows.table.head_dim
     return ids.new_empty((ids.shape[0], ids.shape[1] * head_dim), dtype=dtype)
 
 
 def _row_gradient(handle, ids, grad_out):
-    gradient = resolve(handle).backward(ids, grad_out)
+    gradient = resolve(handle).rows.backward(ids, grad_out)
     if gradient is None:
         raise RuntimeError("a fused optimizer was attached after this graph was traced: call "
                            "torch.compiler.reset() or compile again")
@@ -163,7 +141,7 @@ def _row_gradient(handle, ids, grad_out):
 def _row_gradient_fake(handle, ids, grad_out):
     # The number of distinct rows is data-dependent; a sparse fake with none stands for it
     # (a sparse tensor cannot carry an unbacked size through AOT autograd).
-    weight = resolve(handle).weights.weight
+    weight = resolve(handle).rows.weights.weight
     return torch.sparse_coo_tensor(
         torch.empty((1, 0), dtype=torch.int64, device=grad_out.device),
         grad_out.new_empty((0, weight.shape[1]), dtype=weight.dtype), tuple(weight.shape),
@@ -171,7 +149,7 @@ def _row_gradient_fake(handle, ids, grad_out):
 
 
 def _optimizer_step(handle, ids, grad_out, weight):
-    rows = resolve(handle)
+    rows = resolve(handle).rows
     if rows.backward(ids, grad_out) is not None:
         raise RuntimeError("the fused optimizer was detached after this graph was traced: "
                            "call torch.compiler.reset() or compile again")
@@ -244,62 +222,15 @@ def prefetch(handle: int, ids: torch.Tensor, out: torch.Tensor) -> None:
     torch.ops.ngram_cupy.prefetch_(handle, ids, out)
 
 
+def trainable_lookup(handle: int, weight: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype,
+                     fused: bool) -> torch.Tensor:
+    """``trainable_lookup``: the rows of ``ids`` in ``dtype``, recorded for autograd against
+    ``weight`` (``fused``: the backward steps the attached optimizer instead)."""
+    return torch.ops.ngram_cupy.trainable_lookup(handle, weight, ids, dtype, fused)
+
+
 def decode(handle: int, rows: torch.Tensor, block_scales: torch.Tensor | None,
            dtype: torch.dtype) -> torch.Tensor:
     """``dequantize``: stored rows decoded to ``dtype`` by the table's format and scale, through
     the table gather itself (``TableWeights.dequantize`` checked them)."""
     return torch.ops.ngram_cupy.dequantize(handle, rows, block_scales, dtype)
-
-
-@functools.cache
-def _sample_layers() -> tuple:
-    """Small live layers for ``opcheck_samples``: two trainable float32 ones (sparse gradients;
-    an SGD fused optimizer) and an NVFP4 one (block-scaled ``dequantize``), kept for the
-    process."""
-    from .autograd import fused_optimizer  # the layers import this module
-    from .module import NGramEmbeddingModule
-
-    config = NGramConfig(vocab_size=40, ngram_size=3, heads_per_ngram=1, ngram_vocab_size_base=30,
-                         eos_token_id=1, embedding_dim=32, seed=5, split_ngram_parts=1)
-    trainable = [NGramEmbeddingModule(config, 0, placement="cpu", weight_dtype=torch.float32,
-                                      trainable=True) for _ in range(2)]
-    for layer in trainable:
-        layer.ngram_embedding.weight.data.normal_(generator=torch.Generator().manual_seed(0))
-    fused_optimizer(trainable[1], "sgd", lr=0.0)  # opcheck calls it twice: same rows
-    packed = NGramEmbeddingModule(config, 0, placement="cpu", weight_dtype="nvfp4")
-    return (*trainable, packed)
-
-
-def opcheck_samples() -> Iterator[tuple[Any, tuple, dict]]:
-    """Small valid ``(op, args, kwargs)`` for every registered op, for
-    ``torch.library.opcheck(op, args, kwargs)`` (schema, fake, autograd, AOT dispatch)."""
-    sparse, fused, packed = _sample_layers()
-    ops = torch.ops.ngram_cupy
-    tokens = torch.tensor([3, 1, 7, 7, 9, 2], dtype=torch.int64)
-    starts = torch.tensor([0, 2, 6], dtype=torch.int64)
-    context = torch.tensor([[1, 1], [4, 5]], dtype=torch.int64)
-    yield ops.ngram_ids.default, (sparse.handle, tokens, starts, context), {}
-    yield ops.ngram_ids.default, (sparse.handle, tokens.reshape(2, 3), None, None), {}
-    ids = sparse.compute_ngram_ids(tokens, starts, context)
-    width = ids.shape[1] * sparse.layout.head_dim
-    for dtype in (torch.float32, torch.bfloat16):
-        yield ops.lookup_.default, (sparse.handle, ids, torch.empty((6, width), dtype=dtype)), {}
-    yield ops.prefetch_.default, (packed.handle, ids, torch.empty((6, width),
-                                                                  dtype=torch.bfloat16)), {}
-    rows = sparse.trainable_rows
-    weight = sparse.ngram_embedding.weight
-    yield ops.trainable_lookup.default, (rows.handle, weight, ids, torch.float32, False), {}
-    yield ops.trainable_lookup.default, (fused.trainable_rows.handle,
-                                         fused.ngram_embedding.weight, ids, torch.float32,
-                                         True), {}
-    grad = torch.ones((6, width), dtype=torch.float32)
-    yield ops.row_gradient.default, (rows.handle, ids, grad), {}
-    yield ops.optimizer_step_.default, (fused.trainable_rows.handle, ids, grad,
-                                        fused.ngram_embedding.weight.detach()), {}
-    stored = packed.ngram_embedding.weight[:3]
-    scales = packed.ngram_embedding.weight_scale[:3].view(torch.uint8)  # opcheck compares
-    yield ops.dequantize.default, (packed.ngram_embedding.handle, stored, scales,
-                                   torch.bfloat16), {}
-    plain = sparse.ngram_embedding
-    yield ops.dequantize.default, (plain.handle, weight.detach()[:4], None, torch.float32), {}
-

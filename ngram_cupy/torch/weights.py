@@ -55,12 +55,13 @@ class TableWeights(torch.nn.Module):
     (``Format.layer_names``) that share the table's memory, so ``state_dict`` reads and
     ``load_state_dict`` writes the table in place: the rows (``weight``), block scales where the
     format has them (``weight_scale``, sharing the table's) and the table's one float scale
-    where it has one (float8: ``weight_scale``; NVFP4: the global ``weight_scale_2``)."""
+    where it has one (float8: ``weight_scale``; NVFP4: the global ``weight_scale_2``).
+    ``handle``: the layer step's, through which ``dequantize`` reaches the table (``ops.py``)."""
 
-    def __init__(self, table: EmbeddingTable, dtype: torch.dtype):
+    def __init__(self, table: EmbeddingTable, dtype: torch.dtype, handle: int):
         super().__init__()
         self.table = table
-        self.handle = torch_ops.register(self)  # the key the registered ops reach the table by
+        self.handle = handle
         names = table.format.layer_names
         self.register_buffer(names.rows, storage_view(table, dtype))
         if names.block_scales:

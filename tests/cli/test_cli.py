@@ -53,7 +53,7 @@ def default_interrupt() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def small_config(tmp_path: Path) -> Path:
+def small_config_file(tmp_path: Path) -> Path:
     """The one-head config as a file."""
     path = tmp_path / "small.json"
     path.write_text(json.dumps(SMALL))
@@ -110,7 +110,7 @@ def test_data_run_matches_library(tmp_path, capsys):
 
 
 def test_arrow_ipc_inputs_folders_and_several_layers(tmp_path, capsys):
-    config = small_config(tmp_path)
+    config = small_config_file(tmp_path)
     table = pq.read_table(CORPUS).slice(100, 40)
     layouts = [nc.layer_layout(nc.NGramConfig.from_hf(config), layer) for layer in (0, 2)]
     expected = [whole_document_ids(layout, table, None) for layout in layouts]
@@ -202,7 +202,7 @@ def start_slow_run(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     process = run_subprocess(["ids", source, out_dir / "ids.parquet", "--config",
-                              small_config(tmp_path), "--batch-rows", 1, "--quiet"])
+                              small_config_file(tmp_path), "--batch-rows", 1, "--quiet"])
     deadline = time.monotonic() + 120
     while not os.listdir(out_dir):  # the handshake: a temporary output exists once handlers are set
         assert process.poll() is None, process.communicate()
@@ -235,7 +235,7 @@ def swallowed_runs(tmp_path_factory) -> dict:
     """Every swallowed-signal run, in one process of their own (signal_worker.py), so that no
     signal they send reaches this one and lands in another test (issue 43)."""
     folder = tmp_path_factory.mktemp("swallowed")
-    config = small_config(folder)
+    config = small_config_file(folder)
     cases = []
     for row_groups, signum, _ in SWALLOWED:
         source = folder / f"in-{row_groups}.parquet"
@@ -273,7 +273,7 @@ def peak_memory_of_run(tmp_path: Path, row_groups: int) -> int:
     source = tmp_path / f"rg{row_groups}.parquet"
     write_tokens(source, row_groups)
     argv = ["ids", str(source), str(tmp_path / f"out{row_groups}.parquet"), "--config",
-            str(small_config(tmp_path)), "--quiet"]
+            str(small_config_file(tmp_path)), "--quiet"]
     code = ("import resource, sys\nfrom ngram_cupy.cli.main import main\n"
             f"assert main({argv!r}) == 0\n"
             "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
@@ -297,7 +297,7 @@ def test_progress_bar_on_a_terminal(tmp_path, columns):
     fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
     process = subprocess.Popen(
         [sys.executable, "-m", "ngram_cupy", "ids", str(source), str(tmp_path / "o.parquet"),
-         "--config", str(small_config(tmp_path)), "--batch-rows", "10"],
+         "--config", str(small_config_file(tmp_path)), "--batch-rows", "10"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=terminal)
     os.close(terminal)
     screen = b""
@@ -319,7 +319,7 @@ def test_progress_bar_off_without_a_terminal(tmp_path):
     source = tmp_path / "in.parquet"
     write_tokens(source, row_groups=3, rows=50, length=100)  # as the terminal test's input
     process = run_subprocess(["ids", source, tmp_path / "o.parquet", "--config",
-                              small_config(tmp_path), "--batch-rows", "10"])
+                              small_config_file(tmp_path), "--batch-rows", "10"])
     stdout, stderr = process.communicate(timeout=120)
     assert process.returncode == 0 and stderr == ""
     assert stdout.startswith("wrote ") and stdout.count("\n") == 1
@@ -422,7 +422,7 @@ def assert_user_error(status: int, stdout: str, err: str, *words: str) -> None:
 def test_data_loss_output_inside_the_input_folder_is_refused(tmp_path, capsys):
     folder = token_folder(tmp_path)
     before = (folder / "a.parquet").read_bytes()
-    config = small_config(tmp_path)
+    config = small_config_file(tmp_path)
     (tmp_path / "link").symlink_to(folder)
     os.link(folder / "a.parquet", tmp_path / "hard.parquet")
     for output in (folder / "a.parquet", folder / "new.parquet", tmp_path / "link" / "a.parquet",
@@ -440,7 +440,7 @@ def test_data_loss_output_is_the_input_file_through_a_link_or_relative_path(tmp_
     monkeypatch.chdir(folder)
     for output in (tmp_path / "alias.parquet", "a.parquet", "./../corpus/a.parquet"):
         status, stdout, err = run(["ids", folder / "a.parquet", output, "--config",
-                                   small_config(tmp_path)], capsys)
+                                   small_config_file(tmp_path)], capsys)
         assert_user_error(status, stdout, err, "INPUT")
 
 
@@ -461,7 +461,7 @@ def test_silent_wrong_folder_file_with_wrong_tokens_names_file_and_column(tmp_pa
     folder = token_folder(tmp_path, second)
     out = tmp_path / "o.parquet"
     for argv in (["ids", folder, out], ["stats", folder]):
-        status, stdout, err = run([*argv, "--config", small_config(tmp_path)], capsys)
+        status, stdout, err = run([*argv, "--config", small_config_file(tmp_path)], capsys)
         assert_user_error(status, stdout, err, "b.parquet", "tokens", *words)
     assert not out.exists()
 
@@ -476,7 +476,7 @@ def test_folder_files_with_int32_and_int64_tokens_and_extra_columns_are_read_who
                    folder / "a.parquet")
     pq.write_table(second, folder / "b.parquet")
     out = tmp_path / "o.parquet"
-    status, _, err = run(["ids", folder, out, "--config", small_config(tmp_path), "--quiet"],
+    status, _, err = run(["ids", folder, out, "--config", small_config_file(tmp_path), "--quiet"],
                          capsys)
     assert status == 0, err
     table = pq.read_table(out)
@@ -574,7 +574,7 @@ def test_ugly_unwritable_output_folder_is_refused_before_compiling_or_running(
     work = []
     monkeypatch.setattr(cli, "compile_kernels", lambda *args: work.append("compile") or 0.0)
     monkeypatch.setattr(stats, "ngram_stats", lambda *args: work.append("stats"))
-    small = ["--config", small_config(tmp_path), "--quiet"]
+    small = ["--config", small_config_file(tmp_path), "--quiet"]
     for command in (["ids", CORPUS, out / "ids.parquet"],
                     ["stats", CORPUS, "--plot", out / "stats.png"],
                     ["stats", CORPUS, "--save-hot-rows", 10, out / "hot.npy"]):
@@ -651,7 +651,7 @@ def test_every_argument_has_help():
 def test_output_records_layers_config_hash_and_version(tmp_path, capsys):
     from ngram_cupy.arrow import config_hash
 
-    config = small_config(tmp_path)
+    config = small_config_file(tmp_path)
     source = tmp_path / "in.parquet"
     pq.write_table(pq.read_table(CORPUS).slice(0, 5), source)
     for layers, columns in (([0], ["ngram_ids"]), ([0, 2], ["ngram_ids_layer0",
@@ -673,7 +673,7 @@ def test_output_records_layers_config_hash_and_version(tmp_path, capsys):
 
 
 def test_out_of_vocabulary_and_negative_tokens_are_hashed_and_counted(tmp_path, capsys):
-    config = small_config(tmp_path)
+    config = small_config_file(tmp_path)
     vocab = SMALL["vocab_size"]
     tokens = [[1, -5, 2], [vocab, vocab + 7, 3], [4]]
     source = tmp_path / "in.parquet"

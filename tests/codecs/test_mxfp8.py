@@ -149,7 +149,7 @@ def test_simulated_fused_kernel(simulate, tiered, packed):
     rows = layout.padded_rows
     weight = rng.integers(0, 256, (rows, 64), dtype=np.uint8)
     scales = rng.integers(0, 256, (rows, 2), dtype=np.uint8)
-    batch = simulator.random_batch(rng, layout, 9, 3)
+    batch = simulator.wild_batch(rng, layout, 9, 3)
     ids = nc.compute_ngram_ids(layout, *batch)
     tier = None
     if tiered:

@@ -171,7 +171,7 @@ def test_host_built_tiered_gather_reads_hot_rows_and_their_scales(host_gather, c
 
 # ---------------------------------------------------------------- the table, every placement
 
-def tables(case, hot_every=3):
+def nvfp4_tables(case, hot_every=3):
     """The golden table as: an adopted-then-copied array, ``empty`` + ``write_rows`` (pinned,
     float8-typed scales), a hot-row tier, and mapped blocks (two of them)."""
     weight, scales, scale = case["weight"], case["weight_scale"], case["weight_scale_2"]
@@ -193,7 +193,7 @@ def tables(case, hot_every=3):
 
 
 def test_every_host_placement_equals_the_kernel_vectors(case):
-    for table in tables(case):
+    for table in nvfp4_tables(case):
         assert table.head_dim == case["dim"] and table.format is FMT
         for out_code in OUTPUT_CODES:
             result = table.lookup(case["ids"], out_dtype=FORMATS[out_code].dtype)
@@ -202,13 +202,13 @@ def test_every_host_placement_equals_the_kernel_vectors(case):
 
 
 def test_prefetch_then_lookup_equals_the_kernel_vectors(case):
-    table = next(tables(case))
+    table = next(nvfp4_tables(case))
     table.prefetch(case["ids"])
     assert_golden(table.lookup(case["ids"]), case, 2)
 
 
 def test_a_tier_counts_and_stays_current_through_write_rows(case):
-    *_, tiered, _ = tables(case, hot_every=2)
+    *_, tiered, _ = nvfp4_tables(case, hot_every=2)
     table = tiered
     table.lookup(case["ids"])
     assert table.counters["hot_rows"] > 0
@@ -267,7 +267,7 @@ def test_simulated_fused_kernel_equals_the_cpu_path(simulate, case, tiered, pack
     table = nc.EmbeddingTable(weight[start:], dtype="nvfp4", block_scales=scales[start:],
                               scale=case["weight_scale_2"], row_start=start,
                               total_rows=layout.padded_rows)
-    batch = simulator.random_batch(rng, layout, 9, 3)
+    batch = simulator.wild_batch(rng, layout, 9, 3)
     ids = nc.compute_ngram_ids(layout, *batch)
     kernel_rows, kernel_scales = laid_out(weight[start:], scales[start:], FMT, packed)
     tier = None
@@ -294,7 +294,7 @@ def test_simulated_fused_kernel_equals_the_cpu_path(simulate, case, tiered, pack
 
 def test_the_fused_kernel_refuses_nvfp4_rows_without_scales(simulate):
     layout = simulator.layouts()[0]
-    batch = simulator.random_batch(np.random.default_rng(0), layout, 3, 1)
+    batch = simulator.wild_batch(np.random.default_rng(0), layout, 3, 1)
     words = np.zeros((layout.padded_rows, 1), np.uint64)
     out = np.zeros((3, layout.num_heads * 16), np.uint16)
     with pytest.raises(ValueError, match="block scales"):
@@ -396,7 +396,7 @@ def test_gpu_fused_forward_equals_the_cpu_path(case):
                               block_scales=case["weight_scale"][:rows],
                               scale=case["weight_scale_2"], placement="pinned",
                               total_rows=layout.padded_rows)
-    batch = simulator.random_batch(np.random.default_rng(1), layout, 64, 5)
+    batch = simulator.wild_batch(np.random.default_rng(1), layout, 64, 5)
     fused = nc.NGramEmbedding(layout, table, fused=True)
     got = fused(*(cupy.asarray(part) for part in batch))
     want = table.lookup(nc.compute_ngram_ids(layout, *batch))

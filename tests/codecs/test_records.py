@@ -31,7 +31,7 @@ def test_record_bytes(code, head_dim, record):
     assert record_bytes(FORMATS[code], head_dim) == record
 
 
-def random_rows(rng, code, rows, head_dim):
+def block_rows(rng, code, rows, head_dim):
     """Random codes and scale bytes of a block-scaled format (every scale byte but NaN)."""
     fmt = FORMATS[code]
     codes = rng.integers(0, 256, (rows, fmt.row_width(head_dim)), dtype=np.uint8)
@@ -44,7 +44,7 @@ def random_rows(rng, code, rows, head_dim):
 def test_tables_store_one_record_per_row(code, head_dim):
     """Codes, then scales, then zero padding; ``host_view`` / ``host_scales`` are views."""
     rng = np.random.default_rng(code)
-    codes, scales = random_rows(rng, code, 30, head_dim)
+    codes, scales = block_rows(rng, code, 30, head_dim)
     fmt = FORMATS[code]
     weight = codes if code == NVFP4 else codes.view(ml_dtypes.float8_e4m3fn)
     table = nc.EmbeddingTable(weight, dtype=fmt.name, block_scales=scales,
@@ -66,7 +66,7 @@ def test_packed_gather_equals_the_separate_arrays(code):
     rng = np.random.default_rng(10 + code)
     head_dim = 64
     fmt = FORMATS[code]
-    codes, scales = random_rows(rng, code, 50, head_dim)
+    codes, scales = block_rows(rng, code, 50, head_dim)
     records, rows, row_scales = packed_rows(50, head_dim, fmt)
     rows.view(np.uint8)[...], row_scales[...] = codes, scales
     ids = rng.integers(0, 60, (70, 3))
@@ -94,7 +94,7 @@ def test_packed_gather_equals_the_separate_arrays(code):
 
 def test_a_tier_over_packed_rows_keeps_its_records_current():
     rng = np.random.default_rng(3)
-    codes, scales = random_rows(rng, NVFP4, 40, 32)
+    codes, scales = block_rows(rng, NVFP4, 40, 32)
     table = nc.EmbeddingTable.empty(40, 32, "nvfp4", scale=2.0, hot_rows=np.arange(0, 40, 2))
     table.write_rows(0, codes, scales)
     plain = nc.EmbeddingTable(codes, dtype="nvfp4", block_scales=scales, scale=2.0)
@@ -116,7 +116,7 @@ def test_host_built_cuda_gather_reads_packed_records(host_gather, code):
     the bad word's IndexError; one 16-byte load per thread over a record's values."""
     rng = np.random.default_rng(20 + code)
     fmt, head_dim, start, total = FORMATS[code], 64, 5, 60
-    codes, scales = random_rows(rng, code, 50, head_dim)
+    codes, scales = block_rows(rng, code, 50, head_dim)
     ids = rng.integers(0, total, (70, 3))
     ids[3, 1] = 0  # another shard's, below this one
     bad_ids = ids.copy()
@@ -148,7 +148,7 @@ def test_host_built_tiered_gather_reads_hot_records(host_gather, code):
     garbage there, so a mixed-up read shows), counted per tier."""
     rng = np.random.default_rng(30 + code)
     fmt, head_dim = FORMATS[code], 64
-    codes, scales = random_rows(rng, code, 40, head_dim)
+    codes, scales = block_rows(rng, code, 40, head_dim)
     hot = np.arange(0, 40, 3)
     records, rows, row_scales = packed_rows(40, head_dim, fmt)
     rows.view(np.uint8)[...], row_scales[...] = codes, scales
@@ -204,8 +204,8 @@ def test_simulated_fused_kernel_reads_packed_records(simulate, code):
     layout = nc.layer_layout(nc.NGramConfig(50, 3, 1, 7, 0, embedding_dim=64), 0)
     head_dim = layout.head_dim
     total, start = layout.padded_rows - 3, 2
-    codes, scales = random_rows(rng, code, total - start - 1, head_dim)  # the last row: others'
-    batch = simulator.random_batch(rng, layout, 12, 3)
+    codes, scales = block_rows(rng, code, total - start - 1, head_dim)  # the last row: others'
+    batch = simulator.wild_batch(rng, layout, 12, 3)
     ids = nc.compute_ngram_ids(layout, *batch)
     position = np.flatnonzero(ids.reshape(-1) >= total)
     assert position.size and (ids < start).any()  # ids in every range
@@ -253,7 +253,7 @@ def test_a_gpu_tier_over_records_uploads_hot_records(monkeypatch):
         asarray=lambda array: uploads.append(array.shape) or np.array(array)))
     monkeypatch.setattr(tiered, "cuda_stream", Stream)
     fmt = FORMATS[NVFP4]
-    codes, scales = random_rows(np.random.default_rng(5), NVFP4, 40, 160)
+    codes, scales = block_rows(np.random.default_rng(5), NVFP4, 40, 160)
     records, rows, row_scales = packed_rows(40, 160, fmt)
     rows[...], row_scales[...] = codes, scales
     cold = CpuStorage(rows, fmt, row_scales, records)
@@ -274,9 +274,9 @@ def test_simulated_fused_kernel_reads_a_tier_of_hot_records(simulate):
     fmt = FORMATS[NVFP4]
     layout = nc.layer_layout(nc.NGramConfig(50, 2, 2, 7, 0, embedding_dim=64), 0)
     rows = layout.padded_rows
-    codes, scales = random_rows(rng, NVFP4, rows, layout.head_dim)
+    codes, scales = block_rows(rng, NVFP4, rows, layout.head_dim)
     hot = np.arange(1, rows, 2)
-    batch = simulator.random_batch(rng, layout, 9, 2)
+    batch = simulator.wild_batch(rng, layout, 9, 2)
     ids = nc.compute_ngram_ids(layout, *batch)
     records, cold, cold_scales = packed_rows(rows, layout.head_dim, fmt)
     cold.view(np.uint8)[...], cold_scales[...] = codes, scales
@@ -310,7 +310,7 @@ def test_gpu_storages_hold_and_read_records(code, placement, hot):
     fmt, head_dim, start = FORMATS[code], 64, 2
     layout = nc.layer_layout(nc.NGramConfig(50, 3, 1, 7, 0, embedding_dim=2 * head_dim), 0)
     total = layout.padded_rows
-    codes, scales = random_rows(rng, code, total - start, head_dim)
+    codes, scales = block_rows(rng, code, total - start, head_dim)
     weight = codes if code == NVFP4 else codes.view(ml_dtypes.float8_e4m3fn)
     kwargs = dict(dtype=fmt.name, row_start=start, total_rows=total,
                   scale=SCALES[code] if code == NVFP4 else None)
@@ -330,7 +330,7 @@ def test_gpu_storages_hold_and_read_records(code, placement, hot):
     bad[7, 1] = total
     with pytest.raises(IndexError, match=r"ids\[7, 1\]"):
         table.lookup(cupy.asarray(bad))
-    batch = simulator.random_batch(rng, layout, 16, 2)
+    batch = simulator.wild_batch(rng, layout, 16, 2)
     fused = nc.NGramEmbedding(layout, table, fused=True)(*(cupy.asarray(a) for a in batch))
     hashed = nc.compute_ngram_ids(layout, *batch)
     want = np.zeros((16, 2 * head_dim), np.uint16)

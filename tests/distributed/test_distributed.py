@@ -24,7 +24,7 @@ CONFIG = nc.NGramConfig(
 LAYOUT = nc.layer_layout(CONFIG, 0)
 
 
-def batch(rng, num_tokens: int):
+def request_batch(rng, num_tokens: int):
     """A packed batch of two requests (``num_tokens`` tokens in all) and its ids."""
     tokens = rng.integers(0, CONFIG.vocab_size, num_tokens)
     starts = np.array([0, num_tokens // 2, num_tokens])
@@ -44,7 +44,7 @@ def run_job(tmp_path, world: int, counts, backend="gloo", placements=("cpu", "mm
     inputs = {"ids": np.concatenate([rng.integers(0, LAYOUT.padded_rows, (9, 4)),
                                      [[0, 63, 1, 62]]])}
     for rank, count in enumerate(counts):
-        tokens, starts, context = batch(rng, count)
+        tokens, starts, context = request_batch(rng, count)
         inputs.update({f"tokens_{rank}": tokens, f"starts_{rank}": starts,
                        f"context_{rank}": context,
                        f"ids_{rank}": rng.integers(0, LAYOUT.padded_rows, (count, 4))})

@@ -38,7 +38,7 @@ STEPS = [("dp", "f32", "bf16"),  # 0: mixed dtypes: both step, as one process
 STEPPED = {"dp": (0, 2, 5), "tp": (7,)}
 
 
-def step_inputs(rng) -> dict[str, np.ndarray]:
+def hostile_step_inputs(rng) -> dict[str, np.ndarray]:
     """Each step's ids and gradients per rank (data parallel) or shared (tensor parallel)."""
     rows, heads, dim = LAYOUT.padded_rows, LAYOUT.num_heads, LAYOUT.head_dim
     owned_by_1 = split_rows(rows, WORLD, 1)[0]
@@ -62,7 +62,7 @@ def step_inputs(rng) -> dict[str, np.ndarray]:
     return inputs
 
 
-def one_process(checkpoint: Path, inputs, mode: str) -> np.ndarray:
+def one_process_adam(checkpoint: Path, inputs, mode: str) -> np.ndarray:
     """The rows of one process's Adam stepping on the accepted steps' whole batches."""
     table = nc.load_ngram_embedding(checkpoint, CONFIG, 0, placement="cpu").table
     optimizer = nc.Adam(table, lr=LR)
@@ -78,9 +78,9 @@ def test_data_parallel_ranks_agree_on_every_step(tmp_path):
     checkpoint = tmp_path / "ckpt"
     nc.save_ngram_embedding(checkpoint, LAYOUT, rng.normal(
         size=(LAYOUT.padded_rows, LAYOUT.head_dim)).astype(np.float32))
-    inputs = step_inputs(rng)
+    inputs = hostile_step_inputs(rng)
     np.savez(tmp_path / "inputs.npz", **inputs)
-    expect = {mode: one_process(checkpoint, inputs, mode) for mode in STEPPED}  # and compiles
+    expect = {mode: one_process_adam(checkpoint, inputs, mode) for mode in STEPPED}  # and compiles
     job = dict(config=CONFIG.__dict__, checkpoint=str(checkpoint), world_size=WORLD,
                init_method=init_method(), timeout_s=TIMEOUT_S // 2, lr=LR,
                steps=[list(step) for step in STEPS])

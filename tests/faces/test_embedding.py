@@ -16,7 +16,7 @@ def fp8_rows(rows: int, head_dim: int, seed: int = 0) -> np.ndarray:
     return (rng.standard_normal((rows, head_dim)) * 8).astype(ml_dtypes.float8_e4m3fn)
 
 
-def small_layout(embedding_dim=48):
+def small_ngram_layout(embedding_dim=48):
     config = nc.NGramConfig(vocab_size=500, ngram_size=4, heads_per_ngram=2,
                             ngram_vocab_size_base=70, eos_token_id=2,
                             embedding_dim=embedding_dim, make_ngram_vocab_size_divisible_by=8)
@@ -45,7 +45,7 @@ def test_forward_is_golden_ids_then_rows(golden):
 
 
 def test_forward_out_and_out_dtype():
-    layout = small_layout()
+    layout = small_ngram_layout()
     weight = fp8_rows(layout.padded_rows, 8)
     layer = nc.NGramEmbedding(layout, nc.EmbeddingTable(weight, scale=0.25))
     tokens, starts = np.array([5, 2, 7, 9, 11]), np.array([0, 2, 5])
@@ -65,7 +65,7 @@ def test_forward_out_and_out_dtype():
 def test_padded_batch_through_forward_ids_out_and_prefetch():
     """Tokens past ``query_start_loc[-1]`` (SPEC 10.3): the rows of tokens appended to the last
     request, with ``ids_out`` and after a prefetch; the real tokens' rows unchanged."""
-    layout = small_layout()
+    layout = small_ngram_layout()
     weight = fp8_rows(layout.padded_rows, 8)
     layer = nc.NGramEmbedding(layout, nc.EmbeddingTable(weight, scale=0.25))
     tokens, starts = np.array([5, 2, 7, 9, 11, 0, 0, 2]), np.array([0, 2, 5])
@@ -81,7 +81,7 @@ def test_padded_batch_through_forward_ids_out_and_prefetch():
 
 
 def test_row_shards_sum_to_the_whole_layer():
-    layout = small_layout()
+    layout = small_ngram_layout()
     weight = fp8_rows(layout.padded_rows, 8, seed=1)
     rng = np.random.default_rng(2)
     tokens, starts = rng.integers(0, 500, 40), np.array([0, 13, 40])
@@ -98,7 +98,7 @@ def test_row_shards_sum_to_the_whole_layer():
 
 
 def test_torch_cpu_tensors_in_and_out_without_copies():
-    layout = small_layout()
+    layout = small_ngram_layout()
     weight = fp8_rows(layout.padded_rows, 8, seed=3)
     table = nc.EmbeddingTable(torch.from_numpy(weight.view(np.uint8)).view(torch.float8_e4m3fn),
                               scale=torch.tensor(0.5, dtype=torch.bfloat16))
@@ -120,7 +120,7 @@ def test_torch_cpu_tensors_in_and_out_without_copies():
 
 
 def test_layer_checks_the_table_against_the_layout():
-    layout = small_layout()
+    layout = small_ngram_layout()
     with pytest.raises(ValueError, match="total_rows=.* must equal the layout's padded_rows"):
         nc.NGramEmbedding(layout, nc.EmbeddingTable(fp8_rows(layout.padded_rows - 1, 8)))
     with pytest.raises(ValueError, match="head_dim=4 must equal the layout's head_dim=8"):
@@ -129,13 +129,13 @@ def test_layer_checks_the_table_against_the_layout():
         nc.NGramEmbedding(layout, fp8_rows(layout.padded_rows, 8))
     with pytest.raises(TypeError, match="layout must be a LayerLayout"):
         nc.NGramEmbedding("layer 0", nc.EmbeddingTable(fp8_rows(layout.padded_rows, 8)))
-    no_dim = small_layout(embedding_dim=None)  # a layout without embedding_dim takes any rows
+    no_dim = small_ngram_layout(embedding_dim=None)  # a layout without embedding_dim takes any rows
     layer = nc.NGramEmbedding(no_dim, nc.EmbeddingTable(fp8_rows(no_dim.padded_rows, 3)))
     assert "layer=1" in repr(layer)
 
 
 def test_batch_errors_surface_from_forward():
-    layout = small_layout()
+    layout = small_ngram_layout()
     layer = nc.NGramEmbedding(layout, nc.EmbeddingTable(fp8_rows(layout.padded_rows, 8)))
     with pytest.raises(ValueError, match="query_start_loc must end at"):
         layer(np.array([1, 2, 3]), np.array([0, 4]), np.zeros((1, 3), np.int64))

@@ -12,7 +12,7 @@ import pytest
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 
-from ngram_cupy import jax_ffi  # noqa: E402
+from ngram_cupy.jax import ffi as jax_ffi  # noqa: E402
 
 
 class Owner:
@@ -81,10 +81,11 @@ def test_a_call_is_compiled_once_per_owner_and_dropped_with_it():
     for _ in range(3):
         jitted(x)
     assert jitted._cache_size() == 1 and len(owner.seen) == 3
-    assert sum(ref() is owner for ref, _, _ in jax_ffi.FUNCTIONS.values()) == 1
+    assert sum(call.owner() is owner for call in jax_ffi.bound_calls()) == 1
+    bound = len(jax_ffi.bound_calls())
     del owner, jitted
     gc.collect()
-    assert all(ref() is not None for ref, _, _ in jax_ffi.FUNCTIONS.values())
+    assert len(jax_ffi.bound_calls()) == bound - 1
 
 
 def test_a_call_whose_owner_is_gone_says_so():

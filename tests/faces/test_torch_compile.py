@@ -1,8 +1,10 @@
 """torch.compile over the registered ops: one graph, eager bits, no table copy, opcheck.
 
 Compiling dominates the time here, so one model holds a layer of every placement and format and
-is compiled once (Inductor) for the whole module; token-count and graph-break checks use
-dynamo's own counting backends, which stop before Inductor.
+is compiled once for the whole module, by AOTAutograd without Inductor (``aot_eager``: the ops'
+fake kernels, functionalization and mutations, as Inductor sees them); one smaller model runs
+through Inductor itself, bit for bit. Token-count and graph-break checks use dynamo's own
+counting backends, which stop before Inductor.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ def filled(placement="cpu", weight_dtype="float32", hot_rows=None, seed=0, **opt
     return layer
 
 
-def batch(num_tokens, requests=2, seed=0):
+def token_batch(num_tokens, requests=2, seed=0):
     """A packed batch of ``num_tokens`` tokens in ``requests`` requests."""
     generator = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(0, CONFIG.vocab_size, (num_tokens,), generator=generator)
@@ -65,7 +67,7 @@ def batch(num_tokens, requests=2, seed=0):
     return input_ids, starts, context
 
 
-def bits(tensor):
+def tensor_bits(tensor):
     """A tensor's bits as integers (NaN payloads compare too)."""
     return tensor.detach().view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[
         tensor.element_size()])
@@ -75,9 +77,9 @@ class EveryLayer(torch.nn.Module):
     """A layer of each placement and format, a prefetching one and a stored-rows one whose
     rows ``dequantize`` decodes, all called on one batch."""
 
-    def __init__(self):
+    def __init__(self, specs=LAYERS):
         super().__init__()
-        self.layers = torch.nn.ModuleList(filled(*spec, seed=i) for i, spec in enumerate(LAYERS))
+        self.layers = torch.nn.ModuleList(filled(*spec, seed=i) for i, spec in enumerate(specs))
         self.prefetching = filled("pinned", "bfloat16", seed=20)
         self.stored = filled("cpu", "float8_e4m3fn", seed=21, return_stored_rows=True)
 
@@ -107,7 +109,7 @@ def every_layer(tmp_path_factory):
 
 
 def test_one_graph_without_breaks(every_layer):
-    explained = torch._dynamo.explain(every_layer)(*batch(9))
+    explained = torch._dynamo.explain(every_layer)(*token_batch(9))
     assert (explained.graph_count, explained.graph_break_count) == (1, 0)
     called = " ".join(str(node.target) for graph in explained.graphs
                       for node in graph.graph.nodes if node.op == "call_function")
@@ -115,16 +117,29 @@ def test_one_graph_without_breaks(every_layer):
         assert f"ngram_cupy.{op}" in called
 
 
-def test_inductor_equals_eager_bit_for_bit(every_layer):
-    compiled = torch.compile(every_layer, fullgraph=True, dynamic=True)  # one compile, both
+def assert_compiled_equals_eager(model, backend: str) -> None:
+    """``model`` compiled once by ``backend`` (dynamic in the token count) gives eager's bits
+    for every output, at two token counts."""
+    compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=True)
     for num_tokens in (5, 37):
-        args = batch(num_tokens, requests=3, seed=num_tokens)
+        args = token_batch(num_tokens, requests=3, seed=num_tokens)
         with torch.no_grad():
-            want = every_layer(*args)
+            want = model(*args)
             got = compiled(*args)
-        assert len(got) == len(want) == len(LAYERS) + 2
+        assert len(got) == len(want) == len(model.layers) + 2
         for index, (g, w) in enumerate(zip(got, want, strict=True)):
-            assert g.dtype == w.dtype and torch.equal(bits(g), bits(w)), index
+            assert g.dtype == w.dtype and torch.equal(tensor_bits(g), tensor_bits(w)), index
+
+
+def test_every_layer_compiled_equals_eager_bit_for_bit(every_layer):
+    assert_compiled_equals_eager(every_layer, "aot_eager")
+
+
+def test_inductor_equals_eager_bit_for_bit():
+    """Inductor's own code around the ops (buffers it allocates, reinplaced mutations, the
+    prefetch's side effect, a dequantize it may fuse with) on a float8 layer, a prefetching
+    layer and a stored-rows one."""
+    assert_compiled_equals_eager(EveryLayer([("cpu", "float8_e4m3fn", None)]), "inductor")
 
 
 def test_token_counts_compile_at_most_twice():
@@ -132,8 +147,8 @@ def test_token_counts_compile_at_most_twice():
     counter = CompileCounter()
     compiled = torch.compile(layer, backend=counter, fullgraph=True)
     for num_tokens in (1, 16, 64, 256, 8192):  # decode steps, then a prefill
-        args = batch(num_tokens, requests=2, seed=num_tokens)
-        assert torch.equal(bits(compiled(*args)), bits(layer(*args)))
+        args = token_batch(num_tokens, requests=2, seed=num_tokens)
+        assert torch.equal(tensor_bits(compiled(*args)), tensor_bits(layer(*args)))
     assert counter.frame_count <= 2
 
 
@@ -149,7 +164,7 @@ def trained(fused: bool):
 def test_training_under_compile_equals_eager(fused):
     eager, compiled_layer = trained(fused), trained(fused)
     compiled = torch.compile(compiled_layer, backend="aot_eager", fullgraph=True)
-    args = batch(11, requests=2, seed=4)
+    args = token_batch(11, requests=2, seed=4)
     weights = torch.randn(11, CONFIG.embedding_dim, generator=torch.Generator().manual_seed(1))
     for call in (eager, compiled):
         (call(*args) * weights).sum().backward()
@@ -189,7 +204,10 @@ def test_a_dead_handle_is_a_clear_error():
 
     gc.collect()
     with pytest.raises(RuntimeError, match=f"handle {handle} names no live layer"):
-        torch.ops.ngram_cupy.ngram_ids(handle, *batch(3))
+        torch.ops.ngram_cupy.ngram_ids(handle, *token_batch(3))
+    foreign = handle & (1 << 32) - 1  # the same counter under another process's tag (none)
+    with pytest.raises(RuntimeError, match=f"handle {foreign} was made by another process"):
+        torch.ops.ngram_cupy.ngram_ids(foreign, *token_batch(3))
 
 
 def peak_bytes() -> int:
@@ -300,9 +318,9 @@ def test_torch_export_keeps_the_ops():
     its graph (the handle a constant of this process), and eager bits on another batch."""
     layer = filled("cpu", "float8_e4m3fn", seed=7)
     tokens, requests = torch.export.Dim("tokens"), torch.export.Dim("requests")
-    exported = torch.export.export(layer, batch(10, requests=2), dynamic_shapes=(
+    exported = torch.export.export(layer, token_batch(10, requests=2), dynamic_shapes=(
         {0: tokens}, {0: requests + 1}, {0: requests}))
     targets = {str(node.target) for node in exported.graph.nodes if node.op == "call_function"}
     assert {"ngram_cupy.ngram_ids.default", "ngram_cupy.lookup_.default"} <= targets
-    args = batch(33, requests=3, seed=2)
-    assert torch.equal(bits(exported.module()(*args)), bits(layer(*args)))
+    args = token_batch(33, requests=3, seed=2)
+    assert torch.equal(tensor_bits(exported.module()(*args)), tensor_bits(layer(*args)))

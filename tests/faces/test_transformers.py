@@ -70,7 +70,7 @@ def tiny_model(dtype=torch.float32, **overrides) -> Qwen4ExpForCausalLM:
     return model.to(dtype)
 
 
-def tables(model) -> list[torch.Tensor]:
+def ple_tables(model) -> list[torch.Tensor]:
     return [model.get_submodule(name).ngram_embedding.weight for name in NAMES]
 
 
@@ -208,7 +208,7 @@ def test_bfloat16_table_in_a_float32_model():
     patched = copy.deepcopy(reference)
     use_ngram_cupy(patched, weight_dtype=torch.bfloat16, placement="cpu")
     with torch.no_grad():
-        for weight in tables(reference):
+        for weight in ple_tables(reference):
             weight.copy_(weight.to(torch.bfloat16).float())
     assert_same_generation(reference, patched, prompts(), do_sample=False)
 
@@ -218,7 +218,7 @@ def fp8_checkpoint(model, path, scale=0.0625, scale_dtype=ml_dtypes.bfloat16):
     returns the dequantised tables (float32 products)."""
     config = ngram_config(model.config)
     tensors, dequantised = {}, []
-    for layer, (name, weight) in enumerate(zip(NAMES, tables(model), strict=True)):
+    for layer, (name, weight) in enumerate(zip(NAMES, ple_tables(model), strict=True)):
         rows = (weight.detach().float() / scale).numpy().astype(ml_dtypes.float8_e4m3fn)
         layout = nc.layer_layout(config, layer)
         tensors.update(ngram_tensors(layout, rows, np.array(scale, scale_dtype), prefix=name))
@@ -235,7 +235,7 @@ def test_float8_checkpoint(tmp_path, dtype):
     patched = copy.deepcopy(reference)
     dequantised = fp8_checkpoint(reference, tmp_path / "fp8")
     with torch.no_grad():
-        for weight, rows in zip(tables(reference), dequantised, strict=True):
+        for weight, rows in zip(ple_tables(reference), dequantised, strict=True):
             weight.copy_(rows.to(dtype))
     use_ngram_cupy(patched, checkpoint=tmp_path / "fp8")
     layer = patched.get_submodule(NAMES[0])
@@ -254,7 +254,7 @@ def test_float8_checkpoint_with_vllms_float32_scale(tmp_path, scale_rounding):
     patched = copy.deepcopy(reference)
     fp8_checkpoint(reference, tmp_path / "fp8", float(scale), np.float32)
     with torch.no_grad():
-        for weight in tables(reference):
+        for weight in ple_tables(reference):
             rows = (weight.float() / float(scale)).to(torch.float8_e4m3fn).float()
             if scale_rounding == "output":
                 weight.copy_(rows.to(torch.bfloat16) * torch.tensor(scale).to(torch.bfloat16))
@@ -293,7 +293,7 @@ def test_nvfp4_checkpoint(tmp_path, dtype):
     patched = copy.deepcopy(reference)
     files, decoded = nvfp4_checkpoint(reference, tmp_path)
     with torch.no_grad():
-        for weight, rows in zip(tables(reference), decoded, strict=True):
+        for weight, rows in zip(ple_tables(reference), decoded, strict=True):
             weight.copy_(rows.to(dtype))
     use_ngram_cupy(patched, checkpoint=files, placement="cpu")
     layer = patched.get_submodule(NAMES[1])
@@ -327,7 +327,7 @@ def test_save_pretrained_then_load_every_ple_layer_without_prefix(tmp_path, floa
     reference.save_pretrained(tmp_path / "saved")
     config = nc.NGramConfig.from_hf(tmp_path / "saved")
     assert config.ple_layer_ids == (1, 3)
-    for layer, want in enumerate(tables(reference)):
+    for layer, want in enumerate(ple_tables(reference)):
         table = nc.load_ngram_embedding(tmp_path / "saved", config, layer=layer,
                                         placement="cpu").table
         ids = np.arange(len(want)).reshape(-1, 1)
@@ -553,7 +553,7 @@ def test_prefetch_hook_finds_the_cache_under_either_name(float32_pair):
         hook(None, (), {"ple_input_ids": ids[:, 5:], name: cache})
         want = nc.compute_ngram_ids(ours.layout, ids[:, 5:],
                                     ngram_context=cache.get_conv_state(2, 2)).view(-1, 4)
-        assert torch.equal(ours._prefetched, ours.table.lookup(want))
+        assert torch.equal(ours.step.prefetched, ours.table.lookup(want))
 
 
 def test_releases_outside_the_tested_range(monkeypatch, float32_pair):

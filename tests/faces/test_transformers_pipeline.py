@@ -12,7 +12,8 @@ import torch
 
 pytest.importorskip("transformers")
 pq = pytest.importorskip("pyarrow.parquet")
-pytestmark = pytest.mark.release_independent  # the library's worker; transformers' side: training
+pytestmark = [pytest.mark.release_independent,  # the library's worker; transformers' side: training
+              pytest.mark.usefixtures("one_torch_thread")]
 
 from test_transformers import NAMES, VOCAB, tiny_model  # noqa: E402
 
@@ -20,15 +21,6 @@ from ngram_cupy.transformers import use_ngram_cupy  # noqa: E402
 
 STEPS, LR = 5, 0.1
 CORPUS = Path(__file__).resolve().parents[2] / "data" / "python_stdlib.parquet"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """One intra-op thread (a loaded 2-core machine; both arms run alike)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def corpus_batches() -> list[torch.Tensor]:
@@ -39,7 +31,7 @@ def corpus_batches() -> list[torch.Tensor]:
     return [torch.from_numpy(part.reshape(4, 32).copy()) for part in np.split(mapped, STEPS)]
 
 
-def train(model) -> list[float]:
+def train_with_closure(model) -> list[float]:
     """SGD on the language-model loss (the step's closure runs forward and backward)."""
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
 
@@ -71,8 +63,8 @@ def test_asynchronous_training_has_the_synchronous_bits_and_follows_nn_embedding
     overlapped, synchronous = patched(True), patched(False)
     assert all(overlapped.get_submodule(name).trainable_rows.optimizer.worker is not None
                for name in NAMES)
-    losses = train(overlapped)
-    assert losses == train(synchronous)
+    losses = train_with_closure(overlapped)
+    assert losses == train_with_closure(synchronous)
     assert rows(overlapped) == rows(synchronous)
-    reference = train(tiny_model())
+    reference = train_with_closure(tiny_model())
     np.testing.assert_allclose(losses, reference, rtol=1e-5, atol=0)

@@ -11,21 +11,14 @@ import torch
 
 pytest.importorskip("transformers")
 
-from test_transformers import NAMES, VOCAB, tables, tiny_model  # noqa: E402
+from test_transformers import NAMES, VOCAB, ple_tables, tiny_model  # noqa: E402
 
 from ngram_cupy.transformers import use_ngram_cupy  # noqa: E402
 
 STEPS, LR = 20, 0.05
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """One intra-op thread: on a loaded 2-core machine two threads make these loops ~10x
-    slower (both models run alike, so the comparison is unchanged)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def batches() -> list[torch.Tensor]:
@@ -55,9 +48,9 @@ def train(model, optimizer) -> list[float]:
 def reference():
     """The model trained as transformers ships it: losses and trained tables."""
     model = tiny_model()
-    start = [t.detach().clone() for t in tables(model)]
+    start = [t.detach().clone() for t in ple_tables(model)]
     losses = train(model, torch.optim.SGD(model.parameters(), lr=LR))
-    return model, losses, [t.detach().numpy() for t in tables(model)], start
+    return model, losses, [t.detach().numpy() for t in ple_tables(model)], start
 
 
 def patched_rows(model) -> list[np.ndarray]:

@@ -17,7 +17,7 @@ from ngram_cupy.hashing.token_map import TokenMap
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
+def checkpoint_model(tmp_path_factory):
     """The synthetic golden layout, its tables (layer 0 float32, layer 1 bfloat16) in a
     two-file checkpoint under a ``model.`` prefix, and one batch's ids."""
     layout, case = engram_cases.load_golden("synthetic")
@@ -34,28 +34,28 @@ def model(tmp_path_factory):
     return layout, weights, folder, ids
 
 
-def expected_rows(weight, ids):
+def weight_rows(weight, ids):
     """``weight[ids]`` in float32, heads side by side."""
     return weight[ids].astype(np.float32).reshape(len(ids), -1)
 
 
 @pytest.mark.parametrize("placement", ["cpu", "pinned", "mmap", "shared"])
-def test_every_layer_loads_whole(model, placement, shm_dir):
-    layout, weights, folder, ids = model
+def test_every_layer_loads_whole(checkpoint_model, placement, shm_dir):
+    layout, weights, folder, ids = checkpoint_model
     engram = nc.load_engram_embedding(folder, layout, placement=placement)
     for layer in range(layout.num_layers):
         np.testing.assert_array_equal(engram.forward(layer, ids, out_dtype="float32"),
-                                      expected_rows(weights[layer], ids[:, layer]))
+                                      weight_rows(weights[layer], ids[:, layer]))
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_ranks_own_whole_heads_and_sum_to_the_table(model, world_size):
-    layout, weights, folder, ids = model
+def test_ranks_own_whole_heads_and_sum_to_the_table(checkpoint_model, world_size):
+    layout, weights, folder, ids = checkpoint_model
     ranks = [nc.load_engram_embedding(folder, layout, rank=r, world_size=world_size)
              for r in range(world_size)]
     heads, per_rank = layout.num_heads, -(-layout.num_heads // world_size)
     for layer in range(layout.num_layers):
-        full = expected_rows(weights[layer], ids[:, layer]).reshape(len(ids), heads, -1)
+        full = weight_rows(weights[layer], ids[:, layer]).reshape(len(ids), heads, -1)
         total = np.zeros_like(full)
         for r, engram in enumerate(ranks):
             start, stop = engram_head_rows(layout, layer, r, world_size)
@@ -71,8 +71,8 @@ def test_ranks_own_whole_heads_and_sum_to_the_table(model, world_size):
     del ranks  # their shared segments go with them
 
 
-def test_checkpoint_errors(model, tmp_path):
-    layout, weights, folder, _ = model
+def test_checkpoint_errors(checkpoint_model, tmp_path):
+    layout, weights, folder, _ = checkpoint_model
     with pytest.raises(ValueError, match=r"no layers\.11\.engram\.embed\.weight"):
         write_checkpoint(tmp_path / "one.safetensors",
                          {"layers.3.engram.embed.weight": weights[0]})

@@ -19,7 +19,7 @@ LINES = ['hello, "world"', "", "a,b;c\t'd'", "  leading and trailing  ", "naïve
          '"quoted whole line"', "last"]
 
 
-def rows(source, column: str) -> list:
+def column_values(source, column: str) -> list:
     """Every value of ``column`` over a source's batches, checking each batch's size."""
     values = []
     for batch in source.batches():
@@ -33,13 +33,13 @@ def test_plain_text_lines_are_rows_as_written(tmp_path):
     path.write_bytes("\n".join(LINES[:3]).encode() + b"\r\n" + "\n".join(LINES[3:]).encode())
     source = open_tokens(path, batch_rows=2)
     assert source.schema == pa.schema([("text", pa.string())]) and source.text_column == "text"
-    assert rows(source, "text") == LINES
-    assert rows(source, "text") == LINES  # a fresh reader each time
+    assert column_values(source, "text") == LINES
+    assert column_values(source, "text") == LINES  # a fresh reader each time
     named = open_tokens(path, batch_rows=2, text_column="body")
-    assert named.text_column == "body" and rows(named, "body") == LINES
+    assert named.text_column == "body" and column_values(named, "body") == LINES
     compressed = tmp_path / "docs.txt.gz"
     compressed.write_bytes(gzip.compress(path.read_bytes()))
-    assert rows(open_tokens(compressed, batch_rows=2), "text") == LINES
+    assert column_values(open_tokens(compressed, batch_rows=2), "text") == LINES
 
 
 def test_json_lines_keep_their_fields_in_order(tmp_path):
@@ -53,7 +53,7 @@ def test_json_lines_keep_their_fields_in_order(tmp_path):
     assert pa.Table.from_batches(list(source.batches())).to_pylist() == records
     tokens = tmp_path / "tokens.ndjson"
     tokens.write_text('{"tokens": [1, 2, 3]}\n{"tokens": []}\n')
-    assert rows(open_tokens(tokens, batch_rows=2), "tokens") == [[1, 2, 3], []]
+    assert column_values(open_tokens(tokens, batch_rows=2), "tokens") == [[1, 2, 3], []]
 
 
 def test_empty_files_have_no_rows(tmp_path):

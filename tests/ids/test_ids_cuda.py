@@ -49,7 +49,7 @@ def test_simulated_ids_on_random_batches(simulate, layout):
     """EOS-heavy, out-of-range and negative tokens; several blocks, a partial last block."""
     rng = np.random.default_rng(3 + layout.ngram_size)
     for num_tokens, num_requests, block in [(11, 3, 4), (9, 1, 8), (16, 5, 4)]:
-        assert_ids(layout, *simulator.random_batch(rng, layout, num_tokens, num_requests), block)
+        assert_ids(layout, *simulator.wild_batch(rng, layout, num_tokens, num_requests), block)
 
 
 def test_simulated_ids_with_empty_requests_and_batches(simulate):
@@ -68,7 +68,7 @@ def test_simulated_padded_batches_give_vllm_ids(simulate):
     rng = np.random.default_rng(23)
     layout = simulator.layouts()[2]
     for num_tokens, num_requests, padding in [(5, 2, 7), (0, 1, 6), (9, 3, 1)]:
-        tokens, starts, context = simulator.random_batch(rng, layout, num_tokens, num_requests)
+        tokens, starts, context = simulator.wild_batch(rng, layout, num_tokens, num_requests)
         padded = np.concatenate([tokens, rng.integers(0, 1000, padding)])
         extended = starts.copy()
         extended[-1] = padded.size
@@ -87,7 +87,7 @@ def test_simulated_padded_batches_give_vllm_ids(simulate):
 def test_simulated_ids_on_int32_inputs(simulate, dtypes):
     rng = np.random.default_rng(5)
     layout = simulator.layouts()[2]
-    assert_ids(layout, *simulator.random_batch(rng, layout, 10, 3, dtypes, spare_rows=0), block=4)
+    assert_ids(layout, *simulator.wild_batch(rng, layout, 10, 3, dtypes, spare_rows=0), block=4)
 
 
 def test_simulated_ids_of_the_released_config_at_decode(simulate, released_config):
@@ -111,7 +111,7 @@ def test_simulated_kernels_stay_in_bounds_on_garbage_query_start_loc(simulate):
     for starts in garbage:
         starts = np.array(starts, dtype=np.int64)
         num_requests = len(starts) - 1
-        tokens, _, context = simulator.random_batch(rng, layout, 7, max(num_requests, 1),
+        tokens, _, context = simulator.wild_batch(rng, layout, 7, max(num_requests, 1),
                                                     spare_rows=0)
         context = context[:num_requests]
         if num_requests:  # R = 0 with tokens is refused from shapes alone, before any launch
@@ -135,7 +135,7 @@ def test_the_simulator_checks_bounds(simulate):
 def test_simulated_advance_context_equals_the_reference(simulate, layout):
     rng = np.random.default_rng(13)
     for num_tokens, num_requests in [(0, 2), (1, 1), (9, 4)]:
-        tokens, starts, context = simulator.random_batch(rng, layout, num_tokens, num_requests)
+        tokens, starts, context = simulator.wild_batch(rng, layout, num_tokens, num_requests)
         expected = reference.advance_context(layout, tokens, starts, context)
         out = np.zeros_like(context[:num_requests])
         ids_cuda.launch_advance_context(tokens, starts, context, out)
@@ -148,7 +148,7 @@ def test_simulated_chunked_decode_equals_whole(simulate):
     """Decode one token per step with contexts rolled on the device equals one prefill."""
     layout = simulator.layouts()[2]
     rng = np.random.default_rng(17)
-    tokens, _, context = simulator.random_batch(rng, layout, 8, 1, spare_rows=0)
+    tokens, _, context = simulator.wild_batch(rng, layout, 8, 1, spare_rows=0)
     whole = reference.compute_ngram_ids(layout, tokens, [0, 8], context)
     state = context.copy()
     for t in range(8):
@@ -212,7 +212,7 @@ def test_public_functions_take_the_device_path(simulate, monkeypatch):
                         lambda layout, device: ids_cuda.layout_params(layout))
     rng = np.random.default_rng(19)
     layout = simulator.layouts()[1]
-    tokens, starts, context = simulator.random_batch(rng, layout, 9, 3)
+    tokens, starts, context = simulator.wild_batch(rng, layout, 9, 3)
     device = [StandInArray(a) for a in (tokens, starts, context)]
     ids = nc.compute_ngram_ids(layout, *device)
     assert isinstance(ids, StandInArray)
@@ -317,7 +317,7 @@ GPU_LAYOUTS = [nc.layer_layout(RELEASED, 0), nc.layer_layout(RELEASED, 3),
                nc.layer_layout(nc.NGramConfig(50, 2, 1, 3, 0), 0)]
 
 
-def random_batch(layout, num_tokens, num_requests, dtype=np.int64, seed=0):
+def random_typed_batch(layout, num_tokens, num_requests, dtype=np.int64, seed=0):
     """Valid tokens with 5% EOS and 2% arbitrary values of ``dtype``; random cuts."""
     rng = np.random.default_rng(seed)
     info = np.iinfo(dtype)
@@ -348,7 +348,7 @@ def on_device(*arrays):
 def test_gpu_equals_cpu(layout, num_tokens, num_requests, dtype):
     import cupy
 
-    batch = random_batch(layout, num_tokens, num_requests, dtype, seed=num_tokens)
+    batch = random_typed_batch(layout, num_tokens, num_requests, dtype, seed=num_tokens)
     ids = nc.compute_ngram_ids(layout, *on_device(*batch))
     assert isinstance(ids, cupy.ndarray) and ids.dtype == np.int64
     np.testing.assert_array_equal(ids.get(), nc.compute_ngram_ids(layout, *batch))
@@ -364,7 +364,7 @@ def test_gpu_padded_batches_equal_cpu(padding):
     import ml_dtypes
 
     layout = GPU_LAYOUTS[2]  # a small table
-    tokens, starts, context = random_batch(layout, 300, 5, np.int64, seed=padding)
+    tokens, starts, context = random_typed_batch(layout, 300, 5, np.int64, seed=padding)
     padded = np.concatenate([tokens, np.zeros(padding, np.int64)])
     want = nc.compute_ngram_ids(layout, padded, starts, context)
     np.testing.assert_array_equal(nc.compute_ngram_ids(layout, *on_device(padded, starts,
@@ -394,7 +394,7 @@ def test_gpu_out_reused_and_context_rolled_in_place():
     layout = GPU_LAYOUTS[0]
     out = cupy.full((300, layout.num_heads), -1, dtype=np.int64)
     for seed in range(3):
-        tokens, starts, context = random_batch(layout, 300, 5, seed=seed)
+        tokens, starts, context = random_typed_batch(layout, 300, 5, seed=seed)
         device = on_device(tokens, starts, context)
         assert nc.compute_ngram_ids(layout, *device, out=out) is out
         np.testing.assert_array_equal(out.get(), nc.compute_ngram_ids(layout, tokens, starts,
@@ -410,7 +410,7 @@ def test_gpu_non_contiguous_inputs_and_a_cupy_stream():
     import cupy
 
     layout = GPU_LAYOUTS[2]
-    tokens, starts, context = random_batch(layout, 1000, 9)
+    tokens, starts, context = random_typed_batch(layout, 1000, 9)
     stream = cupy.cuda.Stream(non_blocking=True)
     spread = cupy.zeros(2000, dtype=tokens.dtype)
     spread[::2] = cupy.asarray(tokens)
@@ -426,7 +426,7 @@ def test_gpu_garbage_query_start_loc_stays_in_bounds():
     import cupy
 
     layout = GPU_LAYOUTS[0]
-    tokens, _, context = random_batch(layout, 5000, 4)
+    tokens, _, context = random_typed_batch(layout, 5000, 4)
     big = np.iinfo(np.int64)
     for starts in ([0, big.max, big.min, 5000, -7], [9, 4, 30, 2, 1], [0, 0, 0, 0, 0]):
         ids = nc.compute_ngram_ids(layout, *on_device(tokens, np.array(starts), context))
@@ -449,7 +449,7 @@ def _torch_cuda():
 def test_torch_cuda_tensors_on_a_torch_stream_and_dlpack_out():
     torch = _torch_cuda()
     layout = GPU_LAYOUTS[0]
-    tokens, starts, context = random_batch(layout, 4096, 16)
+    tokens, starts, context = random_typed_batch(layout, 4096, 16)
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         tensors = [torch.from_numpy(a).cuda() for a in (tokens, starts, context)]
@@ -470,7 +470,7 @@ def test_torch_cuda_tensors_on_a_torch_stream_and_dlpack_out():
 def test_torch_cuda_out_is_written_in_place():
     torch = _torch_cuda()
     layout = GPU_LAYOUTS[0]
-    tokens, starts, context = random_batch(layout, 256, 256)
+    tokens, starts, context = random_typed_batch(layout, 256, 256)
     out = torch.full((256, layout.num_heads), -1, dtype=torch.int64, device="cuda")
     ids = nc.compute_ngram_ids(layout, *(torch.from_numpy(a).cuda() for a in (tokens, starts,
                                                                            context)), out=out)
@@ -485,8 +485,8 @@ def test_cuda_graph_capture_replays_compute_and_roll():
     import cupy
 
     layout = GPU_LAYOUTS[0]
-    first = random_batch(layout, 256, 256, seed=1)
-    second = random_batch(layout, 256, 256, seed=2)
+    first = random_typed_batch(layout, 256, 256, seed=1)
+    second = random_typed_batch(layout, 256, 256, seed=2)
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         tokens, starts, context = on_device(*first)

@@ -49,7 +49,7 @@ INT32_SHAPES = [(2, 1), (4, 4)]
 
 
 @st.composite
-def batches(draw, max_tokens=120):
+def packed_batches(draw, max_tokens=120):
     """A random layout and packed batch: EOS-heavy, out-of-range and negative tokens, empties."""
     n, k = draw(st.sampled_from(SHAPES))
     vocab = draw(st.integers(2, 3000))
@@ -84,7 +84,7 @@ def batches(draw, max_tokens=120):
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(batches())
+@given(packed_batches())
 def test_backends_match_reference(case):
     layout, tokens, starts, context = case
     expected = reference.compute_ngram_ids(layout, tokens, starts, context)
@@ -96,7 +96,7 @@ def test_backends_match_reference(case):
 
 
 @settings(max_examples=100, deadline=None)
-@given(batches())
+@given(packed_batches())
 def test_advance_context_matches_reference(case):
     layout, tokens, starts, context = case
     expected = reference.advance_context(layout, tokens, starts, context)
@@ -107,7 +107,7 @@ def test_advance_context_matches_reference(case):
 def padded_batches(draw):
     """A batch of at least one request, padded with 1-20 tokens past ``query_start_loc[R]``
     (SPEC 10.3): EOS, valid and wild ids, as an engine's padding may hold anything."""
-    layout, tokens, starts, context = draw(batches(max_tokens=60))
+    layout, tokens, starts, context = draw(packed_batches(max_tokens=60))
     info = np.iinfo(tokens.dtype)
     token = st.one_of(st.just(layout.eos_token_id), st.integers(0, layout.config.vocab_size - 1),
                       st.integers(int(info.min), int(info.max)))
@@ -173,7 +173,7 @@ def test_advance_context_in_place():
 
 
 @settings(max_examples=60, deadline=None)
-@given(batches(max_tokens=60), st.data())
+@given(packed_batches(max_tokens=60), st.data())
 def test_chunked_equals_whole(case, data):
     """Requests fed in chunks of any size (0, 1 for decode, more) with rolled contexts."""
     layout, tokens, starts, context = case

@@ -1,6 +1,6 @@
 """Processes of the shared-segment soak test (tests/memory/test_shared_memory.py): each attach
 runs in a child forked from this long-lived process, so many rounds cost few interpreter starts.
-It imports only ngram_cupy.memory.shared (no NumPy).
+It imports only ngram_cupy.memory.shared and segment_worker's fill pattern (no NumPy).
 
 argv: mode, key, nbytes, seed.
 
@@ -25,15 +25,12 @@ import signal
 import sys
 import time
 
+from segment_worker import pattern  # this folder: the script's own, first on sys.path
+
 from ngram_cupy.memory import shared as shared_memory
 
 LIMIT_S = 10.0  # no attach may take longer
 FILL_S = 0.02  # a window for waiters, and for kills mid-fill
-
-
-def pattern(nbytes: int) -> bytes:
-    """The bytes every fill writes: 0..250 repeated."""
-    return (bytes(range(251)) * (nbytes // 251 + 1))[:nbytes]
 
 
 def attach(key: str, nbytes: int, hold: int | None = None) -> shared_memory.Segment:

@@ -62,7 +62,7 @@ def checkpoint(tmp_path, fp8_layer):
     return folder
 
 
-def ids(count=4096, seed=1):
+def whole_table_ids(count=4096, seed=1):
     """Ids over the whole table, both ends included."""
     rows = nc.layer_layout(CONFIG, 0).padded_rows
     drawn = np.random.default_rng(seed).integers(0, rows, (count, 4))
@@ -70,7 +70,7 @@ def ids(count=4096, seed=1):
     return drawn
 
 
-def expected(fp8_layer, lookup_ids):
+def expected_bits(fp8_layer, lookup_ids):
     """The reference lookup, as bf16 bits."""
     return reference_lookup(fp8_layer, lookup_ids, np.float32(SCALE),
                             ml_dtypes.bfloat16).view(np.uint16)
@@ -143,13 +143,14 @@ def test_shared_table_equals_the_reference_and_is_read_only(fp8_layer, checkpoin
     embedding = nc.load_ngram_embedding(checkpoint, CONFIG, 0, placement="shared")
     table = embedding.table
     assert table.placement == "shared" and table.storage.segment.created
-    lookup_ids = ids()
-    assert np.array_equal(table.lookup(lookup_ids).view(np.uint16), expected(fp8_layer, lookup_ids))
+    lookup_ids = whole_table_ids()
+    assert np.array_equal(table.lookup(lookup_ids).view(np.uint16),
+                          expected_bits(fp8_layer, lookup_ids))
     with pytest.raises(ValueError, match="read-only"):
         table.write_rows(0, fp8_layer[:2])
     in_memory = nc.EmbeddingTable(fp8_layer, SCALE, placement="shared")  # content-named segment
     assert np.array_equal(in_memory.lookup(lookup_ids).view(np.uint16),
-                          expected(fp8_layer, lookup_ids))
+                          expected_bits(fp8_layer, lookup_ids))
     assert len(sm.own_segments(shm_dir)) == 2
     table.close()
     in_memory.close()
@@ -207,11 +208,12 @@ def test_too_little_memory_falls_back_to_private_rows_or_refuses(fp8_layer, shm_
         assert error.value.errno == errno.ENOSPC
     assert not called
     monkeypatch.setenv(sm.STRICT_ENV, "0")
-    lookup_ids = ids(64)
+    lookup_ids = whole_table_ids(64)
     with pytest.warns(sm.SharedMemoryFallbackWarning, match="private memory"):
         table = nc.EmbeddingTable(fp8_layer, SCALE, placement="shared")
     assert table.placement == "shared" and not table.storage.segment.shared
-    assert np.array_equal(table.lookup(lookup_ids).view(np.uint16), expected(fp8_layer, lookup_ids))
+    assert np.array_equal(table.lookup(lookup_ids).view(np.uint16),
+                          expected_bits(fp8_layer, lookup_ids))
     table.close()
     assert_nothing_left(shm_dir)
 
@@ -408,7 +410,7 @@ def finish(processes):
 
 
 def test_four_processes_share_one_copy(fp8_layer, checkpoint, tmp_path, shm_dir):
-    lookup_ids = ids()
+    lookup_ids = whole_table_ids()
     barrier, results = SPAWN.Barrier(4), SPAWN.Queue()
     processes = [start(job_for(checkpoint, tmp_path, i, lookup_ids), barrier, None, results)
                  for i in range(4)]
@@ -418,13 +420,13 @@ def test_four_processes_share_one_copy(fp8_layer, checkpoint, tmp_path, shm_dir)
     assert sum(created for created, *_ in reports) == 1
     assert all(rss >= table_bytes for *_, rss, _ in reports)  # each maps all of it
     assert sum(pss for *_, pss in reports) <= 1.5 * table_bytes  # ... but one copy in all
-    want = expected(fp8_layer, lookup_ids)
+    want = expected_bits(fp8_layer, lookup_ids)
     for i in range(4):
         assert np.array_equal(np.load(tmp_path / f"out_{i}.npy"), want)
 
 
 def test_kills_during_and_after_the_fill_leave_nothing(fp8_layer, checkpoint, tmp_path, shm_dir):
-    lookup_ids = ids(seed=2)
+    lookup_ids = whole_table_ids(seed=2)
     in_fill, loaded, results = SPAWN.Event(), SPAWN.Event(), SPAWN.Queue()
     barrier = SPAWN.Barrier(4)  # the three that stay, and this test
     filler = start(job_for(checkpoint, tmp_path, 0, lookup_ids, "hang_in_fill"), None, in_fill,
@@ -448,7 +450,7 @@ def test_kills_during_and_after_the_fill_leave_nothing(fp8_layer, checkpoint, tm
     assert filler.exitcode == killed_after.exitcode == -signal.SIGKILL
     created = sum(report[0] for report in reports) + (not any(r[0] for r in reports))
     assert created == 1  # one process filled it again (or the one killed after, if first)
-    want = expected(fp8_layer, lookup_ids)
+    want = expected_bits(fp8_layer, lookup_ids)
     for i in (1, 2, 3, 4):
         assert np.array_equal(np.load(tmp_path / f"out_{i}.npy"), want)
     assert_nothing_left(shm_dir)  # the kernel freed it with its last user
@@ -457,8 +459,8 @@ def test_kills_during_and_after_the_fill_leave_nothing(fp8_layer, checkpoint, tm
 def test_a_killed_last_user_of_a_deleted_checkpoint_leaves_nothing(checkpoint, tmp_path,
                                                                    shm_dir):
     loaded, results = SPAWN.Event(), SPAWN.Queue()  # kept: the child opens them
-    process = start(job_for(checkpoint, tmp_path, 0, ids(16), "hang_after"), None, loaded,
-                    results)
+    process = start(job_for(checkpoint, tmp_path, 0, whole_table_ids(16), "hang_after"), None,
+                    loaded, results)
     assert loaded.wait(WAIT_S)
     assert len(sm.own_segments(shm_dir)) == 1 and segment_users(shm_dir) == [process.pid]
     os.kill(process.pid, signal.SIGKILL)
@@ -670,8 +672,8 @@ def test_a_shared_table_is_page_locked_and_read_by_the_gpu(fp8_layer, checkpoint
     table = nc.load_ngram_embedding(checkpoint, CONFIG, 0, placement="shared",
                                     hot_rows=np.arange(0, 5000, 7)).table
     assert table.pinned
-    lookup_ids = ids(seed=5)
-    want = expected(fp8_layer, lookup_ids)
+    lookup_ids = whole_table_ids(seed=5)
+    want = expected_bits(fp8_layer, lookup_ids)
     assert np.array_equal(cupy.asnumpy(table.lookup(cupy.asarray(lookup_ids))), want)
     table.prefetch(cupy.asarray(lookup_ids))
     assert np.array_equal(cupy.asnumpy(table.lookup(cupy.asarray(lookup_ids))), want)
@@ -686,12 +688,12 @@ def test_mapped_tables_serve_gpu_ids_where_the_device_reads_pageable_memory(fp8_
     from ngram_cupy.tables.storage import mapped
 
     table = nc.load_ngram_embedding(checkpoint, CONFIG, 0, placement="mmap").table
-    lookup_ids = ids(seed=6)
+    lookup_ids = whole_table_ids(seed=6)
     if not mapped.gpu_reads_pageable():
         with pytest.raises(ValueError, match="cudaDevAttrPageableMemoryAccess"):
             table.lookup(cupy.asarray(lookup_ids))
         return
-    want = expected(fp8_layer, lookup_ids)  # two files: the merged per-block gathers
+    want = expected_bits(fp8_layer, lookup_ids)  # two files: the merged per-block gathers
     assert np.array_equal(cupy.asnumpy(table.lookup(cupy.asarray(lookup_ids))), want)
     table.prefetch(cupy.asarray(lookup_ids))
     assert np.array_equal(cupy.asnumpy(table.lookup(cupy.asarray(lookup_ids))), want)

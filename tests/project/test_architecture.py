@@ -171,3 +171,32 @@ def test_block_scale_branches_live_in_the_codecs():
         found += [f"{where}:{node.lineno}" for node in ast.walk(ast.parse(path.read_text()))
                   if isinstance(node, ast.Attribute) and node.attr == "blocked"]
     assert len(found) <= 10, "branches on .blocked outside the codecs:\n" + "\n".join(found)
+
+
+def test_one_handle_registry():
+    """Live objects behind integer keys are kept in one place, ``runtime/handles.py``, which the
+    registered torch ops and the XLA custom calls both resolve through: no other module keeps a
+    ``WeakValueDictionary``, a module-level dict from ``int`` to weak references, or its own
+    ``register`` / ``resolve``; both bridges import the registry."""
+    registry = "runtime/handles.py"
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        where = path.relative_to(PACKAGE).as_posix()
+        if where == registry:
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            weak_values = (isinstance(node, ast.Name) and node.id == "WeakValueDictionary"
+                           or isinstance(node, ast.Attribute)
+                           and node.attr == "WeakValueDictionary")
+            defined = isinstance(node, ast.FunctionDef) and node.name in ("register", "resolve")
+            if weak_values or defined:
+                found.append(f"{where}:{node.lineno}: {ast.unparse(node).splitlines()[0]}")
+        for node in tree.body:  # module-level ``name: dict[int, ... weakref ...]``
+            annotation = ast.unparse(getattr(node, "annotation", None) or ast.Pass())
+            if annotation.startswith(("dict[int,", "OrderedDict[int,")) and "weakref" in annotation:
+                found.append(f"{where}:{node.lineno}: {ast.unparse(node).splitlines()[0]}")
+    assert not found, f"live objects kept by key outside {registry}:\n" + "\n".join(found)
+    for bridge in ("torch/ops.py", "jax/ffi.py"):
+        assert re.search(r"from \.\.runtime(\.handles)? import (handles|resolve)",
+                         (PACKAGE / bridge).read_text()), f"{bridge} does not use {registry}"

@@ -69,3 +69,34 @@ def test_no_test_makes_its_own_shared_memory_folder():
     found = [str(path.relative_to(ROOT)) for path in suite_files()
              if path.name != "conftest.py" and OWN_SCOPES.search(path.read_text())]
     assert not found, found
+
+
+# A program's entry point: each script a test starts in a process of its own has one.
+ENTRY_POINT = "main"
+
+
+def helper_definitions(sources: dict[str, str]) -> dict[str, list[str]]:
+    """Where each helper (a module-level function or class that is not a test) is defined:
+    name -> the files, of ``sources`` (file -> its text)."""
+    found: dict[str, list[str]] = {}
+    for file, source in sources.items():
+        for node in ast.parse(source).body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and \
+                    not node.name.startswith(("test_", "Test")) and node.name != ENTRY_POINT:
+                found.setdefault(node.name, []).append(file)
+    return found
+
+
+def test_each_helper_is_defined_once():
+    """A helper two test modules need lives in conftest.py or a tests/ helper module; two
+    helpers of different meaning have different names (so that neither is taken for the
+    other)."""
+    sample = {"a.py": "def shared(): pass\ndef test_x(): pass\ndef main(): pass\n",
+              "b.py": "class shared: pass\ndef test_x(): pass\ndef main(): pass\n"}
+    assert helper_definitions(sample) == {"shared": ["a.py", "b.py"]}
+    sources = {str(path.relative_to(TESTS)): path.read_text(encoding="utf-8")
+               for path in sorted(TESTS.rglob("*.py"))}
+    repeated = {name: files for name, files in helper_definitions(sources).items()
+                if len(files) > 1}
+    assert not repeated, "helpers defined more than once:\n" + "\n".join(
+        f"{name}: {', '.join(files)}" for name, files in sorted(repeated.items()))

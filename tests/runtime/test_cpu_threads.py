@@ -17,7 +17,7 @@ WORKER = Path(__file__).with_name("threads_worker.py")
 
 def test_four_threads_in_this_process_are_exact():
     # Also compiles the kernels into Numba's disk cache before the subprocesses below start.
-    assert threads_worker.run() == "exact"
+    assert threads_worker.run_threads() == "exact"
 
 
 @pytest.mark.parametrize("layer", ["tbb", "omp", "workqueue"])

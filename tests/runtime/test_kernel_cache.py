@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import run_cli
 
-from ngram_cupy.cli.main import main
 from ngram_cupy.ids import fused_cuda, ids_cuda, kernel_set
 from ngram_cupy.runtime import cuda_launch, kernel_cache, nvrtc
 from ngram_cupy.runtime.atomic import TEMP_PREFIX
@@ -230,26 +230,16 @@ def test_the_kernel_set_records_what_the_launchers_pass(monkeypatch):
 # ---------------------------------------------------------------- ngram-cupy compile
 
 
-def run(argv: list, capsys) -> tuple[int, str, str]:
-    """The command in this process: (exit status, stdout, stderr); usage errors included."""
-    try:
-        status = main([str(a) for a in argv])
-    except SystemExit as exit:
-        status = exit.code
-    captured = capsys.readouterr()
-    return status, captured.out, captured.err
-
-
 def test_compile_fills_the_cache_and_a_second_run_is_much_faster(cache, capsys):
     """The real compilers (Numba's NVVM and nvJitLink, no GPU), one small kernel."""
     argv = ["compile", "--arch", "sm_80,sm_90", "--only", "advance_context[int64", "--jobs", 1]
     start = time.perf_counter()
-    status, out, err = run(argv, capsys)
+    status, out, err = run_cli(argv, capsys)
     first = time.perf_counter() - start
     assert status == 0 and err == ""
     assert "2 kernel builds for sm_80, sm_90: 2 compiled, 0 cached" in out
     start = time.perf_counter()
-    status, out, _ = run(argv, capsys)
+    status, out, _ = run_cli(argv, capsys)
     second = time.perf_counter() - start
     assert status == 0 and "2 compiled" not in out and ": 0 compiled, 2 cached" in out
     assert second * 5 <= first, (first, second)
@@ -263,7 +253,7 @@ def test_compile_fills_the_cache_and_a_second_run_is_much_faster(cache, capsys):
     (["--jobs", "0"], "--jobs must be at least 1"),
 ])
 def test_compile_errors_are_one_line_and_exit_2(argv, message, cache, capsys):
-    status, out, err = run(["compile", *argv], capsys)
+    status, out, err = run_cli(["compile", *argv], capsys)
     assert status == 2 and out == "" and err.count("\n") == 1 and message in err
 
 
@@ -274,7 +264,7 @@ def test_a_config_file_is_a_scheme(tmp_path, cache, capsys):
     assert schemes[0].formats == ((3, 2),) and schemes[0].layout.head_dim == 160
     bad = tmp_path / "bad.json"
     bad.write_text('{"vocab_size": 10}')
-    status, _, err = run(["compile", "--scheme", bad], capsys)
+    status, _, err = run_cli(["compile", "--scheme", bad], capsys)
     assert status == 2 and err.startswith(f"ngram-cupy: error: bad config {bad}")
 
 

@@ -28,11 +28,11 @@ def main() -> int:
     except ValueError:  # "No threading layer could be loaded"
         print("unavailable")
         return 0
-    print(numba.threading_layer(), run())
+    print(numba.threading_layer(), run_threads())
     return 0
 
 
-def run() -> str:
+def run_threads() -> str:
     """``exact`` when 4 threads calling ids and gathers at once all got the right results."""
     config = nc.NGramConfig(vocab_size=1000, ngram_size=3, heads_per_ngram=2,
                             ngram_vocab_size_base=5000, eos_token_id=0)

@@ -76,7 +76,7 @@ def gpu(monkeypatch):
     return cupy, Stream()
 
 
-def gather(ids, stream, captured):
+def captured_gather(ids, stream, captured):
     ids = np.asarray(ids, np.int64).reshape(-1, 2).view(Ids)
     table = np.zeros((TOTAL_ROWS, 1), np.float32)  # the whole table: no shard to speak of
     gather_cupy.gather_rows(table, 0, 0, 1.0, ids, None, 0, stream=stream,
@@ -86,33 +86,33 @@ def gather(ids, stream, captured):
 def test_a_captured_bad_id_surfaces_at_the_next_gather_outside_the_capture(gpu):
     cupy, stream = gpu
     captured = captured_ids.CapturedIds()
-    gather([1, 2, 3, 4], stream, captured)  # a warm-up: the persistent word made outside
+    captured_gather([1, 2, 3, 4], stream, captured)  # a warm-up: the persistent word made outside
     assert 0 in captured.words
     cupy.log.clear()
     stream.capturing = True
-    gather([1, 2, 3, TOTAL_ROWS + 5], stream, captured)
+    captured_gather([1, 2, 3, TOTAL_ROWS + 5], stream, captured)
     assert "read" not in cupy.log  # nothing waits for the capturing stream
     stream.capturing = False
     with pytest.raises(IndexError, match=r"captured in a CUDA graph .* \[0, 10\) .*position 3"):
-        gather([1, 2, 3, 4], stream, captured)
+        captured_gather([1, 2, 3, 4], stream, captured)
     assert captured.words[0].value[0] == NO_BAD_WORD  # raised once
-    gather([1, 2, 3, 4], stream, captured)
+    captured_gather([1, 2, 3, 4], stream, captured)
 
 
 def test_a_bad_id_outside_a_capture_is_named_at_once(gpu):
     _, stream = gpu
     captured = captured_ids.CapturedIds()
     with pytest.raises(IndexError, match=r"ids\[1, 0\] = -3 is outside"):
-        gather([1, 2, -3, 4], stream, captured)
+        captured_gather([1, 2, -3, 4], stream, captured)
     captured.check_all(TOTAL_ROWS)  # the persistent word saw nothing
 
 
 def test_check_errors_reads_every_gpus_word(gpu):
     cupy, stream = gpu
     captured = captured_ids.CapturedIds()
-    gather([1, 2, 3, 4], stream, captured)
+    captured_gather([1, 2, 3, 4], stream, captured)
     stream.capturing = True
-    gather([1, 2, 3, 40], stream, captured)
+    captured_gather([1, 2, 3, 40], stream, captured)
     with pytest.raises(IndexError, match="position 3"):
         captured.check_all(TOTAL_ROWS)
     captured.check_all(TOTAL_ROWS)
@@ -124,5 +124,5 @@ def test_without_a_word_captured_gathers_leave_ids_unchecked(gpu, captured):
     call would leave the graph writing into memory it freed)."""
     cupy, stream = gpu
     stream.capturing = True
-    gather([1, 2, 3, 40], stream, captured)
+    captured_gather([1, 2, 3, 40], stream, captured)
     assert "read" not in cupy.log and (captured is None or not captured.words)

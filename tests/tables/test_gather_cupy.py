@@ -193,7 +193,7 @@ def test_a_misaligned_vector_load_fails_on_the_host(host_gather):
     plan = gather_cupy.launch_plan(table, 3, 0, 1.0, ids, out, 2)
     assert plan.name == "gather_rows<3, 2, 16, long long>"
     shifted = offset_array((4, 160), np.uint8, 8)
-    with pytest.raises(host_kernels.MisalignedAccess, match="16-byte"):
+    with pytest.raises(host_kernels.MisalignedHostAccess, match="16-byte"):
         host_gather.run(dataclasses.replace(plan, args=(shifted, *plan.args[1:])))
     with pytest.raises(TypeError, match="argument 6"):  # chunks packed as int64, not int32
         host_gather.run(dataclasses.replace(plan, args=(*plan.args[:6], np.int64(10),
@@ -277,7 +277,7 @@ def test_simulated_fused_kernel_equals_the_cpu_path(simulate, fmt):
         start = layout.padded_rows // 3
         table = nc.EmbeddingTable(full[start : start + 80], scale=0.375, row_start=start,
                                   total_rows=layout.padded_rows)
-        batch = simulator.random_batch(rng, layout, 9, 3)
+        batch = simulator.wild_batch(rng, layout, 9, 3)
         got_rows, got_ids = fused(layout, table, *batch, out_format, block=4)
         want_rows, want_ids = cpu_rows_and_ids(layout, table, *batch, out_format)
         np.testing.assert_array_equal(got_ids, want_ids)
@@ -290,7 +290,7 @@ def test_simulated_fused_kernel_whole_tables_without_scale_and_ids(simulate):
     for layout in simulator.layouts()[::2]:
         fmt = FORMATS[dequant.FLOAT8_E4M3]
         table = nc.EmbeddingTable(every_pattern_table(rng, layout.padded_rows, 5, fmt))
-        batch = simulator.random_batch(rng, layout, 6, 2, dtypes=(np.int32,) * 3)
+        batch = simulator.wild_batch(rng, layout, 6, 2, dtypes=(np.int32,) * 3)
         out_format = FORMATS[dequant.BFLOAT16]
         got_rows, got_ids = fused(layout, table, *batch, out_format, block=4, write_ids=False)
         np.testing.assert_array_equal(got_rows,
@@ -313,7 +313,7 @@ def test_simulated_fused_kernel_on_a_padded_batch(simulate):
     layout = simulator.layouts()[1]
     fmt = FORMATS[dequant.FLOAT8_E4M3]
     table = nc.EmbeddingTable(every_pattern_table(rng, layout.padded_rows, 4, fmt), scale=0.75)
-    tokens, starts, context = simulator.random_batch(rng, layout, 3, 2)
+    tokens, starts, context = simulator.wild_batch(rng, layout, 3, 2)
     padded = np.concatenate([tokens, rng.integers(0, 300, 6)])
     out_format = FORMATS[dequant.BFLOAT16]
     got_rows, got_ids = fused(layout, table, padded, starts, context, out_format, block=4)
@@ -328,7 +328,7 @@ def test_the_simulator_refuses_a_misaligned_word_load(simulate):
     table = nc.EmbeddingTable(np.zeros((layout.padded_rows, 8), np.uint8).view(
         ml_dtypes.float8_e4m3fn))
     shifted = offset_array((layout.padded_rows, 8), np.uint8, 1)
-    batch = simulator.random_batch(np.random.default_rng(0), layout, 2, 1)
+    batch = simulator.wild_batch(np.random.default_rng(0), layout, 2, 1)
     with pytest.raises(simulator.MisalignedAccess, match="uint64 elements"):
         fused(layout, table, *batch, FORMATS[dequant.BFLOAT16], block=4,
               words=shifted.view(np.uint64))
@@ -347,7 +347,7 @@ def test_fused_words_of_a_misaligned_table_load_aligned(simulate, offset):
     shifted = offset_array(weight.shape, np.uint8, offset)
     shifted[...] = weight.view(np.uint8)
     words = fused_cuda.table_words(shifted, fmt.itemsize)
-    batch = simulator.random_batch(rng, layout, 5, 2)
+    batch = simulator.wild_batch(rng, layout, 5, 2)
     out_format = FORMATS[dequant.BFLOAT16]
     got_rows, _ = fused(layout, table, *batch, out_format, block=4, words=words)
     np.testing.assert_array_equal(got_rows, cpu_rows_and_ids(layout, table, *batch,

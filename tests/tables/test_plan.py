@@ -146,7 +146,7 @@ def test_resident_when_the_budget_allows(released_config):
     assert plan.bytes_in("gpu") <= 50 * GiB
 
 
-def brute_force(option_lists, budget):
+def least_traffic(option_lists, budget):
     """The least total traffic within ``budget``, over every combination of options."""
     best = float("inf")
     for combo in itertools.product(*option_lists):
@@ -171,7 +171,7 @@ def test_greedy_against_brute_force():
         picked = [hull[at] for hull, at in zip(hulls, chosen, strict=True)]
         assert sum(option.gpu_nbytes for option in picked) <= budget
         traffic = sum(option.traffic for option in picked)
-        best = brute_force(option_lists, budget)
+        best = least_traffic(option_lists, budget)
         largest_step = max((a.traffic - b.traffic for hull in hulls
                             for a, b in zip(hull, hull[1:], strict=False)), default=0.0)
         assert best - 1e-9 <= traffic <= best + largest_step + 1e-9

@@ -546,7 +546,7 @@ class FakeEvent:
         pass
 
 
-class FakeStream:
+class PrefetchStream:
     """Just the CuPy stream methods the stream prefetcher calls."""
 
     def __init__(self, capturing=False):
@@ -571,8 +571,8 @@ def test_a_prefetch_captured_without_its_lookup_is_a_clear_error():
     side stream unjoined; the next join says what happened instead of a CUDA error."""
     from ngram_cupy.tables.prefetch import StreamPrefetcher
 
-    prefetcher = StreamPrefetcher(stream=FakeStream(), event=FakeEvent)
-    caller = FakeStream(capturing=True)
+    prefetcher = StreamPrefetcher(stream=PrefetchStream(), event=FakeEvent)
+    caller = PrefetchStream(capturing=True)
     prefetcher.start(caller, Pending(ids=None, rows=None, out_code=0), lambda: None)
     caller.capturing = False  # the capture ended without the lookup
     with pytest.raises(RuntimeError, match="captured in a CUDA graph without its lookup"):

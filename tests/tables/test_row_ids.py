@@ -200,7 +200,7 @@ def test_simulated_fused_kernels_note_the_first_bad_position(simulate, tiered):
     total = layout.padded_rows // 2
     start, rows = total // 4, 24
     weight = rng.standard_normal((rows, 4)).astype(np.float32).view(np.uint32)
-    tokens, starts, context = simulator.random_batch(rng, layout, 8, 2)
+    tokens, starts, context = simulator.wild_batch(rng, layout, 8, 2)
     ids = nc.compute_ngram_ids(layout, tokens, starts, context)
     want = np.flatnonzero(ids.reshape(-1) >= total)
     assert want.size, "the batch must hash some ids beyond the table"

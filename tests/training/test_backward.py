@@ -24,7 +24,7 @@ def reference_backward(ids: np.ndarray, grad: np.ndarray):
     return unique.astype(np.int64), values.astype(np.float32)
 
 
-def batch(seed: int, tokens=64, heads=4, dim=8, rows=50):
+def gradient_batch(seed: int, tokens=64, heads=4, dim=8, rows=50):
     rng = np.random.default_rng(seed)
     ids = rng.integers(0, rows, (tokens, heads))
     magnitudes = 10.0 ** rng.integers(-3, 3, (tokens, heads, 1))
@@ -34,7 +34,7 @@ def batch(seed: int, tokens=64, heads=4, dim=8, rows=50):
 
 @pytest.mark.parametrize("shape", ["flat", "heads", "merged"])
 def test_backward_matches_the_reference_bitwise(shape):
-    ids, grad = batch(0)
+    ids, grad = gradient_batch(0)
     want_rows, want_values = reference_backward(ids, grad)
     if shape == "flat":
         args = ids.reshape(-1), grad.reshape(-1, grad.shape[2])
@@ -49,7 +49,7 @@ def test_backward_matches_the_reference_bitwise(shape):
 
 
 def test_both_groupings_and_thread_counts_give_the_same_bits():
-    ids, grad = batch(1, tokens=2048, rows=300)
+    ids, grad = gradient_batch(1, tokens=2048, rows=300)
     flat, rows = ids.reshape(-1), grad.reshape(-1, grad.shape[2])
     results = []
     for grouping_rows in (300, 10**9):  # counting sort, then NumPy's stable sort
@@ -65,7 +65,7 @@ def test_both_groupings_and_thread_counts_give_the_same_bits():
 
 
 def test_batch_order_does_not_change_the_bits():
-    ids, grad = batch(2)
+    ids, grad = gradient_batch(2)
     permutation = np.random.default_rng(3).permutation(ids.shape[0])
     first = nc.embedding_backward(ids, grad)
     second = nc.embedding_backward(ids[permutation], grad[permutation])
@@ -74,7 +74,7 @@ def test_batch_order_does_not_change_the_bits():
 
 @pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float16])
 def test_half_precision_gradients_widen_exactly(dtype):
-    ids, grad = batch(4)
+    ids, grad = gradient_batch(4)
     half = grad.astype(dtype)
     got = nc.embedding_backward(ids, half)
     assert got.values.tobytes() == reference_backward(ids, half.astype(np.float32))[1].tobytes()
@@ -82,7 +82,7 @@ def test_half_precision_gradients_widen_exactly(dtype):
 
 def test_torch_in_gives_torch_out():
     torch = pytest.importorskip("torch")
-    ids, grad = batch(5)
+    ids, grad = gradient_batch(5)
     got = nc.embedding_backward(torch.from_numpy(ids), torch.from_numpy(grad).bfloat16())
     assert isinstance(got.values, torch.Tensor)
     want = reference_backward(ids, torch.from_numpy(grad).bfloat16().float().numpy())
@@ -91,7 +91,7 @@ def test_torch_in_gives_torch_out():
 
 
 def test_simulated_gpu_kernel_gives_the_cpu_bits(simulate):
-    ids, grad = batch(6, tokens=6, heads=2, dim=3, rows=4)
+    ids, grad = gradient_batch(6, tokens=6, heads=2, dim=3, rows=4)
     flat, rows = ids.reshape(-1), grad.reshape(-1, 3)
     order, unique, starts = backward_numba.sorted_order(flat, 0, 4)
     out = np.empty((unique.shape[0], 3), np.float32)
@@ -100,7 +100,7 @@ def test_simulated_gpu_kernel_gives_the_cpu_bits(simulate):
 
 
 def test_bad_inputs_name_the_argument():
-    ids, grad = batch(7, tokens=4)
+    ids, grad = gradient_batch(7, tokens=4)
     bad = ids.copy()
     bad[2, 1] = 50
     with pytest.raises(IndexError, match=r"^ids\[2, 1\] = 50 is outside the table's rows "

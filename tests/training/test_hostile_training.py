@@ -8,6 +8,7 @@ import threading
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers import gated
 
 import ngram_cupy as nc
 
@@ -15,11 +16,11 @@ ROWS, DIM = 40, 8
 FLT_MAX = float(np.finfo(np.float32).max)
 
 
-def weight(seed=0, rows=ROWS, dim=DIM) -> np.ndarray:
+def hostile_weight(seed=0, rows=ROWS, dim=DIM) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((rows, dim)).astype(np.float32)
 
 
-def batch(seed, tokens=24, heads=3, rows=ROWS, low=0):
+def hostile_batch(seed, tokens=24, heads=3, rows=ROWS, low=0):
     rng = np.random.default_rng(100 + seed)
     return (rng.integers(low, rows, (tokens, heads)),
             rng.standard_normal((tokens, heads, DIM)).astype(np.float32))
@@ -36,12 +37,12 @@ def snapshot(optimizer) -> tuple:
 
 @pytest.mark.parametrize("make", [lambda t: nc.SGD(t, 0.1), lambda t: nc.Adam(t, 0.01)])
 def test_an_empty_batch_is_a_step_that_changes_no_row(make):
-    table = nc.EmbeddingTable(weight(1))  # 40 rows: over the counting sort's 8 per id
+    table = nc.EmbeddingTable(hostile_weight(1))  # 40 rows: over the counting sort's 8 per id
     optimizer = make(table)
     optimizer.step_from_output_grad(np.zeros((0, 3), np.int64), np.zeros((0, 3 * DIM), np.float32))
     optimizer.step(nc.embedding_backward(np.zeros(0, np.int64), np.zeros((0, DIM), np.float32),
                                          num_rows=ROWS))
-    assert table.host_view.tobytes() == weight(1).tobytes()
+    assert table.host_view.tobytes() == hostile_weight(1).tobytes()
     assert optimizer.steps == 2  # counted, as one process stepping on every rank's batch
     grads = nc.embedding_backward(np.zeros((0, 2), np.int32), np.zeros((0, 2, DIM), np.float32),
                                   num_rows=1000)
@@ -60,11 +61,11 @@ def test_an_empty_batch_is_a_step_that_changes_no_row(make):
 ])
 def test_settings_that_poison_rows_are_refused(make, match):
     with pytest.raises(ValueError, match=match):
-        make(nc.EmbeddingTable(weight()))
+        make(nc.EmbeddingTable(hostile_weight()))
 
 
 def test_finite_terms_whose_row_sum_overflows_are_refused_before_any_change():
-    optimizer = nc.SGD(nc.EmbeddingTable(weight(2)), 1e-30)
+    optimizer = nc.SGD(nc.EmbeddingTable(hostile_weight(2)), 1e-30)
     before = snapshot(optimizer)
     ids = np.array([[3], [5], [3]])
     grad = np.zeros((3, DIM), np.float32)
@@ -78,10 +79,10 @@ def test_finite_terms_whose_row_sum_overflows_are_refused_before_any_change():
 
 
 def test_a_step_whose_float32_hyper_parameters_overflow_is_refused():
-    optimizer = nc.Adam(nc.EmbeddingTable(weight(3)), lr=1e30, betas=(1 - 2**-52, 0.999))
+    optimizer = nc.Adam(nc.EmbeddingTable(hostile_weight(3)), lr=1e30, betas=(1 - 2**-52, 0.999))
     before = snapshot(optimizer)
     with pytest.raises(ValueError, match="hyper-parameters overflow float32"):
-        optimizer.step_from_output_grad(*batch(0))
+        optimizer.step_from_output_grad(*hostile_batch(0))
     assert snapshot(optimizer) == before
 
 
@@ -89,7 +90,7 @@ def test_a_step_whose_float32_hyper_parameters_overflow_is_refused():
 
 
 def test_stochastic_rounding_of_two_shards_gives_the_bits_of_the_whole_table():
-    full = weight(4).astype(ml_dtypes.bfloat16)
+    full = hostile_weight(4).astype(ml_dtypes.bfloat16)
     whole = nc.EmbeddingTable(full.copy())
     shards = [nc.EmbeddingTable(full[start:start + 20].copy(), row_start=start, total_rows=ROWS)
               for start in (0, 20)]
@@ -97,7 +98,7 @@ def test_stochastic_rounding_of_two_shards_gives_the_bits_of_the_whole_table():
     one = nc.RowwiseAdagrad(whole, 0.01, **options)
     parts = [nc.RowwiseAdagrad(shard, 0.01, **options) for shard in shards]
     for step in range(3):
-        ids, grad = batch(step)
+        ids, grad = hostile_batch(step)
         one.step_from_output_grad(ids, grad)
         for shard, part in zip(shards, parts, strict=True):
             mine = (ids >= shard.row_start) & (ids < shard.row_start + shard.num_rows)
@@ -110,14 +111,14 @@ def test_stochastic_rounding_of_two_shards_gives_the_bits_of_the_whole_table():
 
 
 def test_load_state_dict_restores_the_saved_settings():
-    saved = nc.Adam(nc.EmbeddingTable(weight(5)), lr=0.05, betas=(0.8, 0.99), eps=1e-6,
+    saved = nc.Adam(nc.EmbeddingTable(hostile_weight(5)), lr=0.05, betas=(0.8, 0.99), eps=1e-6,
                     stochastic_rounding=True, seed=3)
-    saved.step_from_output_grad(*batch(0))
+    saved.step_from_output_grad(*hostile_batch(0))
     resumed = nc.Adam(nc.EmbeddingTable(saved.table.host_view.copy()))  # default settings
     resumed.load_state_dict(saved.state_dict())
     assert resumed.settings() == saved.settings() and resumed.steps == 1
     for optimizer in (saved, resumed):
-        optimizer.step_from_output_grad(*batch(1))
+        optimizer.step_from_output_grad(*hostile_batch(1))
     assert resumed.table.host_view.tobytes() == saved.table.host_view.tobytes()
 
 
@@ -131,12 +132,12 @@ def test_load_state_dict_restores_the_saved_settings():
     (lambda s: s["state"]["sum"].__setitem__((2, 0), np.inf), "infinite"),
 ])
 def test_a_refused_state_dict_changes_nothing(spoil, match):
-    source = nc.RowwiseAdagrad(nc.EmbeddingTable(weight(6)), 0.2)
-    source.step_from_output_grad(*batch(0))
+    source = nc.RowwiseAdagrad(nc.EmbeddingTable(hostile_weight(6)), 0.2)
+    source.step_from_output_grad(*hostile_batch(0))
     state = source.state_dict()
     spoil(state)
-    target = nc.RowwiseAdagrad(nc.EmbeddingTable(weight(6)), 0.1, eps=1e-7)
-    target.step_from_output_grad(*batch(1))
+    target = nc.RowwiseAdagrad(nc.EmbeddingTable(hostile_weight(6)), 0.1, eps=1e-7)
+    target.step_from_output_grad(*hostile_batch(1))
     before = snapshot(target), target.settings()
     with pytest.raises(ValueError, match=match):
         target.load_state_dict(state)
@@ -144,7 +145,7 @@ def test_a_refused_state_dict_changes_nothing(spoil, match):
 
 
 def test_a_state_file_of_another_shard_is_refused(tmp_path):
-    full = weight(7)
+    full = hostile_weight(7)
     shards = [nc.EmbeddingTable(full[start:start + 20].copy(), row_start=start, total_rows=ROWS)
               for start in (0, 20)]
     first = nc.SGD(shards[0], 0.1)
@@ -165,37 +166,37 @@ def test_a_state_file_of_another_shard_is_refused(tmp_path):
 
 
 def test_a_step_after_close_is_refused():
-    table = nc.EmbeddingTable(weight(8))
+    table = nc.EmbeddingTable(hostile_weight(8))
     optimizer = nc.SGD(table, 0.1)
     table.close()
     with pytest.raises(ValueError, match="closed"):
-        optimizer.step_from_output_grad(*batch(0))
+        optimizer.step_from_output_grad(*hostile_batch(0))
     with pytest.raises(ValueError, match="closed"):
-        optimizer.step(nc.embedding_backward(*batch(0), num_rows=ROWS))
+        optimizer.step(nc.embedding_backward(*hostile_batch(0), num_rows=ROWS))
     assert optimizer.steps == 0
 
 
 def test_a_closed_optimizer_or_table_steps_and_loads_no_more(tmp_path):
-    optimizer = nc.RowwiseAdagrad(nc.EmbeddingTable(weight(8)), 0.1)
+    optimizer = nc.RowwiseAdagrad(nc.EmbeddingTable(hostile_weight(8)), 0.1)
     path = nc.save_training_state(tmp_path / "s.safetensors", optimizer)
     optimizer.close()
     with pytest.raises(ValueError, match="the optimizer is closed"):
-        optimizer.step_from_output_grad(*batch(0))
+        optimizer.step_from_output_grad(*hostile_batch(0))
     with pytest.raises(ValueError, match="the optimizer is closed"):
         nc.load_training_state(path, optimizer)
-    table = nc.EmbeddingTable(weight(8) + 1)
+    table = nc.EmbeddingTable(hostile_weight(8) + 1)
     loader = nc.RowwiseAdagrad(table, 0.1)
     table.close()
     with pytest.raises(ValueError, match="closed"):
         nc.load_training_state(path, loader)
-    assert table.host_view.tobytes() == (weight(8) + 1).tobytes()
+    assert table.host_view.tobytes() == (hostile_weight(8) + 1).tobytes()
 
 
 @pytest.mark.parametrize("write", ["step", "write_rows"])
 def test_a_prefetch_before_a_write_reads_the_written_rows(write):
-    table = nc.EmbeddingTable(weight(12))
+    table = nc.EmbeddingTable(hostile_weight(12))
     optimizer = nc.SGD(table, 0.5)
-    ids, grad = batch(0, tokens=6)
+    ids, grad = hostile_batch(0, tokens=6)
     table.prefetch(ids)
     table.prefetcher.threads.wait()  # gathered before the write, surely
     if write == "step":
@@ -204,18 +205,18 @@ def test_a_prefetch_before_a_write_reads_the_written_rows(write):
         table.write_rows(int(ids[0, 0]), np.full((1, DIM), 9.0, np.float32))
     rows = table.lookup(ids)
     assert rows.tobytes() == table.host_view[ids.reshape(-1)].reshape(rows.shape).tobytes()
-    assert rows.tobytes() != weight(12)[ids.reshape(-1)].tobytes()
+    assert rows.tobytes() != hostile_weight(12)[ids.reshape(-1)].tobytes()
 
 
 @pytest.mark.usefixtures("shm_dir")
 def test_lookups_after_close_are_refused(tmp_path):
     ids = np.array([[1, 2]])
-    shared = nc.EmbeddingTable(weight(9), placement="shared")
+    shared = nc.EmbeddingTable(hostile_weight(9), placement="shared")
     config = nc.NGramConfig(vocab_size=50, ngram_size=3, heads_per_ngram=2,
                             ngram_vocab_size_base=11, eos_token_id=0, embedding_dim=8)
     layout = nc.layer_layout(config, 0)
     nc.save_ngram_embedding(tmp_path / "c", layout,
-                            weight(9, layout.padded_rows, layout.head_dim))
+                            hostile_weight(9, layout.padded_rows, layout.head_dim))
     mapped = nc.load_ngram_embedding(tmp_path / "c", config, 0, placement="mmap").table
     for table in (shared, mapped):
         table.lookup(ids)
@@ -224,9 +225,9 @@ def test_lookups_after_close_are_refused(tmp_path):
             table.lookup(ids)
         with pytest.raises(ValueError, match="the table is closed"):
             table.prefetch(ids)
-    private = nc.EmbeddingTable(weight(9))
+    private = nc.EmbeddingTable(hostile_weight(9))
     private.close()  # its rows are this process's memory: they still serve
-    assert private.lookup(ids).tobytes() == weight(9)[[1, 2]].reshape(1, -1).tobytes()
+    assert private.lookup(ids).tobytes() == hostile_weight(9)[[1, 2]].reshape(1, -1).tobytes()
 
 
 # --- shared tables written by training ---------------------------------------------------------
@@ -234,11 +235,11 @@ def test_lookups_after_close_are_refused(tmp_path):
 
 @pytest.mark.usefixtures("shm_dir")
 def test_a_trained_shared_table_no_longer_answers_to_its_rows_name():
-    rows = weight(10)
+    rows = hostile_weight(10)
     trained = nc.EmbeddingTable(rows, placement="shared")
     partner = nc.EmbeddingTable(rows, placement="shared")  # attached before training: Hogwild
     optimizer = nc.SGD(trained, 0.5)
-    optimizer.step_from_output_grad(*batch(0))
+    optimizer.step_from_output_grad(*hostile_batch(0))
     assert partner.host_view.tobytes() == trained.host_view.tobytes() != rows.tobytes()
     fresh = nc.EmbeddingTable(rows, placement="shared")  # asks for rows' content: gets it
     assert fresh.host_view.tobytes() == rows.tobytes()
@@ -255,13 +256,13 @@ def test_a_trained_shared_table_no_longer_answers_to_its_rows_name():
 def test_hogwild_adam_counts_steps_per_process():
     """Documented (docs/training.md): each process's Adam keeps its own step count, so on
     disjoint rows Hogwild equals each process's Adam stepping alone on its batches."""
-    rows = weight(11)
+    rows = hostile_weight(11)
     tables = [nc.EmbeddingTable(rows, placement="shared") for _ in range(2)]
     hogwild = [nc.Adam(table, 0.01) for table in tables]  # two "processes", one state segment
     alone = [nc.Adam(nc.EmbeddingTable(rows.copy()), 0.01) for _ in range(2)]
     for step in range(3):
         for half, (one, solo) in enumerate(zip(hogwild, alone, strict=True)):
-            ids, grad = batch(step, rows=20 * (half + 1), low=20 * half)
+            ids, grad = hostile_batch(step, rows=20 * (half + 1), low=20 * half)
             one.step_from_output_grad(ids, grad)
             solo.step_from_output_grad(ids, grad)
     assert [one.steps for one in hogwild] == [3, 3]
@@ -275,18 +276,11 @@ def test_hogwild_adam_counts_steps_per_process():
 # --- schedules, state loads and writers beside an asynchronous update (hostile pass 5) --------
 
 
-def gated(optimizer):
-    """Hold ``optimizer``'s updates until the returned event is set (a busy worker thread)."""
-    gate, apply = threading.Event(), optimizer.apply
-    optimizer.apply = lambda *args: (gate.wait(5), apply(*args))
-    return gate
-
-
 def test_silent_wrong_a_learning_rate_set_after_an_asynchronous_step_applies_from_the_next():
-    ids, grad = batch(0)
-    reference = nc.SGD(nc.EmbeddingTable(weight(13)), 0.1)
+    ids, grad = hostile_batch(0)
+    reference = nc.SGD(nc.EmbeddingTable(hostile_weight(13)), 0.1)
     reference.step_from_output_grad(ids, grad)
-    optimizer = nc.SGD(nc.EmbeddingTable(weight(13)), 0.1, asynchronous=True)
+    optimizer = nc.SGD(nc.EmbeddingTable(hostile_weight(13)), 0.1, asynchronous=True)
     gate = gated(optimizer)
     optimizer.step_from_output_grad(ids, grad)  # issued with lr 0.1, not yet applied
     optimizer.lr = 100.0  # a schedule's next value
@@ -303,21 +297,21 @@ def test_silent_wrong_a_learning_rate_set_after_an_asynchronous_step_applies_fro
     (lambda t: nc.Adam(t, 0.1), "betas", (1.5, 0.9)),
 ])
 def test_silent_wrong_settings_assigned_later_are_checked(make, name, value):
-    optimizer = make(nc.EmbeddingTable(weight(14)))
+    optimizer = make(nc.EmbeddingTable(hostile_weight(14)))
     with pytest.raises((ValueError, TypeError), match=name):
         setattr(optimizer, name, value)
     before = snapshot(optimizer)
-    optimizer.step_from_output_grad(*batch(0))  # the old, valid setting still steps
+    optimizer.step_from_output_grad(*hostile_batch(0))  # the old, valid setting still steps
     assert snapshot(optimizer) != before and np.isfinite(optimizer.table.host_view).all()
 
 
 @pytest.mark.parametrize("resharded", [False, True])
 def test_silent_wrong_a_prefetch_before_a_state_load_reads_the_loaded_rows(tmp_path, resharded):
-    saved = nc.SGD(nc.EmbeddingTable(weight(15)), 0.5)
-    saved.step_from_output_grad(*batch(0))
+    saved = nc.SGD(nc.EmbeddingTable(hostile_weight(15)), 0.5)
+    saved.step_from_output_grad(*hostile_batch(0))
     path = nc.save_training_state(tmp_path / "s.safetensors", saved)
-    table = nc.EmbeddingTable(weight(15))
-    ids = batch(0)[0]
+    table = nc.EmbeddingTable(hostile_weight(15))
+    ids = hostile_batch(0)[0]
     table.prefetch(ids)
     table.prefetcher.threads.wait()  # gathered the old rows, surely
     options = {"rank": 0, "world_size": 1} if resharded else {}
@@ -327,11 +321,11 @@ def test_silent_wrong_a_prefetch_before_a_state_load_reads_the_loaded_rows(tmp_p
 
 
 def test_data_loss_a_step_waits_for_another_optimizers_pending_update():
-    ids, grad = batch(1)
+    ids, grad = hostile_batch(1)
     rules = {"weight_decay": 0.5}  # each update reads the row: the order shows
-    table = nc.EmbeddingTable(weight(16))
+    table = nc.EmbeddingTable(hostile_weight(16))
     first, second = nc.SGD(table, 0.1, asynchronous=True, **rules), nc.SGD(table, 0.2, **rules)
-    reference = nc.EmbeddingTable(weight(16))
+    reference = nc.EmbeddingTable(hostile_weight(16))
     for lr in (0.1, 0.2):
         nc.SGD(reference, lr, **rules).step_from_output_grad(ids, grad)
     gate = gated(first)
@@ -343,10 +337,10 @@ def test_data_loss_a_step_waits_for_another_optimizers_pending_update():
 
 
 def test_crash_a_state_dict_step_count_past_64_bits_is_refused():
-    optimizer = nc.Adam(nc.EmbeddingTable(weight(17)), 0.1)
+    optimizer = nc.Adam(nc.EmbeddingTable(hostile_weight(17)), 0.1)
     state = optimizer.state_dict()
     state["steps"] = 2**70  # the next step's count would not fit the kernels' uint64
     with pytest.raises(ValueError, match=r"state\['steps'\] must be a step count"):
         optimizer.load_state_dict(state)
     assert optimizer.steps == 0
-    optimizer.step_from_output_grad(*batch(0))
+    optimizer.step_from_output_grad(*hostile_batch(0))

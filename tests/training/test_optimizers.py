@@ -7,6 +7,7 @@ import ml_dtypes
 import numba
 import numpy as np
 import pytest
+from helpers import in_order_sum
 
 import ngram_cupy as nc
 
@@ -17,15 +18,10 @@ def table_weight(seed=0, rows=ROWS, dim=DIM):
     return np.random.default_rng(seed).standard_normal((rows, dim)).astype(np.float32)
 
 
-def batch(seed, tokens=24, heads=3, rows=ROWS, dim=DIM):
+def update_batch(seed, tokens=24, heads=3, rows=ROWS, dim=DIM):
     rng = np.random.default_rng(100 + seed)
     return (rng.integers(0, rows, (tokens, heads)),
             rng.standard_normal((tokens, heads, dim)).astype(np.float32))
-
-
-def in_order_sum(values: np.ndarray) -> np.ndarray:
-    """Row sums in float64 added left to right (NumPy's sum is pairwise)."""
-    return np.cumsum(values.astype(np.float64), axis=1)[:, -1]
 
 
 def ref_sgd(w, rows, g, lr):
@@ -56,7 +52,7 @@ def run_steps(optimizer_class, kwargs, weight, steps=3, fused=True, dtype=np.flo
     table = nc.EmbeddingTable(weight.astype(dtype))
     optimizer = optimizer_class(table, **kwargs)
     for step in range(steps):
-        ids, grad = batch(step)
+        ids, grad = update_batch(step)
         if fused:
             optimizer.step_from_output_grad(ids, grad)
         else:
@@ -70,7 +66,7 @@ def test_sgd_matches_the_reference(fused):
     table, _ = run_steps(nc.SGD, {"lr": 0.05}, weight, fused=fused)
     want = weight.copy()
     for step in range(3):
-        grads = nc.embedding_backward(*batch(step))
+        grads = nc.embedding_backward(*update_batch(step))
         ref_sgd(want, grads.indices, grads.values, 0.05)
     assert table.host_view.tobytes() == want.tobytes()
 
@@ -82,7 +78,7 @@ def test_rowwise_adagrad_matches_the_reference(decay):
     table, optimizer = run_steps(nc.RowwiseAdagrad, kwargs, weight)
     want, s = weight.copy(), np.zeros(ROWS, np.float32)
     for step in range(3):
-        grads = nc.embedding_backward(*batch(step))
+        grads = nc.embedding_backward(*update_batch(step))
         ref_rowwise_adagrad(want, s, grads.indices, grads.values, 0.1, 1e-8, decay)
     assert table.host_view.tobytes() == want.tobytes()
     assert optimizer.state["sum"].ravel().tobytes() == s.tobytes()
@@ -95,7 +91,7 @@ def test_rowwise_adam_matches_the_reference():
     table, optimizer = run_steps(nc.Adam, kwargs, weight)
     want, m, v = weight.copy(), np.zeros(ROWS, np.float32), np.zeros(ROWS, np.float32)
     for step in range(3):
-        grads = nc.embedding_backward(*batch(step))
+        grads = nc.embedding_backward(*update_batch(step))
         ref_rowwise_adam(want, m, v, grads.indices, grads.values, step + 1, 0.01, (0.8, 0.99),
                          1e-6)
     assert table.host_view.tobytes() == want.tobytes()
@@ -120,7 +116,7 @@ def test_adam_matches_sparse_adams_formula_bitwise_and_torch():
     table, optimizer = run_steps(nc.Adam, {"lr": 0.01}, weight, steps=4)
     want, m, v = weight.copy(), np.zeros_like(weight), np.zeros_like(weight)
     for step in range(4):
-        grads = nc.embedding_backward(*batch(step))
+        grads = nc.embedding_backward(*update_batch(step))
         ref_sparse_adam(want, m, v, grads.indices, grads.values, step + 1, 0.01, (0.9, 0.999),
                         1e-8)
     assert table.host_view.tobytes() == want.tobytes()
@@ -128,7 +124,7 @@ def test_adam_matches_sparse_adams_formula_bitwise_and_torch():
     param = torch.nn.Parameter(torch.from_numpy(weight.copy()))
     sparse_adam = torch.optim.SparseAdam([param], lr=0.01)
     for step in range(4):
-        grads = nc.embedding_backward(*batch(step))
+        grads = nc.embedding_backward(*update_batch(step))
         param.grad = torch.sparse_coo_tensor(torch.from_numpy(grads.indices)[None],
                                              torch.from_numpy(grads.values), (ROWS, DIM))
         sparse_adam.step()
@@ -147,7 +143,7 @@ def test_bfloat16_tables_round_to_nearest_even():
     table, _ = run_steps(nc.SGD, {"lr": 0.05}, weight.astype(np.float32), dtype=ml_dtypes.bfloat16)
     want = weight.copy()
     for step in range(3):
-        grads = nc.embedding_backward(*batch(step))
+        grads = nc.embedding_backward(*update_batch(step))
         rows = want[grads.indices].astype(np.float32) - np.float32(0.05) * grads.values
         want[grads.indices] = rows.astype(ml_dtypes.bfloat16)
     assert table.host_view.tobytes() == want.tobytes()
@@ -155,7 +151,7 @@ def test_bfloat16_tables_round_to_nearest_even():
 
 def test_stochastic_rounding_is_reproducible_and_brackets_the_value():
     weight = table_weight(5).astype(ml_dtypes.bfloat16).astype(np.float32)
-    ids, grad = batch(0)
+    ids, grad = update_batch(0)
     results = []
     for seed, threads in ((7, 1), (7, numba.config.NUMBA_NUM_THREADS), (8, 1)):
         numba.set_num_threads(threads)
@@ -182,7 +178,7 @@ def test_state_dict_round_trip_continues_with_the_same_bits():
     resumed = nc.RowwiseAdagrad(resumed_table, 0.1)
     resumed.load_state_dict(optimizer.state_dict())
     for step in (2, 3):
-        resumed.step_from_output_grad(*batch(step))
+        resumed.step_from_output_grad(*update_batch(step))
     assert resumed_table.host_view.tobytes() == straight.host_view.tobytes()
 
 
@@ -190,7 +186,7 @@ def test_refused_steps_change_nothing():
     weight = table_weight(7)
     table = nc.EmbeddingTable(weight.copy())
     optimizer = nc.RowwiseAdagrad(table, 0.1)
-    ids, grad = batch(0)
+    ids, grad = update_batch(0)
     bad_ids = ids.copy()
     bad_ids[5, 2] = ROWS
     with pytest.raises(IndexError, match=rf"^ids\[5, 2\] = {ROWS} is outside"):
@@ -234,7 +230,7 @@ def test_tiered_hot_rows_stay_coherent():
     weight = table_weight(8)
     hot = np.array([0, 3, 7, 20], np.int64)
     table = nc.EmbeddingTable(weight.copy(), hot_rows=hot)
-    nc.RowwiseAdagrad(table, 0.1).step_from_output_grad(*batch(0))
+    nc.RowwiseAdagrad(table, 0.1).step_from_output_grad(*update_batch(0))
     ids = np.arange(ROWS).reshape(-1, 1)
     plain = nc.EmbeddingTable(table.host_view.copy())
     assert table.lookup(ids).tobytes() == plain.lookup(ids).tobytes()
@@ -251,7 +247,7 @@ def test_a_saved_training_state_resumes_with_the_same_bits(tmp_path, dtype):
     resumed = nc.Adam(nc.EmbeddingTable(np.zeros((ROWS, DIM), dtype)), **kwargs)
     nc.load_training_state(path, resumed)
     for step in (2, 3):
-        resumed.step_from_output_grad(*batch(step))
+        resumed.step_from_output_grad(*update_batch(step))
     assert resumed.table.host_view.tobytes() == straight.host_view.tobytes()
     other = nc.RowwiseAdagrad(nc.EmbeddingTable(np.zeros((ROWS, DIM), dtype)), 0.1)
     with pytest.raises(ValueError, match="not a rowwise_adagrad state dict"):
@@ -268,7 +264,7 @@ def test_pinned_tables_train_as_cpu_ones_and_mapped_ones_refuse():
     pinned = nc.EmbeddingTable(weight.copy(), placement="pinned")
     optimizer = nc.RowwiseAdagrad(pinned, 0.1)
     for step in range(3):
-        optimizer.step_from_output_grad(*batch(step))
+        optimizer.step_from_output_grad(*update_batch(step))
     assert pinned.host_view.tobytes() == cpu.host_view.tobytes()
     mapped = MappedStorage([(0, weight)], DIM, storage_format("float32"), pageable=False)
     with pytest.raises(ValueError, match="'mmap' tables are read-only"):

@@ -12,6 +12,7 @@ import time
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers import gated
 
 import ngram_cupy as nc
 from ngram_cupy.training import worker
@@ -23,11 +24,11 @@ PLACEMENTS = [{"placement": "cpu"}, {"placement": "pinned"}, {"placement": "shar
               {"placement": "cpu", "hot_rows": np.arange(0, ROWS, 3)}]
 
 
-def weight(dtype=np.float32) -> np.ndarray:
+def table_weight_of(dtype=np.float32) -> np.ndarray:
     return np.random.default_rng(0).standard_normal((ROWS, DIM)).astype(dtype)
 
 
-def batches(count: int, tokens: int = 20):
+def step_batches_of(count: int, tokens: int = 20):
     """Ids in a few rows (consecutive batches share most of them) and output gradients."""
     rng = np.random.default_rng(1)
     return [(rng.integers(0, ROWS // 4, (tokens, HEADS)),
@@ -47,15 +48,15 @@ def slowed(optimizer, seconds: float = 0.005):
     return optimizer
 
 
-def train(table_options: dict, optimizer_class, options: dict, asynchronous: bool,
+def train_overlapped(table_options: dict, optimizer_class, options: dict, asynchronous: bool,
           prefetch_first: bool, dtype=np.float32, steps: int = 4):
     """Lookups of each next batch after each step (its prefetch issued before or after the
     step), and the final rows."""
-    table = nc.EmbeddingTable(weight(dtype), **table_options)
+    table = nc.EmbeddingTable(table_weight_of(dtype), **table_options)
     optimizer = optimizer_class(table, **options, asynchronous=asynchronous)
     if asynchronous:
         slowed(optimizer)
-    data = batches(steps + 1)
+    data = step_batches_of(steps + 1)
     seen = []
     for (ids, grad), (following, _) in zip(data, data[1:], strict=False):
         table.lookup(ids)
@@ -79,8 +80,9 @@ def train(table_options: dict, optimizer_class, options: dict, asynchronous: boo
 @pytest.mark.parametrize("prefetch_first", [True, False], ids=["prefetch-step", "step-prefetch"])
 def test_overlapped_lookups_match_synchronous_bits(optimizer_class, options, table_options,
                                                    prefetch_first):
-    reference, rows = train({"placement": "cpu"}, optimizer_class, options, False, False)
-    seen, overlapped = train(table_options, optimizer_class, options, True, prefetch_first)
+    reference, rows = train_overlapped({"placement": "cpu"}, optimizer_class, options, False, False)
+    seen, overlapped = train_overlapped(table_options, optimizer_class, options, True,
+                                        prefetch_first)
     assert overlapped.tobytes() == rows.tobytes()
     for step, (want, got) in enumerate(zip(reference, seen, strict=True)):
         assert got.tobytes() == want.tobytes(), f"lookup {step} differs"
@@ -89,40 +91,29 @@ def test_overlapped_lookups_match_synchronous_bits(optimizer_class, options, tab
 def test_bfloat16_stochastic_rounding_overlapped_matches():
     options = {"lr": 0.1, "stochastic_rounding": True, "seed": 7}
     dtype = ml_dtypes.bfloat16
-    reference, rows = train({"placement": "cpu"}, nc.RowwiseAdagrad, options, False, False, dtype)
-    seen, overlapped = train({"placement": "cpu"}, nc.RowwiseAdagrad, options, True, True, dtype)
+    reference, rows = train_overlapped({"placement": "cpu"}, nc.RowwiseAdagrad, options, False,
+                                       False, dtype)
+    seen, overlapped = train_overlapped({"placement": "cpu"}, nc.RowwiseAdagrad, options, True,
+                                        True, dtype)
     assert overlapped.tobytes() == rows.tobytes()
     assert all(a.tobytes() == b.tobytes() for a, b in zip(reference, seen, strict=True))
 
 
 def test_a_prefetch_before_a_synchronous_step_is_gathered_again():
-    table = nc.EmbeddingTable(weight())
+    table = nc.EmbeddingTable(table_weight_of())
     optimizer = nc.SGD(table, lr=0.5)
-    (ids, grad), (following, _) = batches(2)
+    (ids, grad), (following, _) = step_batches_of(2)
     table.prefetch(following)
     optimizer.step_from_output_grad(ids, grad)
     assert table.lookup(following).tobytes() == table.host_view[following].tobytes()
 
 
-def gated(optimizer) -> threading.Event:
-    """Hold every update of ``optimizer`` until the returned event is set."""
-    gate = threading.Event()
-    apply = optimizer.apply
-
-    def held(*args) -> None:
-        gate.wait(10)
-        apply(*args)
-
-    optimizer.apply = held
-    return gate
-
-
 def test_step_returns_before_the_update_and_synchronize_waits():
-    table = nc.EmbeddingTable(weight())
+    table = nc.EmbeddingTable(table_weight_of())
     optimizer = nc.RowwiseAdagrad(table, 0.1, asynchronous=True)
     gate = gated(optimizer)
     before = table.host_view.copy()
-    ids, grad = batches(1)[0]
+    ids, grad = step_batches_of(1)[0]
     optimizer.step_from_output_grad(ids, grad)  # returns with the update held
     held = table.storage.host_view  # the rows themselves (host_view would wait for the update)
     assert optimizer.steps == 0 and held.tobytes() == before.tobytes()
@@ -135,10 +126,10 @@ def test_step_returns_before_the_update_and_synchronize_waits():
 
 
 def test_state_dict_and_checkpoints_wait_for_pending_updates(tmp_path):
-    table = nc.EmbeddingTable(weight())
+    table = nc.EmbeddingTable(table_weight_of())
     optimizer = nc.RowwiseAdagrad(table, 0.1, asynchronous=True)
     gate = gated(optimizer)
-    data = batches(3)
+    data = step_batches_of(3)
     for ids, grad in data[:2]:
         threading.Timer(0.05, gate.set).start()
         optimizer.step_from_output_grad(ids, grad)
@@ -149,7 +140,7 @@ def test_state_dict_and_checkpoints_wait_for_pending_updates(tmp_path):
     path = nc.save_training_state(tmp_path / "state.safetensors", optimizer)
     resumed = nc.RowwiseAdagrad(nc.EmbeddingTable(np.zeros((ROWS, DIM), np.float32)), 0.1)
     nc.load_training_state(path, resumed)
-    synchronous = nc.RowwiseAdagrad(nc.EmbeddingTable(weight()), 0.1)
+    synchronous = nc.RowwiseAdagrad(nc.EmbeddingTable(table_weight_of()), 0.1)
     for ids, grad in data[:2]:
         synchronous.step_from_output_grad(ids, grad)
     assert resumed.table.host_view.tobytes() == synchronous.table.host_view.tobytes()
@@ -157,9 +148,9 @@ def test_state_dict_and_checkpoints_wait_for_pending_updates(tmp_path):
 
 
 def test_worker_errors_reach_the_next_call_and_change_nothing():
-    table = nc.EmbeddingTable(weight())
+    table = nc.EmbeddingTable(table_weight_of())
     optimizer = slowed(nc.RowwiseAdagrad(table, 0.1, asynchronous=True))
-    (ids, grad), (more, more_grad) = batches(2)
+    (ids, grad), (more, more_grad) = step_batches_of(2)
     optimizer.step_from_output_grad(ids, grad)
     optimizer.synchronize()
     after_one = table.host_view.copy()
@@ -187,9 +178,9 @@ def test_worker_errors_reach_the_next_call_and_change_nothing():
 
 
 def test_shape_errors_stay_immediate_and_default_is_synchronous():
-    table = nc.EmbeddingTable(weight())
+    table = nc.EmbeddingTable(table_weight_of())
     optimizer = nc.SGD(table, lr=0.1, asynchronous=True)
-    ids, grad = batches(1)[0]
+    ids, grad = step_batches_of(1)[0]
     with pytest.raises(ValueError, match="grad_out must have shape"):
         optimizer.step_from_output_grad(ids, grad[:, :DIM])
     assert nc.SGD(table, lr=0.1).worker is None
@@ -198,10 +189,10 @@ def test_shape_errors_stay_immediate_and_default_is_synchronous():
 
 
 def test_close_waits_and_the_table_stops_waiting_for_it():
-    table = nc.EmbeddingTable(weight())
+    table = nc.EmbeddingTable(table_weight_of())
     optimizer = nc.SGD(table, lr=0.1, asynchronous=True)
     gate = gated(optimizer)
-    ids, grad = batches(1)[0]
+    ids, grad = step_batches_of(1)[0]
     optimizer.step_from_output_grad(ids, grad)
     threading.Timer(0.05, gate.set).start()
     optimizer.close()
@@ -212,7 +203,7 @@ def test_close_waits_and_the_table_stops_waiting_for_it():
 def test_the_workqueue_layer_is_refused_clearly(monkeypatch):
     monkeypatch.setattr(worker, "threading_layer", lambda: "workqueue")
     with pytest.raises(ValueError, match="asynchronous=True needs Numba's tbb or omp"):
-        nc.SGD(nc.EmbeddingTable(weight()), lr=0.1, asynchronous=True)
+        nc.SGD(nc.EmbeddingTable(table_weight_of()), lr=0.1, asynchronous=True)
 
 
 UNCOLLECTED = """
@@ -230,8 +221,8 @@ def test_a_refused_update_nobody_collected_is_reported_at_exit():
     assert done.returncode == 1 and done.stdout == "ended\n"
     assert "refused and no later call reported it" in done.stderr
     assert "grad_out holds NaN or infinite values" in done.stderr
-    optimizer = nc.SGD(nc.EmbeddingTable(weight()), lr=0.1, asynchronous=True)
-    optimizer.step_from_output_grad(*batches(1)[0])
+    optimizer = nc.SGD(nc.EmbeddingTable(table_weight_of()), lr=0.1, asynchronous=True)
+    optimizer.step_from_output_grad(*step_batches_of(1)[0])
     optimizer.step_from_output_grad(np.array([[1]]), np.full((1, DIM), np.nan, np.float32))
     with pytest.raises(ValueError, match="NaN"):
         optimizer.synchronize()  # collected: nothing is left to report at exit

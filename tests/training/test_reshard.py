@@ -16,7 +16,7 @@ OPTIMIZERS = {"rowwise_adagrad": (nc.RowwiseAdagrad, {"lr": 0.1, "weight_decay":
               "adam": (nc.Adam, {"lr": 0.01})}
 
 
-def batch(step):
+def sharded_batch(step):
     rng = np.random.default_rng(300 + step)
     return (rng.integers(0, TOTAL, 96),
             rng.standard_normal((96, DIM)).astype(np.float32))
@@ -37,7 +37,7 @@ def shard_optimizers(world_size, name, weight, dtype=np.float32):
 def step_all(ranks, steps):
     """Every rank steps on the terms of its own rows, in the batch's order."""
     for step in steps:
-        ids, grad = batch(step)
+        ids, grad = sharded_batch(step)
         for optimizer in ranks:
             table = optimizer.table
             mine = (ids >= table.row_start) & (ids < table.row_start + table.num_rows)
@@ -53,7 +53,7 @@ def whole(ranks):
     return rows, state
 
 
-def same_bits(ranks, others) -> bool:
+def same_state_bits(ranks, others) -> bool:
     """The same rows and state bits, whatever the rank counts."""
     (rows, state), (other_rows, other_state) = whole(ranks), whole(others)
     return rows.tobytes() == other_rows.tobytes() and state.keys() == other_state.keys() \
@@ -78,10 +78,10 @@ def test_a_state_from_n_ranks_resumes_on_m_with_the_same_bits(tmp_path, saved, l
     after = shard_optimizers(loaded, name, np.zeros_like(weight))
     for rank, optimizer in enumerate(after):
         nc.load_training_state(paths[::-1], optimizer, rank=rank, world_size=loaded)
-    assert same_bits(after, before)
+    assert same_state_bits(after, before)
     assert {optimizer.steps for optimizer in after} == {2}
     step_all(after, (2, 3))
-    assert same_bits(after, straight)
+    assert same_state_bits(after, straight)
 
 
 def test_bfloat16_rows_reshard_bit_for_bit(tmp_path):
@@ -92,7 +92,7 @@ def test_bfloat16_rows_reshard_bit_for_bit(tmp_path):
     after = shard_optimizers(2, "rowwise_adagrad", np.zeros_like(weight), ml_dtypes.bfloat16)
     for rank, optimizer in enumerate(after):
         nc.load_training_state(paths, optimizer, rank=rank, world_size=2)
-    assert same_bits(after, before)
+    assert same_state_bits(after, before)
 
 
 @pytest.fixture
@@ -168,7 +168,7 @@ def test_a_file_saved_before_row_ranges_holds_a_whole_table(tmp_path):
     after = shard_optimizers(2, "rowwise_adagrad", np.zeros_like(weight))
     for rank, optimizer in enumerate(after):
         nc.load_training_state(tmp_path / "old.safetensors", optimizer, rank=rank, world_size=2)
-    assert same_bits(after, [whole_table])
+    assert same_state_bits(after, [whole_table])
 
 
 def test_a_rank_needs_only_the_files_holding_its_rows(saved_two):

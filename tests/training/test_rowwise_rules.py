@@ -6,25 +6,21 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers import in_order_sum
 
 import ngram_cupy as nc
 
 ROWS, DIM = 40, 8
 
 
-def table_weight(seed=0):
+def rule_table_weight(seed=0):
     return np.random.default_rng(seed).standard_normal((ROWS, DIM)).astype(np.float32)
 
 
-def batch(seed, tokens=24, heads=3):
+def rule_batch(seed, tokens=24, heads=3):
     rng = np.random.default_rng(200 + seed)
     return (rng.integers(0, ROWS, (tokens, heads)),
             rng.standard_normal((tokens, heads, DIM)).astype(np.float32))
-
-
-def in_order_sum(values: np.ndarray) -> np.ndarray:
-    """Row sums in float64 added left to right."""
-    return np.cumsum(values.astype(np.float64), axis=1)[:, -1]
 
 
 def clamp(new: np.ndarray, max_norm) -> np.ndarray:
@@ -37,7 +33,7 @@ def clamp(new: np.ndarray, max_norm) -> np.ndarray:
     return np.where((norm > np.float32(max_norm))[:, None], new * factor[:, None], new)
 
 
-def ref_sgd(w, rows, g, lr, decay, mode, max_norm):
+def ref_decayed_sgd(w, rows, g, lr, decay, mode, max_norm):
     lr, decay = np.float32(lr), np.float32(decay)
     if mode == "l2":
         g = g + decay * w[rows] if decay else g
@@ -57,9 +53,9 @@ def ref_adagrad(w, s, rows, g, lr, eps, decay, mode, max_norm):
     w[rows] = clamp(keep * w[rows] - m * g, max_norm)
 
 
-def train(optimizer, steps=3, fused=True):
+def train_steps(optimizer, steps=3, fused=True):
     for step in range(steps):
-        ids, grad = batch(step)
+        ids, grad = rule_batch(step)
         if fused:
             optimizer.step_from_output_grad(ids, grad)
         else:
@@ -72,14 +68,14 @@ CASES = [("decoupled", None), ("l2", 1.5), ("decoupled", 1.5)]
 @pytest.mark.parametrize(("mode", "max_norm"), CASES)
 @pytest.mark.parametrize("fused", [True, False])
 def test_rowwise_adagrad_rules_match_the_formula(mode, max_norm, fused):
-    weight = table_weight(1)
+    weight = rule_table_weight(1)
     table = nc.EmbeddingTable(weight.copy())
     optimizer = nc.RowwiseAdagrad(table, 0.3, eps=1e-6, weight_decay=0.25,
                                   weight_decay_mode=mode, max_norm=max_norm)
-    train(optimizer, fused=fused)
+    train_steps(optimizer, fused=fused)
     want, s = weight.copy(), np.zeros(ROWS, np.float32)
     for step in range(3):
-        grads = nc.embedding_backward(*batch(step))
+        grads = nc.embedding_backward(*rule_batch(step))
         ref_adagrad(want, s, grads.indices, grads.values, 0.3, 1e-6, 0.25, mode, max_norm)
     assert table.host_view.tobytes() == want.tobytes()
     assert optimizer.state["sum"].ravel().tobytes() == s.tobytes()
@@ -87,27 +83,27 @@ def test_rowwise_adagrad_rules_match_the_formula(mode, max_norm, fused):
 
 @pytest.mark.parametrize(("mode", "max_norm"), [("l2", None), *CASES])
 def test_sgd_rules_match_the_formula(mode, max_norm):
-    weight = table_weight(2)
+    weight = rule_table_weight(2)
     table = nc.EmbeddingTable(weight.copy())
-    train(nc.SGD(table, 0.2, weight_decay=0.5, weight_decay_mode=mode, max_norm=max_norm))
+    train_steps(nc.SGD(table, 0.2, weight_decay=0.5, weight_decay_mode=mode, max_norm=max_norm))
     want = weight.copy()
     for step in range(3):
-        grads = nc.embedding_backward(*batch(step))
-        ref_sgd(want, grads.indices, grads.values, 0.2, 0.5, mode, max_norm)
+        grads = nc.embedding_backward(*rule_batch(step))
+        ref_decayed_sgd(want, grads.indices, grads.values, 0.2, 0.5, mode, max_norm)
     assert table.host_view.tobytes() == want.tobytes()
 
 
 def test_the_modes_differ_and_the_clamp_bites_only_long_rows():
-    weight = table_weight(3)
+    weight = rule_table_weight(3)
     results = {}
     for mode in ("l2", "decoupled"):
         table = nc.EmbeddingTable(weight.copy())
-        train(nc.RowwiseAdagrad(table, 0.3, weight_decay=0.25, weight_decay_mode=mode))
+        train_steps(nc.RowwiseAdagrad(table, 0.3, weight_decay=0.25, weight_decay_mode=mode))
         results[mode] = table.host_view.copy()
     assert results["l2"].tobytes() != results["decoupled"].tobytes()
     table = nc.EmbeddingTable(weight.copy())
-    train(nc.RowwiseAdagrad(table, 0.3, weight_decay=0.25, max_norm=2.0))
-    touched = np.unique(np.concatenate([batch(step)[0].ravel() for step in range(3)]))
+    train_steps(nc.RowwiseAdagrad(table, 0.3, weight_decay=0.25, max_norm=2.0))
+    touched = np.unique(np.concatenate([rule_batch(step)[0].ravel() for step in range(3)]))
     free = np.linalg.norm(results["l2"][touched].astype(np.float64), axis=1)
     clamped = np.linalg.norm(table.host_view[touched].astype(np.float64), axis=1)
     assert (free > 2.0).any() and (free <= 2.0).any()  # both kinds of rows occur
@@ -117,12 +113,12 @@ def test_the_modes_differ_and_the_clamp_bites_only_long_rows():
 
 
 def test_bfloat16_rows_are_clamped_in_float32_then_rounded():
-    weight = table_weight(4).astype(ml_dtypes.bfloat16)
+    weight = rule_table_weight(4).astype(ml_dtypes.bfloat16)
     table = nc.EmbeddingTable(weight.copy())
-    train(nc.SGD(table, 0.2, weight_decay=0.5, weight_decay_mode="decoupled", max_norm=1.5))
+    train_steps(nc.SGD(table, 0.2, weight_decay=0.5, weight_decay_mode="decoupled", max_norm=1.5))
     want = weight.copy()
     for step in range(3):
-        grads = nc.embedding_backward(*batch(step))
+        grads = nc.embedding_backward(*rule_batch(step))
         rows = want[grads.indices].astype(np.float32)
         new = (np.float32(1) - np.float32(0.2) * np.float32(0.5)) * rows \
             - np.float32(0.2) * grads.values
@@ -131,7 +127,7 @@ def test_bfloat16_rows_are_clamped_in_float32_then_rounded():
 
 
 def test_the_rules_are_in_the_state_dict():
-    table = nc.EmbeddingTable(table_weight())
+    table = nc.EmbeddingTable(rule_table_weight())
     state = nc.RowwiseAdagrad(table, 0.1, weight_decay=0.01, weight_decay_mode="decoupled",
                               max_norm=3.0).state_dict()
     assert state["settings"] == {"lr": 0.1, "eps": 1e-8, "weight_decay": 0.01,
@@ -142,7 +138,7 @@ def test_the_rules_are_in_the_state_dict():
 
 @pytest.mark.parametrize("optimizer", [nc.SGD, nc.RowwiseAdagrad])
 def test_bad_rules_name_the_argument(optimizer):
-    table = nc.EmbeddingTable(table_weight())
+    table = nc.EmbeddingTable(rule_table_weight())
     with pytest.raises(ValueError, match="weight_decay_mode must be one of"):
         optimizer(table, 0.1, weight_decay_mode="l1")
     for bad in (0.0, -1.0, float("nan"), 1e-50):

@@ -15,7 +15,7 @@ SPAWN = multiprocessing.get_context("spawn")
 ROWS, DIM = 64, 8
 
 
-def batches(seed: int, low: int, high: int, steps: int = 3) -> list:
+def step_batches(seed: int, low: int, high: int, steps: int = 3) -> list:
     rng = np.random.default_rng(seed)
     return [(rng.integers(low, high, (16, 2)), rng.standard_normal((16, 2, DIM)).astype(np.float32))
             for _ in range(steps)]
@@ -25,13 +25,14 @@ def test_two_processes_on_disjoint_rows_equal_one_process():
     import training_worker
 
     weight = np.random.default_rng(0).standard_normal((ROWS, DIM)).astype(np.float32)
-    work = [batches(1, 0, ROWS // 2), batches(2, ROWS // 2, ROWS)]
+    work = [step_batches(1, 0, ROWS // 2), step_batches(2, ROWS // 2, ROWS)]
     shared = nc.EmbeddingTable(weight, placement="shared")  # held here: the workers attach
     hogwild = nc.RowwiseAdagrad(shared, 0.1)  # its state segment, attached by the workers
     start = SPAWN.Event()
     ready = [SPAWN.Event() for _ in work]
     done = [SPAWN.Event() for _ in work]
-    workers = [SPAWN.Process(target=training_worker.train, args=(weight, jobs, up, start, end))
+    workers = [SPAWN.Process(target=training_worker.train_shared,
+                             args=(weight, jobs, up, start, end))
                for jobs, up, end in zip(work, ready, done, strict=True)]
     for worker in workers:
         worker.start()

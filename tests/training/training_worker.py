@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 
-def train(weight: np.ndarray, batches: list, ready, start, done) -> None:
+def train_shared(weight: np.ndarray, batches: list, ready, start, done) -> None:
     """Attach the table and the optimizer's shared state, set ``ready``, wait for ``start``,
     step on each ``(ids, grad_out)``, then set ``done`` (the segments stay while the parent
     holds them)."""

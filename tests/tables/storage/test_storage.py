@@ -35,12 +35,12 @@ from ngram_cupy.tables.storage.mapped import MappedStorage
 FP8 = storage_format("float8_e4m3fn")
 
 
-def rows(seed=0, count=40, head_dim=6):
+def random_fp8_rows(seed=0, count=40, head_dim=6):
     rng = np.random.default_rng(seed)
     return (rng.standard_normal((count, head_dim)) * 4).astype(ml_dtypes.float8_e4m3fn)
 
 
-def gather(storage, ids, row_start=0, scale=0.5):
+def gather_bf16(storage, ids, row_start=0, scale=0.5):
     out = np.empty((ids.shape[0], ids.shape[1] * storage.head_dim), np.uint16)
     storage.gather(Gather(HOST, ids, out, BFLOAT16, row_start, np.float32(scale)))
     return out.view(ml_dtypes.bfloat16)
@@ -48,7 +48,7 @@ def gather(storage, ids, row_start=0, scale=0.5):
 
 @pytest.mark.parametrize("make", ["cpu", "pinned", "mapped"])
 def test_every_host_storage_gathers_like_the_reference(make):
-    weight = rows()
+    weight = random_fp8_rows()
     if make == "mapped":
         storage = MappedStorage([(0, weight[:13]), (13, weight[13:])], 6, FP8)
     else:
@@ -58,7 +58,7 @@ def test_every_host_storage_gathers_like_the_reference(make):
     assert storage.reads(HOST) and storage.num_rows == 40 and storage.format is FP8
     ids = np.random.default_rng(1).integers(95, 145, (17, 3))  # global rows 100..139 owned
     expected = reference_lookup(weight, ids - 100, 0.5, ml_dtypes.bfloat16)
-    np.testing.assert_array_equal(gather(storage, ids, row_start=100).view(np.uint16),
+    np.testing.assert_array_equal(gather_bf16(storage, ids, row_start=100).view(np.uint16),
                                   expected.view(np.uint16))
 
 
@@ -66,7 +66,7 @@ def test_placement_names():
     assert canonical_placement("host") == "pinned" == canonical_placement("pinned")
     with pytest.raises(ValueError, match="placement must be one of 'cpu', 'gpu', 'pinned'"):
         canonical_placement("disk")
-    table = nc.EmbeddingTable(rows(), placement="host", scale=1.0)
+    table = nc.EmbeddingTable(random_fp8_rows(), placement="host", scale=1.0)
     assert table.placement == "pinned"
 
 
@@ -98,12 +98,12 @@ def source_of(weight, key=None, mapped=True):
     ("cpu", "cpu"), ("host", "pinned"), ("mmap", "mmap"), ("shared", "shared")])
 @pytest.mark.parametrize("keyed", [False, True])
 def test_place_builds_the_storage_of_a_placement_from_its_source(placement, kind, keyed):
-    weight = rows(seed=3)
+    weight = random_fp8_rows(seed=3)
     key = f"test_storage {placement} {keyed} {os.getpid()}" if keyed else None
     storage = place(placement, source_of(weight, key))
     assert storage.placement == kind and storage.num_rows == 40
     ids = np.random.default_rng(2).integers(0, 40, (9, 2))
-    np.testing.assert_array_equal(gather(storage, ids).view(np.uint16),
+    np.testing.assert_array_equal(gather_bf16(storage, ids).view(np.uint16),
                                   reference_lookup(weight, ids, 0.5, ml_dtypes.bfloat16)
                                   .view(np.uint16))
     assert storage.writable == (kind in ("cpu", "pinned"))
@@ -113,7 +113,7 @@ def test_place_builds_the_storage_of_a_placement_from_its_source(placement, kind
 
 def test_place_refuses_what_a_placement_cannot_hold():
     with pytest.raises(ValueError, match="placement must be one of .* got 'mmap'"):
-        place("mmap", source_of(rows(), mapped=False))
+        place("mmap", source_of(random_fp8_rows(), mapped=False))
     fmt = storage_format("nvfp4")
     packed = np.zeros((4, 8), np.uint8)
     source = RowsSource(4, 16, fmt, lambda: iter([(0, packed, np.zeros((4, 1), np.uint8))]))
@@ -123,7 +123,7 @@ def test_place_refuses_what_a_placement_cannot_hold():
 
 
 def test_place_filled_moves_filled_rows_into_the_segment_of_their_content():
-    weight = rows(seed=4)
+    weight = random_fp8_rows(seed=4)
     filled = allocate(PLACEMENTS["shared"].fills, 40, 6, FP8)
     filled.write_rows(0, weight.view(np.uint8))
     shared = place_filled("shared", filled)
@@ -144,14 +144,15 @@ def test_every_storage_answers_the_optional_abilities():
     frozen = np.zeros((10, 4), np.float32)
     frozen.flags.writeable = False
     assert "read-only" in CpuStorage(frozen, storage_format("float32")).training_refusal()
-    assert "'mmap' tables are read-only" in MappedStorage([(0, rows())], 6, FP8).training_refusal()
+    storage = MappedStorage([(0, random_fp8_rows())], 6, FP8)
+    assert "'mmap' tables are read-only" in storage.training_refusal()
     table = nc.EmbeddingTable(np.zeros((10, 4), np.float32), hot_rows=[2, 5])
     assert table.storage.cold is not table.storage and table.storage.cold.placement == "cpu"
     assert table.counters == {"hot_rows": 0, "cold_rows": 0} and not table.pinned
 
 
 def test_mapped_storage_is_read_only_and_cpu_only():
-    storage = MappedStorage([(0, rows())], 6, FP8)
+    storage = MappedStorage([(0, random_fp8_rows())], 6, FP8)
     assert storage.reads(HOST) and not storage.reads(DEVICE) and not storage.writable
 
 

@@ -210,7 +210,7 @@ def fused_case(rng, layout, fmt, head_dim, num_tokens, shard=True):
     weight = random_bits(rng, layout.padded_rows, head_dim, fmt.dtype)
     start, stop = (layout.padded_rows // 3, layout.padded_rows // 3 + 80) if shard else (
         0, layout.padded_rows)
-    batch = simulator.random_batch(rng, layout, num_tokens, 3)
+    batch = simulator.wild_batch(rng, layout, num_tokens, 3)
     ids = reference.compute_ngram_ids(layout, *batch)
     owned = ids[(ids >= start) & (ids < stop)]
     hot = np.unique(np.concatenate([owned[::2], [start, stop - 1],
@@ -257,7 +257,7 @@ def test_simulated_fused_tier_gives_the_untiered_fused_bytes(simulate, hot_share
     hot = np.flatnonzero(rng.random(layout.padded_rows) < hot_share).astype(np.int64)
     tiered = nc.EmbeddingTable(weight, scale=0.5, placement="pinned", hot_rows=hot)
     plain = nc.EmbeddingTable(weight, scale=0.5)
-    batch = simulator.random_batch(rng, layout, 7, 2, dtypes=(np.int32,) * 3)
+    batch = simulator.wild_batch(rng, layout, 7, 2, dtypes=(np.int32,) * 3)
     out_format = formats.FORMATS[formats.BFLOAT16]
     storage = tiered.storage
     got, _, counts = simulated_fused(layout, tiered, batch, out_format,
@@ -489,7 +489,7 @@ def test_a_first_lookup_on_another_stream_reads_a_whole_new_tier():
     assert tiered.counters["hot_rows"] == int((ids % 2 == 0).sum())
 
 
-class FakeStream:
+class TierStream:
     """A CuPy-like stream: records its waits, and whether it is capturing a graph."""
 
     def __init__(self, log, name, ptr, capturing=False):
@@ -517,7 +517,7 @@ def test_gpu_counters_wait_for_the_tables_streams_only(monkeypatch):
     monkeypatch.setattr(tiered, "read_counts", lambda counts: log.append(f"read {counts}")
                         or np.array([30, 40], np.uint64))
     monkeypatch.setattr(tiered, "cupy_module", lambda: pytest.fail("a device-wide call"))
-    caller, side = FakeStream(log, "caller", 1, capturing=True), FakeStream(log, "side", 2)
+    caller, side = TierStream(log, "caller", 1, capturing=True), TierStream(log, "side", 2)
     for stream in (caller, side, caller):  # what lookups and the fused kernel report
         storage.used_on(stream)
     with pytest.raises(RuntimeError, match="capturing a CUDA graph: read them after"):

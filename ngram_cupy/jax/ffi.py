@@ -1,10 +1,11 @@
-"""Python functions as XLA FFI custom calls (``jax.ffi``), for ``ngram_cupy.jax``.
+"""Python functions as XLA FFI custom calls (``jax.ffi``), for ``ngram_cupy.jax``'s functions.
 
 One handler, a ctypes function registered once per platform as the FFI target ``TARGET``,
 reads XLA's call frame (``xla/ffi/api/c_api.h``, which ships in ``jax.ffi.include_dir()``),
 views every argument and result buffer in place, as NumPy arrays on the CPU and CuPy arrays on a
 CUDA device, and runs the Python function named by the call's ``key`` attribute on them, with
-XLA's CUDA stream on a GPU. No buffer is copied: results are written into the buffers XLA
+XLA's CUDA stream on a GPU; the key is a handle (``runtime/handles.py``) of the function bound
+to the object it was traced with. No buffer is copied: results are written into the buffers XLA
 allocated. A Python exception becomes an XLA error carrying its type and message; eager callers
 get the exception itself back (``custom_call``).
 """
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import itertools
 import mmap
 import threading
 import weakref
@@ -24,6 +24,8 @@ from typing import Any
 import jax
 import ml_dtypes
 import numpy as np
+
+from ..runtime import handles
 
 TARGET = "ngram_cupy_python"
 _API_VERSION = (0, 3)  # the XLA FFI C API this handler speaks (XLA_FFI_API_MAJOR / MINOR)
@@ -195,9 +197,25 @@ def _device_stream(frame: CallFrame, buffers: list):
     return cupy.cuda.ExternalStream(args.stream or 0, device)
 
 
-FUNCTIONS: dict[int, tuple[weakref.ref, Callable[..., None], tuple]] = {}
-_KEYS: dict[tuple, int] = {}
-_NEXT_KEY = itertools.count(1)
+class BoundCall:
+    """What a custom call's key names: ``function`` bound to ``owner`` (held weakly) and
+    ``extra``; kept alive by its owner (``function_key``), resolved through the handles."""
+
+    __slots__ = ("owner", "function", "extra", "__weakref__")
+
+    def __init__(self, owner: Any, function: Callable[..., None], extra: tuple):
+        self.owner = weakref.ref(owner)
+        self.function, self.extra = function, extra
+
+    def __call__(self, inputs: list, outputs: list, stream: Any) -> None:
+        """Run the function on the call's buffers; a RuntimeError once the owner is gone."""
+        owner = self.owner()
+        if owner is None:
+            raise RuntimeError("the object this jitted call was traced with is gone")
+        self.function(owner, self.extra, inputs, outputs, stream)
+
+
+_KEYS: dict[tuple, int] = {}  # (function, id(owner), extra) -> its BoundCall's handle
 _RAISED: OrderedDict[str, BaseException] = OrderedDict()  # the latest failures, by message
 _LOCK = threading.Lock()
 
@@ -226,16 +244,12 @@ def handle(frame_pointer, on_device: bool) -> int | None:
     if frame.stage != _EXECUTE:
         return None
     try:
-        entry = FUNCTIONS.get(frame.attrs.items[0].contents.value.contents.value)
-        target = None if entry is None else entry[0]()
-        if target is None:
-            raise RuntimeError("the object this jitted call was traced with is gone")
-        _, function, extra = entry
+        call = handles.resolve(frame.attrs.items[0].contents.value.contents.value)
         view = _device_view if on_device else _host_view
         inputs = [view(frame.args.items[i].contents) for i in range(frame.args.size)]
         outputs = [view(frame.rets.items[i].contents, True) for i in range(frame.rets.size)]
         stream = _device_stream(frame, inputs + outputs) if on_device else None
-        function(target, extra, inputs, outputs, stream)
+        call(inputs, outputs, stream)
         return None
     except BaseException as error:  # noqa: BLE001  every failure goes back to XLA as an error
         return _fail(frame, error)
@@ -262,22 +276,30 @@ def _register() -> None:
 
 
 def function_key(owner: Any, function: Callable[..., None], extra: tuple) -> int:
-    """The key of ``function`` bound to ``owner`` (held weakly) and ``extra``: one per distinct
-    triple, so jax caches one compiled call for each; dropped with the owner."""
+    """The key of ``function`` bound to ``owner`` (held weakly) and ``extra``: the handle of
+    one ``BoundCall`` per distinct triple, so jax caches one compiled call for each; the call
+    lives as long as the owner (its finalizer holds it) and its handle goes with it."""
     index = (function, id(owner), extra)
     with _LOCK:
         key = _KEYS.get(index)
         if key is None:
-            key = _KEYS[index] = next(_NEXT_KEY)
-            FUNCTIONS[key] = (weakref.ref(owner), function, extra)
-            weakref.finalize(owner, _forget, index)
+            call = BoundCall(owner, function, extra)
+            key = _KEYS[index] = handles.register(call)
+            weakref.finalize(owner, _forget, index, call)
     return key
 
 
-def _forget(index: tuple) -> None:
-    """Drop a key whose owner is gone."""
+def _forget(index: tuple, call: BoundCall) -> None:
+    """Drop the key of an owner that is gone (and, returning, the last hold on its call)."""
     with _LOCK:
-        FUNCTIONS.pop(_KEYS.pop(index, 0), None)
+        _KEYS.pop(index, None)
+
+
+def bound_calls() -> list[BoundCall]:
+    """The calls bound so far whose owners live (one per key), for tests and inspection."""
+    with _LOCK:
+        keys = list(_KEYS.values())
+    return [handles.resolve(key) for key in keys]
 
 
 @functools.lru_cache(maxsize=256)

@@ -1,7 +1,8 @@
-"""``ngram_cupy.jax``: ids, table lookups and row training from JAX programs (docs/jax.md).
+"""``ngram_cupy.jax``'s functions: ids, table lookups and row training from JAX programs
+(docs/jax.md).
 
 Each function takes and returns JAX arrays, eagerly or under ``jax.jit``, and runs the NumPy
-face's own code as one XLA custom call (``jax_ffi``): the buffers are handed over in place, no
+face's own code as one XLA custom call (``ffi.py``): the buffers are handed over in place, no
 copy either way, and a jitted call gives the bits of the eager one. Eager calls wait for their
 result and raise the library's own exceptions; under ``jax.jit`` a failure is a
 ``jax.errors.JaxRuntimeError`` whose message begins with the exception's type and message.
@@ -12,23 +13,19 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-try:
-    import jax
-    import jax.numpy as jnp
-except ImportError as error:  # the optional extra
-    raise ImportError("ngram_cupy.jax needs jax: pip install 'ngram-cupy[jax]'") from error
-
-from .formats import default_output, output_format
-from .ids import engram_ids, ngram_ids
-from .jax_ffi import custom_call
+from ..formats import default_output, output_format
+from ..ids import engram_ids, ngram_ids
+from .ffi import custom_call
 
 if TYPE_CHECKING:
-    from .hashing.engram_layout import EngramLayout
-    from .hashing.layout import LayerLayout
-    from .tables.table import EmbeddingTable
-    from .training.optimizers import RowOptimizer
+    from ..hashing.engram_layout import EngramLayout
+    from ..hashing.layout import LayerLayout
+    from ..tables.table import EmbeddingTable
+    from ..training.optimizers import RowOptimizer
 
 __all__ = ["compute_engram_ids", "compute_ngram_ids", "id_dtype", "lookup", "lookup_dtype",
            "step_from_output_grad"]
