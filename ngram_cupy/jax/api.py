@@ -148,9 +148,18 @@ def lookup(table: EmbeddingTable, ids, out_dtype=None) -> jax.Array:
 def _step(optimizer: RowOptimizer, extra: tuple, inputs: list, outputs: list,
           stream: Any) -> None:
     """Run ``optimizer.step_from_output_grad`` on the call's ids and gradient; write the step
-    count after it."""
-    optimizer.step_from_output_grad(inputs[0], inputs[1])
-    outputs[0][...] = optimizer.steps
+    count after it. An asynchronous optimizer checks the step here, once the earlier ones have
+    landed (``checked_step``), and its worker applies a copy of a host gradient: XLA reuses the
+    call's buffers as soon as it returns."""
+    ids, grad = inputs
+    if optimizer.worker is None:
+        optimizer.step_from_output_grad(ids, grad)
+        outputs[0][...] = optimizer.steps
+        return
+    update = optimizer.checked_step(ids, grad.copy() if stream is None else grad)
+    steps = optimizer.steps + 1
+    update()
+    outputs[0][...] = steps
 
 
 def step_from_output_grad(optimizer: RowOptimizer, ids, grad_out) -> jax.Array:

@@ -237,3 +237,32 @@ def test_an_eager_lookup_sees_the_updates_dispatched_before_it(weight):
         step(jnp.asarray(ids), jnp.asarray(grad))  # dispatched, not waited for
         numpy_optimizer.step_from_output_grad(ids, grad)
     same_bits(ncj.lookup(table, jnp.asarray(ids)), reference.lookup(ids))
+
+
+@pytest.mark.parametrize("jitted", [False, True], ids=["eager", "jit"])
+def test_asynchronous_steps_copy_the_gradient_and_count_after_the_step(weight, jitted):
+    """An asynchronous optimizer's worker applies a step after the call returns, when XLA has
+    reused the gradient's buffer: the rows equal a synchronous NumPy run's bit for bit, no
+    finite step is refused, and each call returns the count after its step (1, 2, 3...)."""
+    rng = np.random.default_rng(5)
+    batches = [rng.integers(0, ROWS, (16, HEADS)).astype(np.int32) for _ in range(4)]
+    target = jnp.asarray(rng.standard_normal((16, 8)).astype(np.float32))
+    params = jnp.asarray(rng.standard_normal((DIM, 8)).astype(np.float32) * 0.1)
+    table, reference = nc.EmbeddingTable(weight.copy()), nc.EmbeddingTable(weight.copy())
+    optimizer = nc.RowwiseAdagrad(table, lr=0.1, asynchronous=True)
+    numpy_optimizer = nc.RowwiseAdagrad(reference, lr=0.1)
+
+    def train_step(ids):
+        grad_rows = GRAD(ncj.lookup(table, ids), params, target)[1][0]
+        return ncj.step_from_output_grad(optimizer, ids, grad_rows)
+
+    step = jax.jit(train_step) if jitted else train_step
+    for number, ids in enumerate(batches, 1):
+        assert int(step(jnp.asarray(ids))) == number
+        jnp.zeros((16, HEADS * DIM)).block_until_ready()  # XLA reuses the freed buffers
+        grad_rows = GRAD(reference.lookup(ids), params, target)[1][0]
+        numpy_optimizer.step_from_output_grad(ids, np.asarray(grad_rows))
+    optimizer.synchronize()
+    assert optimizer.steps == len(batches)
+    np.testing.assert_array_equal(table.host_view, reference.host_view)
+    optimizer.close()
