@@ -104,6 +104,11 @@ def test_bad_arguments_name_themselves(tables):
         ncj.lookup(table, jnp.zeros((4, 4)))
     with pytest.raises(TypeError, match="out_dtype must be float32"):
         ncj.lookup(table, jnp.zeros((4, 4), jnp.int32), out_dtype=np.int8)
+    wrapped = np.full((4, 4), 2**32 + 5, np.int64)  # JAX's 32-bit mode would make it 5
+    with pytest.raises(ValueError, match="ids holds int64 values outside int32"):
+        ncj.lookup(table, wrapped)
+    with pytest.raises(ValueError, match="ids holds int64 values outside int32"):
+        ncj.step_from_output_grad(nc.SGD(table, lr=1.0), wrapped, np.zeros((4, 4 * DIM)))
 
 
 @pytest.fixture(scope="module")
