@@ -96,6 +96,12 @@ def _nothing(*args):
     return None
 
 
+def _rows_read_fake(handle, *args):
+    """A traced read of the rows (``torch.export``, ``torch.compile``): the program holds the
+    table's rows as its state, so the updates issued before the trace land first."""
+    resolve(handle).table.wait_for_updates()
+
+
 def _dequantize(handle, rows, block_scales, dtype):
     table = resolve(handle).table
     fmt = table.format
@@ -126,6 +132,7 @@ def _trainable_lookup(handle, weight, ids, dtype, fused):
 
 
 def _trainable_lookup_fake(handle, weight, ids, dtype, fused):
+    _rows_read_fake(handle)
     head_dim = resolve(handle).rows.table.head_dim
     return ids.new_empty((ids.shape[0], ids.shape[1] * head_dim), dtype=dtype)
 
@@ -164,8 +171,8 @@ def _optimizer_step(handle, ids, grad_out, weight):
 OPS = {
     "ngram_ids": ("(int handle, Tensor input_ids, Tensor? query_start_loc, "
                   "Tensor? ngram_context) -> Tensor", _ngram_ids, _ngram_ids_fake),
-    "lookup_": ("(int handle, Tensor ids, Tensor(a!) out) -> ()", _lookup, _nothing),
-    "prefetch_": ("(int handle, Tensor ids, Tensor(a!) out) -> ()", _prefetch, _nothing),
+    "lookup_": ("(int handle, Tensor ids, Tensor(a!) out) -> ()", _lookup, _rows_read_fake),
+    "prefetch_": ("(int handle, Tensor ids, Tensor(a!) out) -> ()", _prefetch, _rows_read_fake),
     "dequantize": ("(int handle, Tensor rows, Tensor? block_scales, ScalarType dtype) -> Tensor",
                    _dequantize, _dequantize_fake),
     "trainable_lookup": ("(int handle, Tensor weight, Tensor ids, ScalarType dtype, bool fused) "

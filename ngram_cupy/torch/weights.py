@@ -70,6 +70,7 @@ class TableWeights(torch.nn.Module):
             self.register_buffer(names.scale, torch.tensor(1.0, dtype=torch.float32))
             table.scale = np.float32(1.0)
         self.register_load_state_dict_post_hook(TableWeights._after_load)
+        self.register_state_dict_pre_hook(TableWeights._before_state_dict)
 
     def set_scale(self, value: torch.Tensor) -> None:
         """Take a one-element floating tensor as the table's one scale (float8's
@@ -86,6 +87,12 @@ class TableWeights(torch.nn.Module):
     def set_global_scale(self, value: torch.Tensor) -> None:
         """``set_scale`` by NVFP4's name for its one scale (the global ``weight_scale_2``)."""
         self.set_scale(value)
+
+    @staticmethod
+    def _before_state_dict(module: TableWeights, prefix: str, keep_vars: bool) -> None:
+        """``state_dict`` (and ``save_pretrained``, pickling) reads the buffers, which share the
+        table's rows: the updates issued before it land first (``wait_for_updates``)."""
+        module.table.wait_for_updates()
 
     @staticmethod
     def _after_load(module: TableWeights, incompatible_keys) -> None:
