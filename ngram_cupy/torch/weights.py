@@ -8,11 +8,11 @@ import warnings
 import numpy as np
 import torch
 
-from ..codecs.scales import check_stored_block_scales
 from ..formats import FORMATS, Format, default_output, output_format
 from ..runtime.checks import check_scale
 from ..tables.table import EmbeddingTable
 from . import ops as torch_ops
+from .op_arguments import check_stored_rows
 
 # Value width in bytes -> the NumPy integer type that moves those bits to torch.
 _BITS = {1: np.uint8, 2: np.int16, 4: np.int32}
@@ -138,12 +138,7 @@ class TableWeights(torch.nn.Module):
                 return rows.to(out_format.torch_dtype)
             raise TypeError(f"rows must be the table's stored rows ({fmt.torch_dtype}) or rows "
                             f"its lookups decoded ({decoded}), got {rows.dtype}")
-        width = max(head_dim // fmt.pack, 1)  # stored values a row (NVFP4: two a byte)
-        if rows.ndim == 0 or rows.shape[-1] % width:
-            raise ValueError(f"rows must have a last dimension of whole rows of head_dim="
-                             f"{head_dim} ({width} stored values), got shape "
-                             f"{tuple(rows.shape)}")
-        check_stored_block_scales(fmt, block_scales)
+        check_stored_rows(fmt, head_dim, rows, block_scales)
         return torch_ops.decode(self.handle, rows.detach(),
                                 None if block_scales is None else block_scales.detach(),
                                 out_format.torch_dtype)
