@@ -22,7 +22,7 @@ ROWS, DIM = LAYOUT.padded_rows, LAYOUT.head_dim
 ALL_IDS = np.arange(ROWS).reshape(-1, 1)
 
 
-def saved_checkpoint(table, module, folder):
+def saved_layer_checkpoint(table, module, folder):
     nc.save_ngram_embedding(folder / "layer.safetensors", CONFIG, 0, table)
     return load_file(folder / "layer.safetensors")
 
@@ -52,7 +52,7 @@ READERS = {
     "lookup": lambda table, module, folder: table.lookup(ALL_IDS),
     "quantize_table": lambda table, module, folder: nc.quantize_table(table, "fp8")
     .table_arguments()["weight"],
-    "save_ngram_embedding": saved_checkpoint,
+    "save_ngram_embedding": saved_layer_checkpoint,
     "save_training_state": saved_state,
     "close": closed,
     "torch state_dict": lambda table, module, folder: {
@@ -63,7 +63,7 @@ READERS = {
 SAME_AS = {"torch.export": "torch state_dict"}
 
 
-def trained(asynchronous: bool, steps: int = 1) -> NGramEmbeddingModule:
+def stepped_layer(asynchronous: bool, steps: int = 1) -> NGramEmbeddingModule:
     """A torch layer whose table took ``steps`` SGD steps (its ``optimizer``); with
     ``asynchronous``, the step is held on the worker until the table is waited for
     (``wait_for_updates``) or, for readers that wait otherwise, a timer releases it: a reader
@@ -96,11 +96,11 @@ def test_each_reader_waits_for_pending_updates(reader, tmp_path):
     for name in ("sync", "async", "untrained"):
         (tmp_path / name).mkdir()
     reference = READERS[SAME_AS.get(reader, reader)]
-    module = trained(asynchronous=False)
+    module = stepped_layer(asynchronous=False)
     expected = as_bytes(reference(module.table, module, tmp_path / "sync"))
-    untrained = trained(asynchronous=False, steps=0)
+    untrained = stepped_layer(asynchronous=False, steps=0)
     assert as_bytes(reference(untrained.table, untrained, tmp_path / "untrained")) != expected
-    module = trained(asynchronous=True)
+    module = stepped_layer(asynchronous=True)
     assert as_bytes(READERS[reader](module.table, module, tmp_path / "async")) == expected
     module.optimizer.close()
 

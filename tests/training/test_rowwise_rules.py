@@ -153,7 +153,7 @@ def test_bad_rules_name_the_argument(optimizer):
 def test_the_clamp_keeps_overflowed_rows_finite():
     """Rows past float32's range, or holding infinities, are clamped to finite rows of norm
     max_norm in their direction (docs/training.md), never NaN."""
-    weight = table_weight()
+    weight = rule_table_weight()
     huge = np.float32(3e38)
     weight[1, :2] = huge  # finite values whose float32 norm overflows
     weight[2, :4] = [np.inf, 1.0, -np.inf, 2.0]  # an overflowed row
