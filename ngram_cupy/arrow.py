@@ -21,11 +21,13 @@ from typing import Any
 
 import numpy as np
 
+from .runtime.install_hint import install_hint
+
 try:
     import pyarrow as pa
     import pyarrow.compute as pc
 except ImportError:  # as the text extra's hint: say which extra brings it
-    raise ModuleNotFoundError("ngram_cupy.arrow needs pyarrow: pip install 'ngram-cupy[arrow]'"
+    raise ModuleNotFoundError("ngram_cupy.arrow needs pyarrow: " + install_hint("arrow")
                               ) from None
 
 from ._version import package_version

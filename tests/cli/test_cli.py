@@ -29,6 +29,7 @@ pytest.importorskip("tqdm")
 from ngram_cupy.cli.common import parse_bytes  # noqa: E402
 from ngram_cupy.cli.main import main  # noqa: E402
 from ngram_cupy.runtime.atomic import TEMP_PREFIX  # noqa: E402
+from ngram_cupy.runtime.install_hint import install_hint  # noqa: E402
 from ngram_cupy.stats import hottest_rows, ngram_stats, reuse_stats  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -698,7 +699,8 @@ def test_ugly_missing_pyarrow_gives_the_extra_to_install(tmp_path):
                             text=True, timeout=120)
     assert result.returncode == 2, result.stderr
     assert result.stderr == ("ngram-cupy: error: ngram_cupy.arrow needs pyarrow: "
-                             "pip install 'ngram-cupy[arrow]'\n")
+                             f"{install_hint('arrow')}\n")
+    assert "pip install -e '.[arrow]'" in result.stderr  # from a clone: not on the index
 
 
 def test_a_negative_layer_is_named_as_such_not_as_a_prime_limit(tmp_path, capsys):

@@ -3,6 +3,10 @@ NumPy face's bits (skipped without jax)."""
 
 from __future__ import annotations
 
+import importlib
+import re
+import sys
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -271,3 +275,11 @@ def test_asynchronous_steps_copy_the_gradient_and_count_after_the_step(weight, j
     assert optimizer.steps == len(batches)
     np.testing.assert_array_equal(table.host_view, reference.host_view)
     optimizer.close()
+
+
+def test_without_jax_the_error_says_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "jax", None)
+    monkeypatch.delitem(sys.modules, "ngram_cupy.jax")
+    with pytest.raises(ImportError, match=re.escape("needs jax: pip install -e '.[jax]' in a "
+                                                    "clone")):
+        importlib.import_module("ngram_cupy.jax")
