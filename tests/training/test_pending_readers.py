@@ -5,7 +5,9 @@ list; a face that reads the rows (torch's ``state_dict``, ``torch.export``) adds
 
 from __future__ import annotations
 
+import re
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -103,6 +105,15 @@ def test_each_reader_waits_for_pending_updates(reader, tmp_path):
     module = stepped_layer(asynchronous=True)
     assert as_bytes(READERS[reader](module.table, module, tmp_path / "async")) == expected
     module.optimizer.close()
+
+
+def test_the_training_page_names_every_reader():
+    """docs/training.md says which readers wait: each of ``READERS`` is named there."""
+    page = (Path(__file__).resolve().parents[2] / "docs" / "training.md").read_text()
+    text = page[page.index("Coherence, the rule"):page.index("The update kernels are compiled")]
+    spans = " ".join(re.findall(r"`([^`]*)`", text))  # the code the page names
+    assert [name for name in READERS if not re.search(rf"\b{re.escape(name.split()[-1])}\b",
+                                                      spans)] == []
 
 
 def test_save_ngram_embedding_takes_a_table(tmp_path):
