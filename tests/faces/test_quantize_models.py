@@ -17,8 +17,8 @@ pytest.importorskip("transformers")
 from test_transformers import (  # noqa: E402
     NAMES,
     generated,
+    ple_tables,
     prompts,
-    tables,
     tiny_config,
     tiny_model,
 )
@@ -41,7 +41,7 @@ def test_use_ngram_cupy_quantises_the_models_rows(weight_dtype):
     # The model holding the quantised rows decoded as the lookups round them: the same logits.
     same = copy.deepcopy(reference)
     with torch.no_grad():
-        for weight, name in zip(tables(same), NAMES, strict=True):
+        for weight, name in zip(ple_tables(same), NAMES, strict=True):
             rows = patched.get_submodule(name).table.lookup(
                 np.arange(weight.shape[0]).reshape(-1, 1))
             weight.copy_(torch.from_numpy(rows.view(np.int16)).view(torch.bfloat16))

@@ -13,7 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
-from conftest import GOLDEN_FILES, load_golden
+from conftest import GOLDEN_FILES, load_ngram_golden
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -177,7 +177,7 @@ def test_ids_are_the_reference_ids(data):
                          ids=lambda p: p.stem)
 def test_ids_are_the_golden_ids(path):
     """The reference model's own ids, for the golden layouts small enough for a table here."""
-    layout, _, batches = load_golden(path)
+    layout, _, batches = load_ngram_golden(path)
     config = nc.NGramConfig(**{**vars(layout.config), "embedding_dim": layout.num_heads})
     module = NGramEmbeddingModule(config, layout.layer, placement="cpu", weight_dtype="fp8")
     for batch in batches:
