@@ -21,11 +21,13 @@ from typing import Any
 
 import numpy as np
 
+from .runtime.install_hint import install_hint
+
 try:
     import pyarrow as pa
     import pyarrow.compute as pc
 except ImportError:  # as the text extra's hint: say which extra brings it
-    raise ModuleNotFoundError("ngram_cupy.arrow needs pyarrow: pip install 'ngram-cupy[arrow]'"
+    raise ModuleNotFoundError("ngram_cupy.arrow needs pyarrow: " + install_hint("arrow")
                               ) from None
 
 from ._version import package_version
@@ -58,11 +60,13 @@ def as_layouts(layout: LayerLayout | Sequence[LayerLayout]) -> list[LayerLayout]
 
 def id_column_names(layout: LayerLayout | Sequence[LayerLayout],
                     out_column: str | None = None) -> list[str]:
-    """Output column names: ``out_column`` for one layout, ``{out_column}_layer{L}`` for several."""
+    """Output column names: ``out_column`` for one layout (alone or a list of one, as the CLI
+    and Ray name it), ``{out_column}_layer{L}`` for several."""
     base = DEFAULT_OUT_COLUMN if out_column is None else out_column
-    if isinstance(layout, LayerLayout):
+    layouts = as_layouts(layout)
+    if len(layouts) == 1:
         return [base]
-    names = [f"{base}_layer{item.layer}" for item in as_layouts(layout)]
+    names = [f"{base}_layer{item.layer}" for item in layouts]
     if len(set(names)) != len(names):
         raise ValueError(f"layouts repeat a layer: {names}")
     return names
@@ -306,8 +310,11 @@ class NGramIds:
     ``reuse_buffers=True`` writes every call's ids into the same memory (no page faults on fresh
     allocations): a returned batch is then valid only until the next call, which suits a writer
     that consumes each batch at once. With ``text_column`` and ``tokenizer``, each row's text is
-    first encoded into the token column ``column``, which the output keeps. ``id_type``
-    ``int32`` (or ``auto``: int32 when every row id fits) halves the ids' bytes.
+    first encoded into the token column ``column``, which the output keeps. The ids are int64
+    (the library's ids) unless ``id_type`` is ``int32`` or ``auto`` (int32 when every row id
+    fits: the CLI's and Ray's default), which halves their bytes. One layout (alone or in a
+    list) gives the column ``out_column`` (default ``ngram_ids``), several
+    ``{out_column}_layer{L}``.
     """
 
     def __init__(self, layout: LayerLayout | Sequence[LayerLayout], column: str = "tokens",

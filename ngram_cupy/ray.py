@@ -32,9 +32,9 @@ class NGramIdsWorker:
         layouts = [layer_layout(config, layer) for layer in layers]
         self.doc_id_column = doc_id_column
         self.order_column = order_column
-        self.mapper = NGramIds(layouts[0] if len(layouts) == 1 else layouts, column,
-                               doc_id_column=doc_id_column, text_column=text_column,
-                               tokenizer=tokenizer)
+        self.mapper = NGramIds(layouts, column, doc_id_column=doc_id_column,
+                               text_column=text_column, tokenizer=tokenizer,
+                               id_type="auto")  # the CLI's ids: int32 where they fit
 
     def __call__(self, table: pa.Table) -> pa.Table:
         """The id columns of ``table`` (one document's rows when grouped), as the CLI gives."""
@@ -63,7 +63,8 @@ def ngram_ids_dataset(dataset: Any, config: NGramConfig, layers: Sequence[int] =
                       num_partitions: int | None = None) -> Any:
     """``dataset`` with the n-gram id columns of ``layers`` added, row for row as the CLI.
 
-    One layer gives a ``ngram_ids`` column, several ``ngram_ids_layer{L}``; with ``text_column``
+    One layer gives a ``ngram_ids`` column, several ``ngram_ids_layer{L}``, int32 where every row
+    id fits (as the CLI's default ``--id-type auto``); with ``text_column``
     and ``tokenizer`` each row's text is first encoded into ``column`` (``list<int32>``).
 
     Order: Ray Data runs blocks in parallel and, unless

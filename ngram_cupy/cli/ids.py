@@ -26,6 +26,7 @@ from .common import (
     text_column_of,
     text_options,
     token_count,
+    whole_run,
 )
 
 
@@ -100,8 +101,9 @@ def cmd_ids(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - start
     if not args.quiet:
         ready = f"; kernels compiled in {compiled:.1f} s before" if compiled >= 0.5 else ""
-        print(f"wrote {args.output}: {rows:,} rows, {tokens:,} tokens, {len(layouts)} layer(s) "
-              f"in {elapsed:.2f} s ({tokens / max(elapsed, 1e-9) / 1e6:.1f} Mtokens/s{ready})")
+        print(f"wrote {args.output}: {rows:,} rows, {tokens:,} tokens, {len(layouts)} layer(s): "
+              f"read, computed and written in {elapsed:.2f} s "
+              f"({tokens / max(elapsed, 1e-9) / 1e6:.1f} Mtokens/s{ready}; {whole_run(args)})")
         if outside:
             print(f"note: {outside:,} token(s) lie outside the vocabulary [0, {vocab_size:,}) "
                   "(negative or too large); they are hashed as the model hashes them, but "
@@ -159,7 +161,8 @@ def cmd_engram_ids(args: argparse.Namespace) -> int:
     if not args.quiet:
         elapsed = time.perf_counter() - start
         print(f"wrote {args.output}: {rows:,} rows, {tokens:,} tokens, Engram layers "
-              f"{list(layout.layer_ids)} in {elapsed:.2f} s")
+              f"{list(layout.layer_ids)}: read, computed and written in {elapsed:.2f} s"
+              f" ({whole_run(args)})")
     return 0
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 from ..runtime import interrupts
 from . import compile as compile_command
@@ -51,7 +52,9 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command; return its exit status."""
+    started = time.perf_counter()  # the command's summary gives its whole time from here
     args = build_parser().parse_args(argv)
+    args.started = started
     if getattr(args, "batch_rows", 1) < 1:
         print(f"{PROG}: error: --batch-rows must be at least 1", file=sys.stderr)
         return EXIT_USAGE

@@ -18,6 +18,7 @@ from ..embedding import NGramEmbedding
 from ..hashing.layout import split_rows
 from ..runtime.backends import DEVICE, bind, cuda_stream, device_index, where
 from ..runtime.checks import check_index_array
+from ..runtime.install_hint import install_hint
 from ..tables.table import EmbeddingTable
 
 
@@ -26,7 +27,7 @@ def _dist():
     try:
         import torch.distributed as dist
     except ImportError:
-        raise ImportError("sharded lookups need torch: pip install 'ngram-cupy[torch]'") from None
+        raise ImportError("sharded lookups need torch: " + install_hint("torch")) from None
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised: call init_process_group first")
     return dist

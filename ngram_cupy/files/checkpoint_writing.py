@@ -18,6 +18,7 @@ from ..hashing.config import MAX_SPLIT_PARTS, NGramConfig
 from ..hashing.layout import LayerLayout, check_layout, layer_layout, split_rows
 from ..runtime.backends import HOST, unwrap_torch
 from ..runtime.checks import check_scale
+from ..tables.table import EmbeddingTable
 from .checkpoint_discovery import ple_prefixes
 from .checkpoint_names import (
     BLOCK_SCALED,
@@ -37,6 +38,23 @@ def _host_values(value, name: str) -> np.ndarray:
     value, fmt = unwrap_torch(value)
     array = HOST.asarray(value)
     return array if fmt is None else array.view(fmt.dtype)
+
+
+def table_tensors(table: EmbeddingTable, scale, block_scales) -> tuple:
+    """``(weight, scale, block_scales)`` of a whole table, read after its pending updates (its
+    host rows, or a host copy of its GPU rows); ``scale`` and ``block_scales`` must be None (the
+    table brings its own)."""
+    if scale is not None or block_scales is not None:
+        raise ValueError("weight is an EmbeddingTable: it brings its own scale and block_scales")
+    if table.row_start != 0 or table.num_rows != table.total_rows:
+        raise ValueError(f"weight holds rows [{table.row_start}, "
+                         f"{table.row_start + table.num_rows}) of {table.total_rows}: save the "
+                         "whole table, not one shard")
+    rows, scales = table.host_view, table.host_scales
+    if rows is None:  # in GPU memory
+        rows, scales = table.device_rows.get(), table.device_scales
+        scales = None if scales is None else scales.get()
+    return rows.view(table.format.dtype), table.scale, scales
 
 
 def ngram_tensors(
@@ -163,11 +181,13 @@ def save_ngram_embedding(
     ``write_config=False``, the config's ``config.json`` (merged into one already there), so that
     ``load_ngram_embedding(path, NGramConfig.from_hf(path), layer)`` reads it back. ``weight`` is
     the padded table ``[padded_rows, head_dim]`` in float32, float16, bfloat16 or float8 e4m3
-    (then with ``scale``); ``parts`` defaults to ``config.split_ngram_parts``. A folder keeps
-    the other PLE layers it holds (:func:`other_layers`): saving layer after layer into one
-    folder adds each, and saving a layer again replaces it; the folder is rewritten as a whole
-    each time (to write many layers at once, merge their :func:`ngram_tensors` and call
-    :func:`write_checkpoint`). The older form ``(path, layout, weight, scale)`` is accepted.
+    (then with ``scale``), or a whole ``EmbeddingTable`` of any of those formats or NVFP4 (its
+    rows, scale and block scales, read after its pending updates); ``parts`` defaults to
+    ``config.split_ngram_parts``. A folder keeps the other PLE layers it holds
+    (:func:`other_layers`): saving layer after layer into one folder adds each, and saving a
+    layer again replaces it; the folder is rewritten as a whole each time (to write many
+    layers at once, merge their :func:`ngram_tensors` and call :func:`write_checkpoint`). The
+    older form ``(path, layout, weight, scale)`` is accepted.
     With ``block_scales`` the table is NVFP4 (``BLOCK_SCALED``): its packed uint8 ``weight``
     ``[padded_rows, head_dim / 2]`` with ``block_scales`` (E4M3 ``[padded_rows, head_dim / 16]``)
     and the float32 global ``scale``, written in vLLM's names (``shard_{i}.weight``,
@@ -181,6 +201,8 @@ def save_ngram_embedding(
     else:
         raise TypeError(f"layout must be a LayerLayout, or config an NGramConfig with an integer "
                         f"layer; got {type(config).__name__} and {type(layer).__name__}")
+    if isinstance(weight, EmbeddingTable):
+        weight, scale, block_scales = table_tensors(weight, scale, block_scales)
     tensors = ngram_tensors(layout, weight, scale, parts, prefix, block_scales)  # checks first
     folder = not os.fspath(path).endswith(".safetensors")
     config_too = write_config and folder

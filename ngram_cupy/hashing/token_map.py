@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from ..runtime.atomic import atomic_file
+from ..runtime.install_hint import install_hint
 from ..runtime.kernel_cache import cache_dir
 from ..runtime.model_paths import TOKENIZER_FILES, local_path
 
@@ -95,7 +96,7 @@ def _tokenizer_class():
         from tokenizers import Tokenizer
     except ImportError:
         raise ModuleNotFoundError(
-            "engram_token_map needs the tokenizers package: pip install 'ngram-cupy[text]'"
+            "engram_token_map needs the tokenizers package: " + install_hint("text")
         ) from None
     return Tokenizer
 

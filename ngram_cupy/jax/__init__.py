@@ -2,10 +2,12 @@
 the functions (``api.py``) run the NumPy face's own code as XLA FFI custom calls (``ffi.py``),
 which reach the table, layout or optimizer they were traced with through ``runtime/handles.py``."""
 
+from ..runtime.install_hint import install_hint
+
 try:
     import jax  # noqa: F401  the optional extra, asked for by name
 except ImportError as error:
-    raise ImportError("ngram_cupy.jax needs jax: pip install 'ngram-cupy[jax]'") from error
+    raise ImportError("ngram_cupy.jax needs jax: " + install_hint("jax")) from error
 
 from .api import (
     compute_engram_ids,

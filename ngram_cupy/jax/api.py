@@ -33,14 +33,25 @@ __all__ = ["compute_engram_ids", "compute_ngram_ids", "id_dtype", "lookup", "loo
 _INT32_ROWS = (1 << 31) - 1
 
 
-def _array(value: Any) -> jax.Array:
-    """A JAX array as it is (traced or not); anything else copied in (``jnp.asarray``)."""
-    return value if isinstance(value, jax.Array) else jnp.asarray(value)
+def _array(name: str, value: Any) -> jax.Array:
+    """A JAX array as it is (traced or not); anything else copied in (``jnp.asarray``), after a
+    ValueError naming ``name`` for 64-bit integers that JAX's 32-bit mode would wrap."""
+    if isinstance(value, jax.Array):
+        return value
+    host = np.asarray(value)
+    if host.dtype.kind in "iu" and host.dtype.itemsize == 8 and host.size \
+            and not jax.config.jax_enable_x64:
+        info = np.iinfo(np.int32)
+        if host.min() < info.min or host.max() > info.max:
+            raise ValueError(f"{name} holds {host.dtype} values outside int32 (the largest "
+                             f"{host.max()}), which JAX's 32-bit mode would wrap: enable 64-bit "
+                             "ids with jax.config.update('jax_enable_x64', True)")
+    return jnp.asarray(host)
 
 
 def _arrays(**values: Any) -> dict[str, jax.Array]:
     """The named arguments that are not None, as JAX arrays, in order."""
-    return {name: _array(value) for name, value in values.items() if value is not None}
+    return {name: _array(name, value) for name, value in values.items() if value is not None}
 
 
 def _integers(name: str, array: jax.Array, ndims: tuple[int, ...]) -> None:
@@ -137,7 +148,7 @@ def lookup(table: EmbeddingTable, ids, out_dtype=None) -> jax.Array:
     placement and format, hot rows, shared). Ids outside ``[0, total_rows)`` raise the
     table's IndexError: at once on the host; from the GPU at the table's next call once the GPU
     has run the lookup, or at ``table.check()`` (the GPU never waits for the host)."""
-    ids = _array(ids)
+    ids = _array("ids", ids)
     _integers("ids", ids, (2,))
     dtype = lookup_dtype(table, out_dtype)
     shape = (ids.shape[0], ids.shape[1] * table.head_dim)
@@ -149,9 +160,18 @@ def lookup(table: EmbeddingTable, ids, out_dtype=None) -> jax.Array:
 def _step(optimizer: RowOptimizer, extra: tuple, inputs: list, outputs: list,
           stream: Any) -> None:
     """Run ``optimizer.step_from_output_grad`` on the call's ids and gradient; write the step
-    count after it."""
-    optimizer.step_from_output_grad(inputs[0], inputs[1])
-    outputs[0][...] = optimizer.steps
+    count after it. An asynchronous optimizer checks the step here, once the earlier ones have
+    landed (``checked_step``), and its worker applies a copy of a host gradient: XLA reuses the
+    call's buffers as soon as it returns."""
+    ids, grad = inputs
+    if optimizer.worker is None:
+        optimizer.step_from_output_grad(ids, grad)
+        outputs[0][...] = optimizer.steps
+        return
+    update = optimizer.checked_step(ids, grad.copy() if stream is None else grad)
+    steps = optimizer.steps + 1
+    update()
+    outputs[0][...] = steps
 
 
 def step_from_output_grad(optimizer: RowOptimizer, ids, grad_out) -> jax.Array:
@@ -160,7 +180,7 @@ def step_from_output_grad(optimizer: RowOptimizer, ids, grad_out) -> jax.Array:
     of a jitted function that XLA never drops or merges, run once its inputs (the gradient) are
     computed. Returns the optimizer's step count after it, an int32 scalar that is ready once
     the rows are written."""
-    ids, grad_out = _array(ids), _array(grad_out)
+    ids, grad_out = _array("ids", ids), _array("grad_out", grad_out)
     _integers("ids", ids, (1, 2))
     (steps,) = custom_call(optimizer, _step, (), [jax.ShapeDtypeStruct((), np.int32)], ids,
                            grad_out, side_effect=True)

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from ..formats import Format, bits_name, block_scale_type, find_format, raw_torch_name
+from .install_hint import install_hint
 
 _DLPACK_CPU, _DLPACK_CUDA, _DLPACK_CUDA_HOST = 1, 2, 3
 
@@ -39,9 +40,8 @@ def cupy_module():
     try:
         import cupy
     except ImportError:
-        raise TypeError(
-            "a CUDA array was passed but CuPy is not installed: pip install 'ngram-cupy[cuda12]'"
-        ) from None
+        raise TypeError("a CUDA array was passed but CuPy is not installed: "
+                        + install_hint("cuda12")) from None
     return cupy
 
 

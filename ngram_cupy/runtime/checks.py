@@ -75,3 +75,22 @@ def check_geometry(num_rows, head_dim, row_start, total_rows) -> None:
     if not 0 <= row_start <= row_start + num_rows <= total_rows:
         raise ValueError(f"rows [{row_start}, {row_start + num_rows}) must lie within [0, "
                          f"total_rows={total_rows})")
+
+
+def check_apart(name: str, out, memory) -> None:
+    """A ValueError when ``out`` shares memory with one of the arrays ``memory`` (None skipped):
+    a lookup writing into the table's own rows would overwrite them as it reads them."""
+    for array in memory:
+        if array is not None and overlaps(out, array):
+            raise ValueError(f"{name} shares memory with the table's rows or scales: the lookup "
+                             f"would overwrite the table; pass an {name} of its own")
+
+
+def overlaps(first, second) -> bool:
+    """Whether two arrays' memory ranges meet: NumPy's bounds check on the host, the device
+    pointer ranges on the GPU (arrays on different sides never meet)."""
+    if isinstance(first, np.ndarray) or isinstance(second, np.ndarray):
+        both = isinstance(first, np.ndarray) and isinstance(second, np.ndarray)
+        return both and bool(np.may_share_memory(first, second))
+    start, other = first.data.ptr, second.data.ptr
+    return start < other + second.nbytes and other < start + first.nbytes

@@ -11,7 +11,6 @@ NumPy ids are gathered on the CPU (Numba), CuPy / CUDA torch ids on the GPU
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -27,16 +26,16 @@ from ..formats import (
     output_format,
     storage_format,
 )
-from ..runtime.backends import DEVICE, HOST, Backend, Call, bind, cuda_stream
+from ..runtime.backends import DEVICE, HOST, Backend, bind, cuda_stream
 from ..runtime.checks import (
-    check_destination,
+    check_apart,
     check_geometry,
-    check_index_array,
     check_integer,
     check_out,
 )
 from .bad_ids import BadIds
 from .hot_rows import check_hot_rows
+from .lookup_request import LookupRequest
 from .prefetch import Prefetcher
 from .storage import (
     TABLE_PLACEMENT,
@@ -55,21 +54,6 @@ def public_dtype(side: Backend, fmt: Format):
     """Output dtype: the real one on the host; raw uint16 for bfloat16 on the GPU (no CuPy
     bfloat16: ``torch.from_dlpack(out).view(torch.bfloat16)`` reads it)."""
     return fmt.raw if side is DEVICE and bits_name(fmt) else fmt.dtype
-
-
-@dataclass
-class _Request:
-    """A checked lookup: the bound call, contiguous ids, the output format and destination."""
-
-    call: Call
-    ids: Any
-    out_format: Format
-    shape: tuple[int, int]
-    out: Any  # the caller's out viewed as the output format's array type, or None
-
-    @property
-    def side(self) -> Backend:
-        return self.call.side
 
 
 class EmbeddingTable:
@@ -234,21 +218,30 @@ class EmbeddingTable:
         """A disk table's row cache counters per tier and overall (docs/disk.md); else empty."""
         return self.storage.cache_stats()
 
+    def wait_for_updates(self) -> None:
+        """Wait until every row update issued so far (asynchronous optimizers) is applied,
+        raising once an error a pending one raised: every reader of the rows calls it first."""
+        self.writers.wait()
+
     @property
     def host_view(self) -> np.ndarray | None:
-        """The rows in host memory (of the storage dtype), or None when they are not there."""
+        """The rows in host memory (of the storage dtype), or None when they are not there; read
+        after the pending updates (``wait_for_updates``), as are the views below."""
+        self.wait_for_updates()
         return self.storage.host_view
 
     @property
     def host_scales(self) -> np.ndarray | None:
         """The block scales (uint8 ``[num_rows, head_dim / block]``) beside ``host_view``, for a
         block-scaled table in host memory; else None."""
+        self.wait_for_updates()
         return self.storage.host_scales
 
     @property
     def device_rows(self):
         """The raw-bit ``[num_rows, head_dim]`` CuPy view GPU kernels read (device memory, or
         pinned host memory through its mapped address); None when the GPU cannot read the table."""
+        self.wait_for_updates()
         return self.storage.device_view
 
     def device_rows_on(self, stream):
@@ -257,6 +250,7 @@ class EmbeddingTable:
         over them (``TieredStorage.device_tier``), or None for an untiered table; ``(None,
         None)`` when the GPU cannot read the table. The storage keeps its memory until that
         stream's work is done."""
+        self.wait_for_updates()
         storage = self.storage
         rows = storage.cold.device_view
         if rows is None:
@@ -268,6 +262,7 @@ class EmbeddingTable:
     def device_scales(self):
         """The block scales beside ``device_rows`` (the cold rows' of a tiered table), uint8
         ``[num_rows, head_dim / block]`` on the GPU; None for other formats or off the GPU."""
+        self.wait_for_updates()
         return self.storage.cold.device_scales
 
     def write_rows(self, start: int, rows, block_scales=None) -> None:
@@ -301,7 +296,7 @@ class EmbeddingTable:
                 f"{self.row_start + self.num_rows})")
         if not self.storage.writable:
             raise ValueError("the table's storage is read-only")
-        self.writers.wait()
+        self.wait_for_updates()
         self.storage.wait_for_readers("write rows")
         with call.on():
             self.storage.write_rows(int(start) - self.row_start, rows.view(self.format.raw),
@@ -318,25 +313,7 @@ class EmbeddingTable:
 
     # ---- lookups ----
 
-    def _request(self, ids, out, out_dtype, stream) -> _Request:
-        """Check and convert one lookup's arguments; errors name the argument."""
-        if self.closed and not self.storage.cold.serves_after_close:
-            raise ValueError(f"the table is closed: a {self.placement!r} table serves no "
-                             "lookups after close()")
-        check_destination("out", out)
-        call = bind(stream, ids=ids, out=out)
-        check_index_array("ids", call["ids"], 2)
-        self._check_side(call.side)
-        if call.side is DEVICE:  # a bad id an earlier GPU lookup met, once the GPU ran it
-            self.bad_ids.poll(self.total_rows, call.stream)
-        with call.on():
-            ids = call.side.contiguous(call["ids"])
-        out_format, out = self.destination(call.side, ids.shape, call["out"], out_dtype,
-                                           call.formats.get("out"))
-        shape = (ids.shape[0], ids.shape[1] * self.head_dim)
-        return _Request(call, ids, out_format, shape, out)
-
-    def _check_side(self, side: Backend) -> None:
+    def check_side(self, side: Backend) -> None:
         """Refuse ids on a side that cannot read this table."""
         if self.storage.reads(side):
             return
@@ -354,7 +331,7 @@ class EmbeddingTable:
         """The output format of a lookup of ``ids_shape`` ids, and ``out`` checked and viewed
         as that format's array type (None stays None). ``out_format``: the format of a torch
         ``out`` passed as its bits."""
-        self._check_side(side)
+        self.check_side(side)
         if out_dtype is not None:
             fmt = output_format(out_dtype)
         elif out is not None and (out_format is not None or out.dtype.kind not in "iu"):
@@ -368,6 +345,9 @@ class EmbeddingTable:
             if holds(out.dtype, fmt):
                 out = out.view(public)
             check_out("out", out, (ids_shape[0], ids_shape[1] * self.head_dim), public)
+            cold = self.storage.cold
+            check_apart("out", out, (cold.host_view, cold.host_scales, cold.device_view,
+                                     cold.device_scales))
         return fmt, out
 
     def keep_staging(self, num_tokens) -> None:
@@ -377,7 +357,7 @@ class EmbeddingTable:
         the captured batch sizes before capturing."""
         self.prefetcher.keep(check_integer("num_tokens", n) for n in num_tokens)
 
-    def _gather(self, request: _Request, ids, out, expected=None, worker: bool = False):
+    def _gather(self, request: LookupRequest, ids, out, expected=None, worker: bool = False):
         """Gather ``ids`` into the public array ``out`` on the request's side (on the current
         stream: the caller's, or the prefetch's private one)."""
         self.storage.gather(Gather(
@@ -402,7 +382,8 @@ class EmbeddingTable:
         return rounded_scale(self.scale, out_format.dtype, self.scale_rounding)
 
     def lookup(self, ids, out=None, out_dtype=None, stream=None):
-        """Rows of ``ids[T, H]`` as ``[T, H * head_dim]``: heads in order, dequantised.
+        """Rows of ``ids[T, H]`` as ``[T, H * head_dim]``: heads in order, dequantised (ids of
+        any leading shape ``[..., H]`` give ``[..., H * head_dim]``, ``out`` of either shape).
 
         ``float(value) * scale`` is computed in float32 and rounded once (to nearest even) to
         ``out_dtype``, the scale first rounded to ``out_dtype`` unless ``scale_rounding`` is
@@ -423,8 +404,8 @@ class EmbeddingTable:
         error one of them raised); heads whose rows were updated after the joined prefetch
         began are gathered again.
         """
-        request = self._request(ids, out, out_dtype, stream)
-        self.writers.wait()  # every update issued before this lookup lands first
+        request = LookupRequest.checked(self, ids, out, out_dtype, stream)
+        self.wait_for_updates()  # every update issued before this lookup lands first
         written = self.writers.take()
         with request.call.on():
             target = self.prefetcher.finish(
@@ -437,7 +418,7 @@ class EmbeddingTable:
                     target = request.side.empty(request.shape,
                                                 public_dtype(request.side, request.out_format))
                 self._gather(request, request.ids, target)
-        return request.call.result(target, request.out_format)
+        return request.returned(target)
 
     def prefetch(self, ids, out=None, out_dtype=None, stream=None) -> None:
         """Start gathering ``ids`` now, so that the next ``lookup`` of them finds them ready.
@@ -453,7 +434,7 @@ class EmbeddingTable:
         capture, capture the ``lookup`` that consumes a prefetch in the same graph. The gather
         first waits (on the worker) for the row updates issued before it.
         """
-        request = self._request(ids, out, out_dtype, stream)
+        request = LookupRequest.checked(self, ids, out, out_dtype, stream)
         with request.call.on():
             self.storage.will_read(request.ids, self.row_start,
                                    cuda_stream() if request.side is DEVICE else None)

@@ -81,7 +81,8 @@ class TrainableRows:
     def backward(self, ids: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor | None:
         """The weight's gradient for ``grad_out`` ``[T, H * D]``: None after a fused optimizer
         step, else a coalesced sparse COO tensor."""
-        grad_out = grad_out.reshape(ids.shape[0], -1).contiguous()
+        grad_out = grad_out.reshape(ids.shape[0], ids.shape[1] * self.table.head_dim)
+        grad_out = grad_out.contiguous()  # (an empty batch has no -1 to infer)
         self._touched.append(ids.reshape(-1))
         if self.optimizer is not None:
             self.optimizer.step_from_output_grad(ids, grad_out)

@@ -68,11 +68,11 @@ class CachedNGramEmbedding(SteppedLayer, torch.nn.Module):
         """The table the rows live in."""
         return self.embedding.table
 
-    def _context(self, past_key_values) -> torch.Tensor | None:
+    def _context(self, cache) -> torch.Tensor | None:
         """The n-1 tokens before this batch, per row, from the cache; None for fresh rows."""
-        if past_key_values is None:
+        if cache is None:
             return None
-        cached = past_key_values.get_conv_state(self.layer_idx, state_idx=CONTEXT_STATE)
+        cached = cache.get_conv_state(self.layer_idx, state_idx=CONTEXT_STATE)
         return None if cached is None else cached[:, -self.context_len:]
 
     def _ids(self, input_ids: torch.Tensor, context: torch.Tensor | None) -> torch.Tensor:
@@ -96,18 +96,18 @@ class CachedNGramEmbedding(SteppedLayer, torch.nn.Module):
         ``past_key_values=`` before); the model's other keyword arguments
         (``output_router_logits``, attention settings, ...) are accepted and unused, as
         transformers' own layer does."""
-        past_key_values = one_cache(cache, past_key_values)
+        cache = one_cache(cache, past_key_values)  # past_key_values: releases before 5.25
         input_ids = input_ids.long()
         batch, length = input_ids.shape
-        context = self._context(past_key_values)
+        context = self._context(cache)
         ids = self._ids(input_ids, context)
-        if past_key_values is not None:  # a fresh prompt shorter than n-1: stored after EOS
+        if cache is not None:  # a fresh prompt shorter than n-1: stored after EOS
             new = input_ids
             if context is None and length < self.context_len:
                 new = torch.nn.functional.pad(new, (self.context_len - length, 0),
                                               value=self.layout.eos_token_id)
-            past_key_values.update_conv_state(new, self.layer_idx, state_idx=CONTEXT_STATE,
-                                              conv_kernel_size=self.context_len)
+            cache.update_conv_state(new, self.layer_idx, state_idx=CONTEXT_STATE,
+                                    conv_kernel_size=self.context_len)
         trainable = self.trainable_rows is not None and torch.is_grad_enabled()
         rows = self.step.lookup(ids, self.out_like.dtype, trainable=trainable)
         return rows.to(input_ids.device).view(batch, length, -1)

@@ -36,6 +36,13 @@ import torch
 from ..formats import output_format
 from ..runtime.handles import resolve
 from ..tables.table import EmbeddingTable
+from .op_arguments import (
+    check_integers,
+    check_output_gradient,
+    check_row_ids,
+    check_stored_rows,
+    check_weight,
+)
 
 # torch dtypes NumPy has no type for -> the integer type of their width.
 _BITS = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8,
@@ -59,6 +66,9 @@ def _array(tensor: torch.Tensor | None) -> Any:
 
 def _ngram_ids(handle, input_ids, query_start_loc, ngram_context):
     embedding = resolve(handle).embedding
+    check_integers("input_ids", input_ids, (1, 2))
+    check_integers("query_start_loc", query_start_loc, (1,))
+    check_integers("ngram_context", ngram_context, (2,))
     heads = embedding.layout.num_heads
     out = torch.empty((input_ids.numel(), heads), dtype=torch.int64, device=input_ids.device)
     shaped = out.view(*input_ids.shape, heads) if query_start_loc is None else out
@@ -96,9 +106,16 @@ def _nothing(*args):
     return None
 
 
+def _rows_read_fake(handle, *args):
+    """A traced read of the rows (``torch.export``, ``torch.compile``): the program holds the
+    table's rows as its state, so the updates issued before the trace land first."""
+    resolve(handle).table.wait_for_updates()
+
+
 def _dequantize(handle, rows, block_scales, dtype):
     table = resolve(handle).table
     fmt = table.format
+    check_stored_rows(fmt, table.head_dim, rows, block_scales)
     width = max(table.head_dim // fmt.pack, 1)
     flat = rows.detach().reshape(-1, width).contiguous()
     scales = None if block_scales is None else \
@@ -116,8 +133,19 @@ def _dequantize_fake(handle, rows, block_scales, dtype):
     return rows.new_empty((*rows.shape[:-1], rows.shape[-1] * pack), dtype=dtype)
 
 
+def _trainable_inputs(handle, ids, grad_out=None, weight=None):
+    """The step's ``TrainableRows`` once the trainable ops' arguments are checked."""
+    step = resolve(handle)
+    check_row_ids(ids, step.layout.num_heads)
+    if grad_out is not None:
+        check_output_gradient(grad_out, ids, step.table.head_dim)
+    if weight is not None:
+        check_weight(weight, step.rows.weights.weight)
+    return step.rows
+
+
 def _trainable_lookup(handle, weight, ids, dtype, fused):
-    rows = resolve(handle).rows
+    rows = _trainable_inputs(handle, ids, weight=weight)
     out = torch.empty((ids.shape[0], ids.shape[1] * rows.table.head_dim), dtype=dtype,
                       device=ids.device)
     rows.table.lookup(_array(ids), out=_array(out), out_dtype=output_format(dtype).name,
@@ -126,12 +154,13 @@ def _trainable_lookup(handle, weight, ids, dtype, fused):
 
 
 def _trainable_lookup_fake(handle, weight, ids, dtype, fused):
+    _rows_read_fake(handle)
     head_dim = resolve(handle).rows.table.head_dim
     return ids.new_empty((ids.shape[0], ids.shape[1] * head_dim), dtype=dtype)
 
 
 def _row_gradient(handle, ids, grad_out):
-    gradient = resolve(handle).rows.backward(ids, grad_out)
+    gradient = _trainable_inputs(handle, ids, grad_out).backward(ids, grad_out)
     if gradient is None:
         raise RuntimeError("a fused optimizer was attached after this graph was traced: call "
                            "torch.compiler.reset() or compile again")
@@ -149,7 +178,7 @@ def _row_gradient_fake(handle, ids, grad_out):
 
 
 def _optimizer_step(handle, ids, grad_out, weight):
-    rows = resolve(handle).rows
+    rows = _trainable_inputs(handle, ids, grad_out, weight)
     if rows.backward(ids, grad_out) is not None:
         raise RuntimeError("the fused optimizer was detached after this graph was traced: "
                            "call torch.compiler.reset() or compile again")
@@ -164,8 +193,8 @@ def _optimizer_step(handle, ids, grad_out, weight):
 OPS = {
     "ngram_ids": ("(int handle, Tensor input_ids, Tensor? query_start_loc, "
                   "Tensor? ngram_context) -> Tensor", _ngram_ids, _ngram_ids_fake),
-    "lookup_": ("(int handle, Tensor ids, Tensor(a!) out) -> ()", _lookup, _nothing),
-    "prefetch_": ("(int handle, Tensor ids, Tensor(a!) out) -> ()", _prefetch, _nothing),
+    "lookup_": ("(int handle, Tensor ids, Tensor(a!) out) -> ()", _lookup, _rows_read_fake),
+    "prefetch_": ("(int handle, Tensor ids, Tensor(a!) out) -> ()", _prefetch, _rows_read_fake),
     "dequantize": ("(int handle, Tensor rows, Tensor? block_scales, ScalarType dtype) -> Tensor",
                    _dequantize, _dequantize_fake),
     "trainable_lookup": ("(int handle, Tensor weight, Tensor ids, ScalarType dtype, bool fused) "

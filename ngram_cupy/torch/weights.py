@@ -8,11 +8,11 @@ import warnings
 import numpy as np
 import torch
 
-from ..codecs.scales import check_stored_block_scales
 from ..formats import FORMATS, Format, default_output, output_format
 from ..runtime.checks import check_scale
 from ..tables.table import EmbeddingTable
 from . import ops as torch_ops
+from .op_arguments import check_stored_rows
 
 # Value width in bytes -> the NumPy integer type that moves those bits to torch.
 _BITS = {1: np.uint8, 2: np.int16, 4: np.int32}
@@ -70,6 +70,7 @@ class TableWeights(torch.nn.Module):
             self.register_buffer(names.scale, torch.tensor(1.0, dtype=torch.float32))
             table.scale = np.float32(1.0)
         self.register_load_state_dict_post_hook(TableWeights._after_load)
+        self.register_state_dict_pre_hook(TableWeights._before_state_dict)
 
     def set_scale(self, value: torch.Tensor) -> None:
         """Take a one-element floating tensor as the table's one scale (float8's
@@ -86,6 +87,12 @@ class TableWeights(torch.nn.Module):
     def set_global_scale(self, value: torch.Tensor) -> None:
         """``set_scale`` by NVFP4's name for its one scale (the global ``weight_scale_2``)."""
         self.set_scale(value)
+
+    @staticmethod
+    def _before_state_dict(module: TableWeights, prefix: str, keep_vars: bool) -> None:
+        """``state_dict`` (and ``save_pretrained``, pickling) reads the buffers, which share the
+        table's rows: the updates issued before it land first (``wait_for_updates``)."""
+        module.table.wait_for_updates()
 
     @staticmethod
     def _after_load(module: TableWeights, incompatible_keys) -> None:
@@ -131,12 +138,7 @@ class TableWeights(torch.nn.Module):
                 return rows.to(out_format.torch_dtype)
             raise TypeError(f"rows must be the table's stored rows ({fmt.torch_dtype}) or rows "
                             f"its lookups decoded ({decoded}), got {rows.dtype}")
-        width = max(head_dim // fmt.pack, 1)  # stored values a row (NVFP4: two a byte)
-        if rows.ndim == 0 or rows.shape[-1] % width:
-            raise ValueError(f"rows must have a last dimension of whole rows of head_dim="
-                             f"{head_dim} ({width} stored values), got shape "
-                             f"{tuple(rows.shape)}")
-        check_stored_block_scales(fmt, block_scales)
+        check_stored_rows(fmt, head_dim, rows, block_scales)
         return torch_ops.decode(self.handle, rows.detach(),
                                 None if block_scales is None else block_scales.detach(),
                                 out_format.torch_dtype)

@@ -293,9 +293,11 @@ class RowOptimizer:
 
     def synchronize(self) -> None:
         """Wait until every issued update is applied; an error a pending update raised (it
-        changed nothing) is raised here. Synchronous optimizers return at once."""
+        changed nothing) is raised here. Other writers' pending updates of the table land too
+        (their errors stay for them), so the rows read next hold every update issued."""
         if self.worker is not None:
             self.worker.wait()
+        self.table.writers.settle()
 
     def apply(self, local, order, starts, grad, hyper: np.ndarray) -> None:
         """Run the update kernel on checked inputs with the step's ``hyper``, then refresh hot

@@ -51,6 +51,9 @@ def open_state_file(path: str | os.PathLike) -> Iterator:
 
     if not os.path.exists(path):
         raise FileNotFoundError(f"training state file not found: {os.fspath(path)}")
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"{os.fspath(path)} is a folder, not a training state file: pass "
+                                "the files save_training_state wrote (each rank's)")
     try:
         with safe_open(os.fspath(path), "np") as file:
             yield file
@@ -79,8 +82,9 @@ def load_training_state(path: str | os.PathLike | Sequence[str | os.PathLike], o
         if metadata.get("table_dtype") != optimizer.table.format.name:
             raise ValueError(f"{path} holds a {metadata.get('table_dtype')} table, this one is "
                              f"{optimizer.table.format.name}")
-        header = json.loads(metadata["header"])
-        check_same_rows(path, read_shard(os.fspath(path), metadata), optimizer.table)
+        shard = read_shard(os.fspath(path), metadata)
+        header = shard.header
+        check_same_rows(path, shard, optimizer.table)
         rows = file.get_tensor(ROWS)
         state = dict(header, state={key.removeprefix("state."): file.get_tensor(key)
                                     for key in file.keys() if key.startswith("state.")})
@@ -123,13 +127,22 @@ class SavedShard:
 
 def read_shard(path: str, metadata: dict) -> SavedShard:
     """The layout of the state at ``path`` (a file saved without a row range holds a whole
-    table)."""
-    header = json.loads(metadata["header"])
-    rows, head_dim = header["shape"]
-    shard = json.loads(metadata.get(SHARD, "null")) or {"row_start": 0, "row_stop": rows,
-                                                        "total_rows": rows}
-    return SavedShard(path, shard["row_start"], shard["row_stop"], shard["total_rows"], head_dim,
-                      metadata.get("table_dtype"), header)
+    table); a ValueError naming the file when its metadata is broken (not JSON, a key missing,
+    a value of another type)."""
+    try:
+        header = json.loads(metadata["header"])
+        rows, head_dim = header["shape"]
+        shard = json.loads(metadata.get(SHARD, "null")) or {"row_start": 0, "row_stop": rows,
+                                                            "total_rows": rows}
+        numbers = [shard["row_start"], shard["row_stop"], shard["total_rows"], rows, head_dim]
+    except (KeyError, TypeError, ValueError) as error:  # JSONDecodeError is a ValueError
+        raise ValueError(f"{path} is not a readable training state file: broken metadata "
+                         f"({type(error).__name__}: {error})") from error
+    if not all(type(number) is int and number >= 0 for number in numbers):
+        raise ValueError(f"{path} is not a readable training state file: broken metadata (row "
+                         f"range, total rows and shape must be whole numbers, got {shard} and "
+                         f"{[rows, head_dim]})")
+    return SavedShard(path, *numbers[:3], head_dim, metadata.get("table_dtype"), header)
 
 
 def check_rank(table, rank, world_size) -> None:

@@ -79,6 +79,35 @@ def store(rows, r, d, value, code, stochastic, seed, step, row_start):
 
 
 @inline_jitable
+def clamp_norm(g, max_norm):
+    """Scale the new row ``g`` down to norm ``max_norm`` when its norm exceeds it: ``g *
+    float32(max_norm / n)``, ``n`` the float32 norm (float64 squares in order, exact). A norm
+    past float32's range is scaled in float64 (``float32(w * (max_norm / n64))``); a row holding
+    infinities keeps its direction: each infinity becomes +-``max_norm / sqrt(count)`` and every
+    finite value 0 (infinity times 0 would be NaN)."""
+    width = g.shape[0]
+    squares = 0.0
+    infinite = 0
+    for d in range(width):
+        squares += np.float64(g[d]) * np.float64(g[d])
+        if math.isinf(g[d]):
+            infinite += 1
+    norm = np.float32(math.sqrt(squares))
+    if infinite:
+        part = np.float32(max_norm / math.sqrt(infinite))
+        for d in range(width):
+            g[d] = math.copysign(part, g[d]) if math.isinf(g[d]) else np.float32(0.0)
+    elif math.isinf(norm):  # the float64 product, rounded once (a float32 factor is subnormal)
+        factor = max_norm / math.sqrt(squares)
+        for d in range(width):
+            g[d] = np.float32(np.float64(g[d]) * factor)
+    elif norm > max_norm:
+        factor = div(max_norm, norm)
+        for d in range(width):
+            g[d] = mul(g[d], factor)
+
+
+@inline_jitable
 def update_row(kind, rows, code, r, g, first, second, hyper, stochastic, seed, step, row_start):
     """Row ``r``'s update by optimizer ``kind`` from its summed gradient ``g`` (float32 ``[D]``,
     overwritten with the new row): the formula in float32, each operation rounded on its own
@@ -129,16 +158,8 @@ def update_row(kind, rows, code, r, g, first, second, hyper, stochastic, seed, s
         for d in range(width):
             change = mul(step_size, div(add(sub(g[d], mean), m), denom))
             g[d] = sub(load(rows, r, d, code), change)
-    max_norm = hyper[MAX_NORM]
-    if max_norm > 0:  # float64 squares of float32 values are exact: no rounding to contract
-        squares = 0.0
-        for d in range(width):
-            squares += np.float64(g[d]) * np.float64(g[d])
-        norm = np.float32(math.sqrt(squares))
-        if norm > max_norm:
-            factor = div(max_norm, norm)
-            for d in range(width):
-                g[d] = mul(g[d], factor)
+    if hyper[MAX_NORM] > 0:
+        clamp_norm(g, hyper[MAX_NORM])
     for d in range(width):
         store(rows, r, d, g[d], code, stochastic, seed, step, row_start)
 

@@ -1,20 +1,52 @@
 """Asynchronous row updates: one worker thread applies an optimizer's updates in issue order
-while the caller goes on (the update kernels release the GIL), one update in flight at a time."""
+while the caller goes on (the update kernels release the GIL), one update in flight at a time.
+A refused update whose error no call collected by the end of the program is reported then."""
 
 from __future__ import annotations
 
+import atexit
+import logging
 import os
+import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from ..runtime.cpu_threads import threading_layer
 
+# Errors updates raised that no ``wait`` has raised yet (a forked child starts with none).
+UNREPORTED: set[BaseException] = set()
+os.register_at_fork(after_in_child=UNREPORTED.clear)
+
+
+def run_noted(update: Callable[[], None]) -> None:
+    """Run ``update`` on the worker, noting its error (if any) until a ``wait`` raises it."""
+    try:
+        update()
+    except BaseException as error:
+        UNREPORTED.add(error)
+        raise
+
+
+@atexit.register  # at import: it runs after the exit handlers of modules imported later
+def report_unreported() -> None:
+    """At the end of the program, a refused update nobody was told of is not dropped: its error
+    goes to stderr and the process exits with status 1 (after the worker threads have ended)."""
+    if not UNREPORTED:
+        return
+    for error in list(UNREPORTED):
+        print(f"ngram_cupy: an asynchronous row update was refused and no later call reported "
+              f"it (it changed nothing): {type(error).__name__}: {error}", file=sys.stderr)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)  # an exit handler cannot change the status otherwise
+
 
 class UpdateWorker:
     """Runs each submitted update on a worker thread; an error it raised (the update changed
     nothing: its checks run before any row is written) surfaces once, at the next ``submit``,
-    ``wait`` or lookup of the table."""
+    ``wait``, lookup or read of the table's rows (``EmbeddingTable.wait_for_updates``)."""
 
     def __init__(self) -> None:
         if threading_layer() == "workqueue":
@@ -35,7 +67,7 @@ class UpdateWorker:
                 self._executor = ThreadPoolExecutor(max_workers=1,
                                                     thread_name_prefix="ngram-update")
                 self._pid = os.getpid()
-            self._future = self._executor.submit(update)
+            self._future = self._executor.submit(run_noted, update)
 
     @property
     def busy(self) -> bool:
@@ -63,6 +95,7 @@ class UpdateWorker:
                 return  # another thread took it (and its error)
             self._future = None
         if error is not None:
+            UNREPORTED.discard(error)
             raise error
 
     def close(self) -> None:

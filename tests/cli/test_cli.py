@@ -29,6 +29,7 @@ pytest.importorskip("tqdm")
 from ngram_cupy.cli.common import parse_bytes  # noqa: E402
 from ngram_cupy.cli.main import main  # noqa: E402
 from ngram_cupy.runtime.atomic import TEMP_PREFIX  # noqa: E402
+from ngram_cupy.runtime.install_hint import install_hint  # noqa: E402
 from ngram_cupy.stats import hottest_rows, ngram_stats, reuse_stats  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -98,6 +99,9 @@ def test_data_run_matches_library(tmp_path, capsys):
                                "--doc-id-column", "doc_id"], capsys)
     assert status == 0, err
     assert stdout.startswith(f"wrote {out}: 582 rows, 1,186,603 tokens")
+    timed = re.search(r"read, computed and written in ([\d.]+) s .*the whole command ([\d.]+) s",
+                      stdout)  # the summary says what it timed, and gives the whole run too
+    assert timed and float(timed.group(2)) >= float(timed.group(1)) - 0.05
     result = pq.read_table(out)
     source = pq.read_table(CORPUS)
     assert result.select(source.schema.names).equals(source)
@@ -695,7 +699,8 @@ def test_ugly_missing_pyarrow_gives_the_extra_to_install(tmp_path):
                             text=True, timeout=120)
     assert result.returncode == 2, result.stderr
     assert result.stderr == ("ngram-cupy: error: ngram_cupy.arrow needs pyarrow: "
-                             "pip install 'ngram-cupy[arrow]'\n")
+                             f"{install_hint('arrow')}\n")
+    assert "pip install -e '.[arrow]'" in result.stderr  # from a clone: not on the index
 
 
 def test_a_negative_layer_is_named_as_such_not_as_a_prime_limit(tmp_path, capsys):

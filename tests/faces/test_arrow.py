@@ -237,7 +237,10 @@ def test_several_layers_give_one_column_each():
     generated = ngram_ids_batch(batch, (layout for layout in (LAYOUT, LAYOUT1)))
     assert generated.equals(out)  # an iterator of layouts works too
     named = ngram_ids_batch(batch, [LAYOUT1], out_column="ple")
-    assert named.schema.names == ["tokens", "ple_layer1"]
+    assert named.schema.names == ["tokens", "ple"]  # one layout, in a list or not: one name
+    assert ngram_ids_batch(batch, [LAYOUT]).equals(ngram_ids_batch(batch, LAYOUT))
+    assert NGramIds([LAYOUT], id_type="auto")(batch).column("ngram_ids").type.value_type \
+        .value_type == pa.int32()  # the CLI's and Ray's ids; int64 by default
     assert ngram_ids_batch(batch, LAYOUT, out_column="ids").schema.names == ["tokens", "ids"]
 
 

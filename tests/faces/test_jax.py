@@ -3,6 +3,10 @@ NumPy face's bits (skipped without jax)."""
 
 from __future__ import annotations
 
+import importlib
+import re
+import sys
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -104,6 +108,11 @@ def test_bad_arguments_name_themselves(tables):
         ncj.lookup(table, jnp.zeros((4, 4)))
     with pytest.raises(TypeError, match="out_dtype must be float32"):
         ncj.lookup(table, jnp.zeros((4, 4), jnp.int32), out_dtype=np.int8)
+    wrapped = np.full((4, 4), 2**32 + 5, np.int64)  # JAX's 32-bit mode would make it 5
+    with pytest.raises(ValueError, match="ids holds int64 values outside int32"):
+        ncj.lookup(table, wrapped)
+    with pytest.raises(ValueError, match="ids holds int64 values outside int32"):
+        ncj.step_from_output_grad(nc.SGD(table, lr=1.0), wrapped, np.zeros((4, 4 * DIM)))
 
 
 @pytest.fixture(scope="module")
@@ -237,3 +246,40 @@ def test_an_eager_lookup_sees_the_updates_dispatched_before_it(weight):
         step(jnp.asarray(ids), jnp.asarray(grad))  # dispatched, not waited for
         numpy_optimizer.step_from_output_grad(ids, grad)
     same_bits(ncj.lookup(table, jnp.asarray(ids)), reference.lookup(ids))
+
+
+@pytest.mark.parametrize("jitted", [False, True], ids=["eager", "jit"])
+def test_asynchronous_steps_copy_the_gradient_and_count_after_the_step(weight, jitted):
+    """An asynchronous optimizer's worker applies a step after the call returns, when XLA has
+    reused the gradient's buffer: the rows equal a synchronous NumPy run's bit for bit, no
+    finite step is refused, and each call returns the count after its step (1, 2, 3...)."""
+    rng = np.random.default_rng(5)
+    batches = [rng.integers(0, ROWS, (16, HEADS)).astype(np.int32) for _ in range(4)]
+    target = jnp.asarray(rng.standard_normal((16, 8)).astype(np.float32))
+    params = jnp.asarray(rng.standard_normal((DIM, 8)).astype(np.float32) * 0.1)
+    table, reference = nc.EmbeddingTable(weight.copy()), nc.EmbeddingTable(weight.copy())
+    optimizer = nc.RowwiseAdagrad(table, lr=0.1, asynchronous=True)
+    numpy_optimizer = nc.RowwiseAdagrad(reference, lr=0.1)
+
+    def train_step(ids):
+        grad_rows = GRAD(ncj.lookup(table, ids), params, target)[1][0]
+        return ncj.step_from_output_grad(optimizer, ids, grad_rows)
+
+    step = jax.jit(train_step) if jitted else train_step
+    for number, ids in enumerate(batches, 1):
+        assert int(step(jnp.asarray(ids))) == number
+        jnp.zeros((16, HEADS * DIM)).block_until_ready()  # XLA reuses the freed buffers
+        grad_rows = GRAD(reference.lookup(ids), params, target)[1][0]
+        numpy_optimizer.step_from_output_grad(ids, np.asarray(grad_rows))
+    optimizer.synchronize()
+    assert optimizer.steps == len(batches)
+    np.testing.assert_array_equal(table.host_view, reference.host_view)
+    optimizer.close()
+
+
+def test_without_jax_the_error_says_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "jax", None)
+    monkeypatch.delitem(sys.modules, "ngram_cupy.jax")
+    with pytest.raises(ImportError, match=re.escape("needs jax: pip install -e '.[jax]' in a "
+                                                    "clone")):
+        importlib.import_module("ngram_cupy.jax")

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import copy
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -313,9 +315,33 @@ def test_the_compiled_transformers_model_generates_eager_tokens(qwen4exp_pair,
     torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6)
 
 
-def test_torch_export_keeps_the_ops():
+# Loads a saved exported program in a fresh process whose own layer holds the same handle
+# counter as the exporting process's layer: running it must name the foreign handle.
+FOREIGN_RUN = """
+import sys, torch
+import ngram_cupy as nc
+from ngram_cupy.runtime import handles
+from ngram_cupy.torch import NGramEmbeddingModule
+path, handle, config = sys.argv[1], int(sys.argv[2]), eval("nc." + sys.argv[3])
+low = (1 << 32) - 1
+kept = [type("Target", (), {})() for _ in range(handle & low)]
+while handles.register(kept.pop()) & low < (handle & low) - 1:
+    pass
+layer = NGramEmbeddingModule(config, 0, placement="cpu")
+assert layer.handle & low == handle & low, (layer.handle, handle)
+program = torch.export.load(path).module()
+try:
+    program(torch.tensor([3, 4, 5]), torch.tensor([0, 3]), torch.zeros((1, 2), dtype=torch.long))
+except RuntimeError as error:
+    print(error)
+"""
+
+
+def test_torch_export_keeps_the_ops(tmp_path):
     """``torch.export.export`` of a layer, dynamic in the token and request counts: the ops in
-    its graph (the handle a constant of this process), and eager bits on another batch."""
+    its graph (the handle a constant of this process), and eager bits on another batch; saved
+    and loaded in another process, whose own layer has the same handle counter, it is refused
+    naming the handle instead of running on that layer."""
     layer = filled("cpu", "float8_e4m3fn", seed=7)
     tokens, requests = torch.export.Dim("tokens"), torch.export.Dim("requests")
     exported = torch.export.export(layer, token_batch(10, requests=2), dynamic_shapes=(
@@ -324,3 +350,9 @@ def test_torch_export_keeps_the_ops():
     assert {"ngram_cupy.ngram_ids.default", "ngram_cupy.lookup_.default"} <= targets
     args = token_batch(33, requests=3, seed=2)
     assert torch.equal(tensor_bits(exported.module()(*args)), tensor_bits(layer(*args)))
+    torch.export.save(exported, tmp_path / "layer.pt2")
+    run = subprocess.run([sys.executable, "-c", FOREIGN_RUN, str(tmp_path / "layer.pt2"),
+                          str(layer.handle), repr(CONFIG)], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert f"handle {layer.handle} was made by another process" in run.stdout

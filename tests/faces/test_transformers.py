@@ -8,6 +8,7 @@ and patched with this library's tables holding the same values.
 from __future__ import annotations
 
 import copy
+import inspect
 import warnings
 
 import ml_dtypes
@@ -35,6 +36,11 @@ from ngram_cupy.formats import FORMATS, NVFP4  # noqa: E402
 from ngram_cupy.transformers import CachedNGramEmbedding, ngram_config, use_ngram_cupy  # noqa: E402
 
 EOS, PAD, VOCAB = 2, 0, 512
+# The model takes its cache as ``cache=`` from transformers 5.25 on (``past_key_values=`` warns
+# there, and goes in 5.40); the oldest supported release knows only ``past_key_values=``.
+CACHE = "cache" if "cache" in inspect.signature(Qwen4ExpForCausalLM.forward).parameters \
+    else "past_key_values"
+pytestmark = pytest.mark.filterwarnings("error:.*past_key_values.*:FutureWarning")
 NAMES_TEXT = ["layers.0.ple.ple_embedding", "layers.2.ple.ple_embedding"]
 NAMES = [f"model.{name}" for name in NAMES_TEXT]
 
@@ -171,7 +177,7 @@ def test_chunked_prefill_through_a_dynamic_cache(float32_pair, chunks):
     for size in chunks:
         chunk = ids[:, start:start + size]
         with torch.no_grad():
-            want, got = (m(chunk, past_key_values=c, use_cache=True).logits
+            want, got = (m(chunk, **{CACHE: c}, use_cache=True).logits
                          for m, c in zip((reference, patched), caches, strict=True))
         assert torch.equal(got, want)
         start += size

@@ -13,7 +13,8 @@ pytest.importorskip("transformers")
 
 from test_transformers import NAMES, VOCAB, ple_tables, tiny_model  # noqa: E402
 
-from ngram_cupy.transformers import use_ngram_cupy  # noqa: E402
+import ngram_cupy as nc  # noqa: E402
+from ngram_cupy.transformers import ngram_optimizers, use_ngram_cupy  # noqa: E402
 
 STEPS, LR = 20, 0.05
 
@@ -73,6 +74,11 @@ def test_fused_sgd_follows_nn_embedding(reference):
     for name in NAMES:  # the fused step leaves no gradient on the tables
         assert model.get_submodule(name).ngram_embedding.weight.grad is None
     check_same_training(reference, losses, model)
+    optimizers = ngram_optimizers(model)  # the public way to the attached optimizers
+    assert list(optimizers) == NAMES
+    for name, optimizer in optimizers.items():
+        assert isinstance(optimizer, nc.SGD) and optimizer.steps == STEPS
+        assert optimizer.table is model.get_submodule(name).table and optimizer.lr == LR
 
 
 @pytest.mark.release_independent
@@ -122,7 +128,7 @@ def test_sparse_gradients_with_torch_sgd_follow_nn_embedding(reference):
     use_ngram_cupy(model, trainable=True)  # "pinned": host memory without a GPU
     losses = train(model, torch.optim.SGD(model.parameters(), lr=LR))
     grad = model.get_submodule(NAMES[0]).ngram_embedding.weight.grad
-    assert grad.is_sparse
+    assert grad.is_sparse and ngram_optimizers(model) == {}  # none attached
     check_same_training(reference, losses, model)
 
 

@@ -175,6 +175,36 @@ def test_out_is_written_and_returned():
     np.testing.assert_array_equal(wide, reference_lookup(weight, ids, 2.0, np.float32))
 
 
+def test_an_out_sharing_the_tables_memory_is_refused():
+    weight = np.ones((8, 3), np.float16)
+    table = nc.EmbeddingTable(weight)
+    ids = np.array([[1], [2]])
+    rows = table.host_view
+    for out in (rows[2:4], rows.reshape(-1)[3:9].reshape(2, 3), torch.from_numpy(rows)[:2]):
+        for call in (table.lookup, table.prefetch):
+            with pytest.raises(ValueError, match="out shares memory with the table's rows"):
+                call(ids, out=out)
+    assert (table.host_view == 1).all()
+    assert table.lookup(ids, out=np.zeros((2, 3), np.float16)).tolist() == [[1.0] * 3] * 2
+
+
+def test_ids_of_any_leading_shape():
+    """``[B, S, H]`` ids (compute_ngram_ids of ``[B, S]`` tokens) give ``[B, S, H * head_dim]``."""
+    table = nc.EmbeddingTable(np.arange(24, dtype=np.float16).reshape(8, 3))
+    ids = np.random.default_rng(0).integers(0, 8, (2, 3, 4))
+    flat = table.lookup(ids.reshape(6, 4))
+    rows = table.lookup(ids)
+    assert rows.shape == (2, 3, 12) and rows.tobytes() == flat.tobytes()
+    out = np.zeros((2, 3, 12), np.float16)
+    assert table.lookup(ids, out=out) is out and out.tobytes() == flat.tobytes()
+    table.prefetch(ids[:, :, :2])
+    assert table.lookup(ids[:, :, :2]).tobytes() == flat[:, :6].tobytes()
+    tensor = table.lookup(torch.from_numpy(ids))
+    assert tensor.shape == (2, 3, 12) and tensor.numpy().tobytes() == flat.tobytes()
+    with pytest.raises(ValueError, match="out must have shape"):
+        table.lookup(ids, out=np.zeros((2, 3, 11), np.float16))
+
+
 def test_empty_batches_and_heads():
     table = nc.EmbeddingTable(np.ones((4, 3), np.float16))  # float32: a 10 s compile per id type
     assert table.lookup(np.zeros((0, 2), np.int64)).shape == (0, 6)

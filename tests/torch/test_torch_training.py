@@ -190,3 +190,21 @@ def test_a_prefetch_before_the_update_reads_the_updated_rows(fused):
     rows = module.table.host_view[ids.ravel()].reshape(again.shape)
     assert not np.array_equal(rows, out.detach().numpy())
     np.testing.assert_array_equal(again.detach().numpy(), rows)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_an_empty_batch_backward_changes_no_row(fused):
+    """An empty batch through a trainable layer's backward: an empty sparse gradient, or a fused
+    step that is counted and changes no row (not a reshape error)."""
+    module = trained_module()
+    optimizer = fused_optimizer(module, "sgd", lr=0.5) if fused else None
+    before = module.table.host_view.copy()
+    out = module(torch.zeros(0, dtype=torch.int64), torch.tensor([0, 0]),
+                 torch.zeros((1, 2), dtype=torch.int64))
+    out.sum().backward()
+    grad = module.ngram_embedding.weight.grad
+    if fused:
+        assert grad is None and optimizer.steps == 1
+    else:
+        assert grad.is_sparse and grad._nnz() == 0 and grad.shape == before.shape
+    np.testing.assert_array_equal(module.table.host_view, before)

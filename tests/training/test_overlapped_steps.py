@@ -4,6 +4,8 @@ pending; worker errors reach the next call and change nothing; synchronize and s
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 
@@ -13,6 +15,7 @@ import pytest
 from helpers import gated
 
 import ngram_cupy as nc
+from ngram_cupy.training import worker
 
 ROWS, DIM, HEADS = 64, 8, 3
 OPTIMIZERS = [(nc.SGD, {"lr": 0.1}), (nc.RowwiseAdagrad, {"lr": 0.1}),
@@ -112,7 +115,8 @@ def test_step_returns_before_the_update_and_synchronize_waits():
     before = table.host_view.copy()
     ids, grad = step_batches_of(1)[0]
     optimizer.step_from_output_grad(ids, grad)  # returns with the update held
-    assert optimizer.steps == 0 and table.host_view.tobytes() == before.tobytes()
+    held = table.storage.host_view  # the rows themselves (host_view would wait for the update)
+    assert optimizer.steps == 0 and held.tobytes() == before.tobytes()
     assert optimizer.worker.busy
     threading.Timer(0.05, gate.set).start()
     optimizer.synchronize()
@@ -197,8 +201,29 @@ def test_close_waits_and_the_table_stops_waiting_for_it():
 
 
 def test_the_workqueue_layer_is_refused_clearly(monkeypatch):
-    from ngram_cupy.training import worker
-
     monkeypatch.setattr(worker, "threading_layer", lambda: "workqueue")
     with pytest.raises(ValueError, match="asynchronous=True needs Numba's tbb or omp"):
         nc.SGD(nc.EmbeddingTable(table_weight_of()), lr=0.1, asynchronous=True)
+
+
+UNCOLLECTED = """
+import numpy as np
+import ngram_cupy as nc
+optimizer = nc.SGD(nc.EmbeddingTable(np.zeros((8, 4), np.float32)), lr=0.1, asynchronous=True)
+optimizer.step_from_output_grad(np.array([[1]]), np.full((1, 4), np.nan, np.float32))
+print("ended")
+"""
+
+
+def test_a_refused_update_nobody_collected_is_reported_at_exit():
+    done = subprocess.run([sys.executable, "-c", UNCOLLECTED], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 1 and done.stdout == "ended\n"
+    assert "refused and no later call reported it" in done.stderr
+    assert "grad_out holds NaN or infinite values" in done.stderr
+    optimizer = nc.SGD(nc.EmbeddingTable(table_weight_of()), lr=0.1, asynchronous=True)
+    optimizer.step_from_output_grad(*step_batches_of(1)[0])
+    optimizer.step_from_output_grad(np.array([[1]]), np.full((1, DIM), np.nan, np.float32))
+    with pytest.raises(ValueError, match="NaN"):
+        optimizer.synchronize()  # collected: nothing is left to report at exit
+    assert not worker.UNREPORTED

@@ -178,3 +178,35 @@ def test_a_rank_needs_only_the_files_holding_its_rows(saved_two):
     assert second.rows.any() and second.steps == 1
     with pytest.raises(ValueError, match=r"rows \[0, 21\) of this table are in none"):
         nc.load_training_state(saved_two[1:], first, rank=0, world_size=2)
+
+
+@pytest.mark.parametrize("broken", [
+    {"header": "{not json"},
+    {"header": "{}"},  # no shape
+    {"header": '{"shape": 7}'},
+    {"shard": '{"row_start": 0}'},
+    {"shard": '{"row_start": "0", "row_stop": 21, "total_rows": 41}'},
+    {"shard": "[1, 2]"},
+], ids=["bad json", "no shape", "shape not a pair", "no row_stop", "text row", "not a dict"])
+def test_broken_metadata_is_a_value_error_naming_the_file(tmp_path, saved_two, broken):
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    with safe_open(saved_two[0], "np") as file:
+        metadata = dict(file.metadata(), **broken)
+        tensors = {key: file.get_tensor(key) for key in file.keys()}
+    path = tmp_path / "broken.safetensors"
+    save_file(tensors, path, metadata=metadata)
+    optimizer = shard_optimizers(1, "rowwise_adagrad", np.zeros((TOTAL, DIM), np.float32))[0]
+    for load in (lambda: nc.load_training_state([path, saved_two[1]], optimizer),
+                 lambda: nc.load_training_state(path, optimizer)):
+        with pytest.raises(ValueError, match=f"{path}.*metadata"):
+            load()
+    assert not optimizer.rows.any() and optimizer.steps == 0
+
+
+def test_a_folder_among_the_state_files_is_named(tmp_path, saved_two):
+    optimizer = shard_optimizers(1, "rowwise_adagrad", np.zeros((TOTAL, DIM), np.float32))[0]
+    for paths in ([saved_two[0], tmp_path], tmp_path):
+        with pytest.raises(IsADirectoryError, match=f"{tmp_path} is a folder"):
+            nc.load_training_state(paths, optimizer)

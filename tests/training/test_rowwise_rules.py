@@ -148,3 +148,27 @@ def test_bad_rules_name_the_argument(optimizer):
         optimizer(table, 0.1, max_norm="1")
     with pytest.raises(ValueError, match="weight_decay must be finite"):
         optimizer(table, 0.1, weight_decay=-0.5)
+
+
+def test_the_clamp_keeps_overflowed_rows_finite():
+    """Rows past float32's range, or holding infinities, are clamped to finite rows of norm
+    max_norm in their direction (docs/training.md), never NaN."""
+    weight = rule_table_weight()
+    huge = np.float32(3e38)
+    weight[1, :2] = huge  # finite values whose float32 norm overflows
+    weight[2, :4] = [np.inf, 1.0, -np.inf, 2.0]  # an overflowed row
+    weight[3, 0] = -huge  # overflows in this step: -3e38 - 0.5 * 1e38
+    table = nc.EmbeddingTable(weight)
+    optimizer = nc.SGD(table, lr=0.5, max_norm=1.0)
+    grad = np.zeros((3, DIM), np.float32)
+    grad[2, 0] = 1e38
+    optimizer.step(nc.SparseRows(np.array([1, 2, 3]), grad))
+    rows = table.host_view[1:4]
+    part = np.float32(1 / np.sqrt(2))
+    expected = np.zeros((3, DIM), np.float32)
+    wide = weight[1].astype(np.float64)
+    expected[0] = wide * (1.0 / np.sqrt(in_order_sum(wide[None] ** 2)[0]))  # scaled in float64
+    expected[1, [0, 2]] = part, -part
+    expected[2, 0] = -1.0
+    assert np.isfinite(rows).all()
+    np.testing.assert_array_equal(rows, expected)
