@@ -115,7 +115,10 @@ class BadIds:
 
     def check(self, total_rows: int) -> None:
         """Wait for every stream that noted into a word (and each GPU's current stream: CUDA
-        graph replays), then raise (once) the first bad id a word holds."""
+        graph replays), then raise (once) the first bad id a word holds. A table no GPU lookup
+        used has no word: nothing to wait for, and CuPy need not be installed."""
+        if not self.words:
+            return
         cupy = cupy_module()
         for device, entry in self.words.items():
             with cupy.cuda.Device(device):

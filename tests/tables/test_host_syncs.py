@@ -5,6 +5,8 @@ GPU) the torch ops. Ids outside the table then surface at a later call or ``chec
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 from fake_cupy import DeviceArray, install_fake_cupy
@@ -209,3 +211,12 @@ def test_on_a_gpu_every_call_returns_while_the_gpu_is_busy():
     torch.cuda.synchronize()
     with pytest.raises(IndexError, match="flat position"):
         gpu_table.lookup(ids)
+
+
+def test_check_on_a_cpu_table_needs_no_cupy(monkeypatch):
+    """``check()`` after a step works on every table: one no GPU lookup used has no bad-id
+    word, so CuPy (absent here) is never asked for."""
+    monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy fails
+    table = nc.EmbeddingTable(np.ones((ROWS, DIM), np.float32))
+    table.lookup(np.array([[1, 2]]))
+    table.check()
