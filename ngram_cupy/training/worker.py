@@ -5,7 +5,6 @@ A refused update whose error no call collected by the end of the program is repo
 from __future__ import annotations
 
 import atexit
-import logging
 import os
 import sys
 import threading
@@ -28,19 +27,37 @@ def run_noted(update: Callable[[], None]) -> None:
         raise
 
 
+class ExitStatus:
+    """Ends the process with ``status`` when deleted: held by this module, it is deleted as the
+    interpreter tears its modules down, after every exit handler has run (an exit handler
+    cannot set the status, and ``os._exit`` there would skip the handlers not yet run)."""
+
+    def __init__(self, status: int) -> None:
+        self.status, self.exit, self.streams = status, os._exit, (sys.stdout, sys.stderr)
+
+    def __del__(self) -> None:
+        for stream in self.streams:
+            try:
+                stream.flush()
+            except (AttributeError, OSError, ValueError):
+                pass  # gone or closed by then: nothing left to flush
+        self.exit(self.status)
+
+
+AT_TEARDOWN: list[ExitStatus] = []  # the status the process ends with, once armed
+
+
 @atexit.register  # at import: it runs after the exit handlers of modules imported later
 def report_unreported() -> None:
     """At the end of the program, a refused update nobody was told of is not dropped: its error
-    goes to stderr and the process exits with status 1 (after the worker threads have ended)."""
+    goes to stderr (after the worker threads have ended), the other exit handlers run, and the
+    process ends with status 1."""
     if not UNREPORTED:
         return
     for error in list(UNREPORTED):
         print(f"ngram_cupy: an asynchronous row update was refused and no later call reported "
               f"it (it changed nothing): {type(error).__name__}: {error}", file=sys.stderr)
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(1)  # an exit handler cannot change the status otherwise
+    AT_TEARDOWN.append(ExitStatus(1))
 
 
 class UpdateWorker:
