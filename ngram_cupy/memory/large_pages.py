@@ -10,6 +10,9 @@ mapped for the CPU at the same address. The choice, per table storage or for the
   variable ``NGRAM_CUPY_GPU_PAGES=large`` for every pinned table of the process;
 - ``"registered"`` (the default): ``cudaHostRegister`` of anonymous memory (``pinned``).
 
+Every GPU of the process is granted access (registered memory is portable: a table is looked up
+from any of them); where one of them cannot map host NUMA memory, the table is registered.
+
 Where the driver or its Python bindings (``cuda.bindings``, installed with numba-cuda) cannot
 make such memory, the table falls back to registered memory with a ``RuntimeWarning``. The size
 is rounded up to the granularity. ``close`` stops GPU reads (after the streams that read the
@@ -92,6 +95,18 @@ def host_numa_allocation(bindings, device: int):
     return prop
 
 
+def mapping_devices(bindings) -> range:
+    """Every GPU of the process, each of which may look the table up (as registered memory is
+    portable): LargePagesUnavailable when one of them cannot map host NUMA memory."""
+    devices = range(int(checked(bindings, "cuDeviceGetCount")))
+    for gpu in devices:
+        if not checked(bindings, "cuDeviceGetAttribute", bindings.CUdevice_attribute.
+                       CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, gpu):
+            raise LargePagesUnavailable(f"GPU {gpu} maps no host NUMA memory, and every GPU "
+                                        "of the process may look the table up")
+    return devices
+
+
 def access(bindings, location_type, location_id: int):
     """Read-write access for one location."""
     desc = bindings.CUmemAccessDesc()
@@ -119,6 +134,11 @@ class LargePageBuffer(MappedHostBuffer):
                 bindings, "cuMemGetAllocationGranularity", prop, bindings.
                 CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED))
             size = -(-int(nbytes) // granularity) * granularity
+            locations = bindings.CUmemLocationType
+            grants = [access(bindings, locations.CU_MEM_LOCATION_TYPE_DEVICE, gpu)
+                      for gpu in mapping_devices(bindings)]
+            grants.append(access(bindings, locations.CU_MEM_LOCATION_TYPE_HOST_NUMA,
+                                 prop.location.id))
             undo = []
             try:
                 handle = checked(bindings, "cuMemCreate", size, prop, 0)
@@ -127,11 +147,7 @@ class LargePageBuffer(MappedHostBuffer):
                 undo.append(lambda: checked(bindings, "cuMemAddressFree", address, size))
                 checked(bindings, "cuMemMap", address, size, 0, handle, 0)
                 undo.append(lambda: checked(bindings, "cuMemUnmap", address, size))
-                locations = bindings.CUmemLocationType
-                checked(bindings, "cuMemSetAccess", address, size, [
-                    access(bindings, locations.CU_MEM_LOCATION_TYPE_DEVICE, self.device),
-                    access(bindings, locations.CU_MEM_LOCATION_TYPE_HOST_NUMA, prop.location.id),
-                ], 2)
+                checked(bindings, "cuMemSetAccess", address, size, grants, len(grants))
             except BaseException:
                 for step in reversed(undo):
                     step()

@@ -35,8 +35,9 @@ class FakeDriver:
         CU_MEM_ALLOC_GRANULARITY_RECOMMENDED="recommended")
     CUmemAccess_flags = types.SimpleNamespace(CU_MEM_ACCESS_FLAGS_PROT_READWRITE="rw")
 
-    def __init__(self, supported=1, failing=None):
+    def __init__(self, supported=1, failing=None, gpus=2):
         self.supported, self.failing, self.calls, self.ranges = supported, failing, [], {}
+        self.gpus = gpus  # the process's GPUs; ``supported`` may list those mapping host NUMA
 
         def located():
             return types.SimpleNamespace(type=None, location=types.SimpleNamespace(
@@ -45,7 +46,8 @@ class FakeDriver:
         self.CUmemAllocationProp = self.CUmemAccessDesc = located
 
     def __getattr__(self, name):
-        if not name.startswith("cuMem") and name != "cuDeviceGetAttribute":
+        if not name.startswith("cuMem") and name not in ("cuDeviceGetAttribute",
+                                                         "cuDeviceGetCount"):
             raise AttributeError(name)
 
         def call(*args):
@@ -57,7 +59,12 @@ class FakeDriver:
         return call
 
     def answer_cuDeviceGetAttribute(self, attribute, device):
-        return (self.supported if attribute == "host numa vmm" else 1,)
+        supported = self.supported if isinstance(self.supported, int) else \
+            int(device in self.supported)
+        return (supported if attribute == "host numa vmm" else 1,)
+
+    def answer_cuDeviceGetCount(self):
+        return (self.gpus,)
 
     def answer_cuMemGetAllocationGranularity(self, prop, option):
         return (GRANULARITY,)
@@ -95,8 +102,8 @@ def test_large_gpu_pages_are_a_choice_of_pinned_tables(silent_gpu, monkeypatch):
     assert (prop.type, prop.location.type, prop.location.id) == ("pinned", "host numa", 1)
     ((_, address, _, descriptions, _),) = fake.named("cuMemSetAccess")
     assert address == buffer.pointer == table.device_rows.data.ptr
-    assert [(d.location.type, d.flags) for d in descriptions] == [("device", "rw"),
-                                                                 ("host numa", "rw")]
+    assert [(d.location.type, d.location.id, d.flags) for d in descriptions] == [
+        ("device", 0, "rw"), ("device", 1, "rw"), ("host numa", 1, "rw")]  # every GPU reads
     np.testing.assert_array_equal(table.host_view, weight)  # written through the CPU mapping
     table.lookup(DeviceArray(silent_gpu, np.array([[3, 999]]), 0))  # read through the GPU mapping
     assert silent_gpu.syncs == []
@@ -110,8 +117,9 @@ def test_large_gpu_pages_are_a_choice_of_pinned_tables(silent_gpu, monkeypatch):
                                                      "cuMemRelease"]
 
 
-@pytest.mark.parametrize("fake", [FakeDriver(supported=0), FakeDriver(failing="cuMemMap")],
-                         ids=["unsupported", "map-fails"])
+@pytest.mark.parametrize("fake", [FakeDriver(supported=0), FakeDriver(failing="cuMemMap"),
+                                  FakeDriver(supported={0})],
+                         ids=["unsupported", "map-fails", "another-gpu-unsupported"])
 def test_without_large_pages_a_pinned_table_registers_its_memory_with_a_warning(
         silent_gpu, monkeypatch, fake):
     monkeypatch.setattr(large_pages, "driver", lambda: fake)
