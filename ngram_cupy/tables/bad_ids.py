@@ -101,7 +101,7 @@ class BadIds:
 
     def poll(self, total_rows: int, stream) -> None:
         """Raise (once) a bad id already copied to the host: only when every copy is done (an
-        event query; no wait). The words are cleared on ``stream`` (the raising call's). Not
+        event query; no wait), and the words cleared (``_clear``). Not
         while ``stream`` captures a CUDA graph (an event query there would break the capture)."""
         if stream.is_capturing():
             return
@@ -110,7 +110,7 @@ class BadIds:
                 continue
             position = first_bad(entry.host)
             if position >= 0:
-                self._clear(device, entry, stream)
+                self._clear(device, entry)
                 raise bad_ids_error(position, total_rows)
 
     def check(self, total_rows: int) -> None:
@@ -126,13 +126,19 @@ class BadIds:
                 entry.streams.synchronize()
                 position = first_bad(entry.word.get(stream=current))
                 if position >= 0:
-                    self._clear(device, entry, current)
+                    self._clear(device, entry)
                     raise bad_ids_error(position, total_rows)
 
     @staticmethod
-    def _clear(device: int, entry: DeviceWord, stream) -> None:
-        """Reset the device word (on ``stream``, behind the work there) and the host copy."""
+    def _clear(device: int, entry: DeviceWord) -> None:
+        """Reset the device word and the host copy. The word is filled on ``device``'s current
+        stream once every copy of it is done (their events, waited for device-side): a note a
+        kernel on another stream made before its copy is copied, not erased unseen."""
         cupy = cupy_module()
-        with cupy.cuda.Device(device), stream:
-            entry.word.fill(NO_BAD_WORD)
+        with cupy.cuda.Device(device):
+            stream = cupy.cuda.get_current_stream()
+            for event in entry.copies.values():
+                stream.wait_event(event)
+            with stream:
+                entry.word.fill(NO_BAD_WORD)
         entry.host[0] = NO_BAD_WORD

@@ -220,3 +220,28 @@ def test_check_on_a_cpu_table_needs_no_cupy(monkeypatch):
     table = nc.EmbeddingTable(np.ones((ROWS, DIM), np.float32))
     table.lookup(np.array([[1, 2]]))
     table.check()
+
+
+def test_a_word_is_cleared_after_every_copy_of_it_on_its_own_gpu(fake_gpu):
+    """The raising call clears the word on its GPU's current stream, after waiting (device-side)
+    for the copy events of every stream that noted into it: a note another stream's kernel
+    made before its copy is not erased unseen."""
+    table = placed_tables(fake_gpu)["gpu"]
+    first, second = fake_gpu.cuda.Stream(ptr=0xA), fake_gpu.cuda.Stream(ptr=0xB)
+    bad = device_ids(fake_gpu, 7)
+    bad.host[0, 1] = -3
+    fake_gpu.events_done = False
+    table.lookup(bad, stream=first)
+    table.lookup(device_ids(fake_gpu, 8), stream=second)
+    entry = table.bad_ids.words[0]
+    entry.word.fill = lambda value: fake_gpu.log.append(
+        ("fill", fake_gpu.cuda.get_current_stream().ptr, fake_gpu.current))
+    fake_gpu.events_done = True
+    with fake_gpu.cuda.Device(1):  # the raising call runs while another GPU is current
+        with pytest.raises(IndexError, match="flat position 1"):
+            table.lookup(device_ids(fake_gpu, 9), stream=second)
+    fill = next(entry for entry in fake_gpu.log if entry[0] == "fill")
+    _, stream, device = fill
+    waited = {id(entry[2]) for entry in fake_gpu.log[:fake_gpu.log.index(fill)]
+              if entry[:2] == ("wait", stream)}
+    assert device == 0 and waited >= {id(event) for event in entry.copies.values()}
