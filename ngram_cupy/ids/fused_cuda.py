@@ -285,8 +285,15 @@ def placeholder_ids(device: int):
     return array
 
 
-# The bad-id words of fused lookups whose caller passes no table's (``bad_ids``).
-UNOWNED_BAD_IDS = BadIds()
+# The bad-id words of fused lookups whose caller passes no table's (``bad_ids``), by the
+# rows' address and row count: one table's bad id is never raised in another table's call.
+UNOWNED_BAD_IDS: dict[tuple[int, int], BadIds] = {}
+
+
+def unowned_bad_ids(rows, total_rows: int) -> BadIds:
+    """The bad-id words of fused lookups of ``rows`` (``total_rows`` of them) by a caller that
+    passes no table's ``bad_ids``."""
+    return UNOWNED_BAD_IDS.setdefault((data_address(rows), int(total_rows)), BadIds())
 
 
 def fused_lookup_cuda(layout, rows, fmt: Format, row_start: int, scale, tokens, query_start_loc,
@@ -302,8 +309,8 @@ def fused_lookup_cuda(layout, rows, fmt: Format, row_start: int, scale, tokens, 
     hot block scales), or None. ``scales``: a block-scaled table's block scales beside ``rows``
     (rows and scales that are views into packed records are read as the whole records).
     With ``total_rows``, a hashed id outside ``[0, total_rows)`` (a layout that does not match
-    the table) is noted in ``bad_ids`` (the table's ``EmbeddingTable.bad_ids``; default: one
-    set of words for every caller that passes none) and raised as the table's lookups raise
+    the table) is noted in ``bad_ids`` (the table's ``EmbeddingTable.bad_ids``; default: the words
+    of ``rows``, ``unowned_bad_ids``) and raised as the table's lookups raise
     theirs (``tables.bad_ids``): a bad id noted earlier surfaces here, before this launch.
     """
     device = out.device.id
@@ -311,9 +318,9 @@ def fused_lookup_cuda(layout, rows, fmt: Format, row_start: int, scale, tokens, 
     if not write_ids:
         ids_out = placeholder_ids(device)
     tables = kernel_tables(rows, fmt.itemsize, scales, tier)
-    bad_ids = UNOWNED_BAD_IDS if bad_ids is None else bad_ids
     bad = None
     if total_rows is not None:
+        bad_ids = unowned_bad_ids(rows, total_rows) if bad_ids is None else bad_ids
         bad_ids.poll(total_rows, stream)
         bad = bad_ids.word(device, stream)
     launch_fused(layout, tokens, query_start_loc, context, device_params(layout, device),

@@ -137,8 +137,8 @@ def test_the_fused_lookup_makes_no_host_synchronisation(fake_gpu, monkeypatch):
     out = DeviceArray(fake_gpu, np.empty((8, layout.num_heads * layout.head_dim), np.float32), 0)
     stream = fake_gpu.cuda.get_current_stream()
 
-    def fused():  # as NGramEmbedding(..., fused=True) calls it
-        fused_cuda.fused_lookup_cuda(layout, rows, nc.formats.FORMATS[0], 0, None, tokens,
+    def fused(table_rows=rows):  # as NGramEmbedding(..., fused=True) calls it, with no table
+        fused_cuda.fused_lookup_cuda(layout, table_rows, nc.formats.FORMATS[0], 0, None, tokens,
                                      starts, context, out, 0, None, stream, None, None,
                                      layout.padded_rows)
 
@@ -147,6 +147,15 @@ def test_the_fused_lookup_makes_no_host_synchronisation(fake_gpu, monkeypatch):
     fused()
     fused()
     assert fake_gpu.syncs == []
+    # Callers passing no table's words get their rows' own: a bad id one model's call noted
+    # is raised by that model's next call, never by another model's.
+    other = DeviceArray(fake_gpu, np.zeros((layout.padded_rows, layout.head_dim), np.float32), 0)
+    fused_cuda.unowned_bad_ids(rows, layout.padded_rows).words[0].word.host[0] = 5
+    fused()  # its kernel noted 5: copied to the host word behind it
+    fused(other)
+    with pytest.raises(IndexError, match="flat position 5"):
+        fused()
+    fused_cuda.UNOWNED_BAD_IDS.clear()
     ids_cuda.device_params.cache_clear()  # made with the fake CuPy: not for later tests
     fused_cuda.placeholder_ids.cache_clear()
     fused_cuda.device_unchecked_word.cache_clear()
