@@ -182,8 +182,9 @@ class StreamPrefetcher:
 
     The ids snapshot of a shape is reused by the next prefetch of that shape, which may be
     issued on another stream than the lookup that read the snapshot (its re-gather):
-    ``read_by`` records an event behind that lookup, and ``before_snapshot`` makes the next
-    prefetch's stream wait for it before it overwrites the snapshot.
+    ``read_by`` records an event of that shape behind that lookup, and ``before_snapshot``
+    makes the next prefetch of the shape wait for it before it overwrites the snapshot (one
+    event per shape: a lookup of another shape in between does not replace it).
 
     A prefetch issued inside a CUDA graph capture must be joined (by its lookup) inside the same
     capture, and one issued outside cannot be joined inside one: either mismatch is a clear
@@ -194,12 +195,15 @@ class StreamPrefetcher:
                  device: int | None = None) -> None:
         self.device = device  # the GPU of the stream and events: the tables' and ids' GPU
         cupy = cupy_module() if stream is None or event is None else None
-        with cupy.cuda.Device(device) if cupy is not None and device is not None \
-                else contextlib.nullcontext():
+        self._on_device = (lambda: cupy.cuda.Device(device)) if cupy is not None and \
+            device is not None else contextlib.nullcontext
+        with self._on_device():
             self.stream = cupy.cuda.Stream(non_blocking=True) if stream is None else stream
-            event = event or (lambda: cupy.cuda.Event(disable_timing=True))
-            self._ready, self._done, self._read = event(), event(), event()
-        self._read_on: Any = None  # the stream of the last lookup that read a snapshot
+            self._event = event or (lambda: cupy.cuda.Event(disable_timing=True))
+            self._ready, self._done = self._event(), self._event()
+        # snapshot shape -> the stream of the last lookup that read it (None: nothing to wait
+        # for) and the event recorded behind its reads
+        self._reads: dict[tuple[int, ...], tuple[Any, Any]] = {}
         self._pending: Pending | None = None
         self._owner: int | None = None  # the thread that started the pending prefetch
         self._lock = threading.Lock()
@@ -240,22 +244,30 @@ class StreamPrefetcher:
         caller.wait_event(self._done)
         return pending
 
-    def read_by(self, stream) -> None:
-        """A lookup on ``stream`` has queued its reads of the joined prefetch's snapshot (in a
-        capture nothing is recorded: a replay is ordered by its graph, and an event recorded in
-        a capture cannot be waited for outside it)."""
-        self._read_on = None if stream.is_capturing() else stream
-        if self._read_on is not None:
-            self._read.record(stream)
+    def read_by(self, stream, shape: tuple[int, ...]) -> None:
+        """A lookup on ``stream`` has queued its reads of the joined prefetch's snapshot of
+        ``shape`` (in a capture nothing is recorded: a replay is ordered by its graph, and an
+        event recorded in a capture cannot be waited for outside it)."""
+        _, read = self._reads.get(shape, (None, None))
+        if stream.is_capturing():
+            self._reads[shape] = (None, read)
+            return
+        if read is None:
+            with self._on_device():
+                read = self._event()
+        read.record(stream)
+        self._reads[shape] = (stream, read)
 
-    def before_snapshot(self, caller) -> None:
-        """Order ``caller`` (about to overwrite a snapshot) after the last lookup that read one,
-        when that lookup ran on another stream; device-side, and not from inside a capture (a
-        capturing stream cannot wait for work outside its capture)."""
-        read_on, self._read_on = self._read_on, None
-        if read_on is None or read_on.ptr == caller.ptr or caller.is_capturing():
-            return  # none, the same stream (already in order), or a capture
-        caller.wait_event(self._read)
+    def before_snapshot(self, caller, shape: tuple[int, ...]) -> None:
+        """Order ``caller`` (about to overwrite the snapshot of ``shape``) after the last lookup
+        that read it, when that lookup ran on another stream; device-side, and not from inside
+        a capture (a capturing stream cannot wait for work outside its capture)."""
+        read_on, read = self._reads.get(shape, (None, None))
+        if read_on is None:
+            return
+        self._reads[shape] = (None, read)
+        if read_on.ptr != caller.ptr and not caller.is_capturing():
+            caller.wait_event(read)  # else the same stream (already in order), or a capture
 
     def close(self) -> None:
         """Let the private stream drain: its gather may still read the table."""
@@ -302,7 +314,7 @@ class Prefetcher:
         buffers = self.buffers(side, device)
         self.join(side, stream)
         if side is not HOST and self.streams is not None:
-            self.streams.before_snapshot(stream)
+            self.streams.before_snapshot(stream, ids.shape)
         snapshot = buffers.get("ids", ids.shape, np.int64)
         snapshot[...] = ids
         rows = out if out is not None else buffers.get("rows", rows_shape, rows_dtype)
@@ -330,7 +342,7 @@ class Prefetcher:
             target[...] = pending.rows
         gather(ids, target, pending.ids)
         if side is not HOST:
-            self.streams.read_by(stream)  # the next prefetch's snapshot waits for these reads
+            self.streams.read_by(stream, ids.shape)  # the next prefetch of the shape waits
         return target
 
     def close(self, wait: bool = True) -> None:

@@ -254,3 +254,25 @@ def test_a_word_is_cleared_after_every_copy_of_it_on_its_own_gpu(fake_gpu):
     waited = {id(entry[2]) for entry in fake_gpu.log[:fake_gpu.log.index(fill)]
               if entry[:2] == ("wait", stream)}
     assert device == 0 and waited >= {id(event) for event in entry.copies.values()}
+
+
+def test_a_prefetch_waits_for_the_last_reader_of_its_own_shape(fake_gpu):
+    """One read event per snapshot shape: a lookup on stream X reads the snapshot of one shape,
+    one on Y another shape's; the next prefetch of the first shape, on Z, waits for X's reads."""
+    table = placed_tables(fake_gpu)["gpu"]
+    x, y, z = (fake_gpu.cuda.Stream(ptr=ptr) for ptr in (0xA, 0xB, 0xD))
+    first, second = device_ids(fake_gpu, 11), device_ids(fake_gpu, 12, shape=(4, 2))
+    table.start_prefetch(first, stream=z)
+    table.lookup(first, stream=x)  # reads the (6, 2) snapshot on X
+    table.start_prefetch(second, stream=x)
+    table.lookup(second, stream=y)  # reads the (4, 2) snapshot on Y
+    start = len(fake_gpu.log)
+    table.start_prefetch(first, stream=z)  # overwrites the (6, 2) snapshot X read
+    last_on = {}  # an event -> the stream it was last recorded on, as of each wait
+    read_by_x_waited = False
+    for index, entry in enumerate(fake_gpu.log):
+        if entry[0] == "record":
+            last_on[id(entry[2])] = entry[1]
+        elif index >= start and entry[:2] == ("wait", 0xD):
+            read_by_x_waited |= last_on.get(id(entry[2])) == 0xA
+    assert read_by_x_waited and fake_gpu.syncs == []
