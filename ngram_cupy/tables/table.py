@@ -10,6 +10,7 @@ NumPy ids are gathered on the CPU (Numba), CuPy / CUDA torch ids on the GPU
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Any
 
@@ -466,6 +467,12 @@ class EmbeddingTable:
         self.storage.wait_for_readers("close the table")
         self.storage.close()
         self.closed = True
+
+    def check_errors(self) -> None:
+        """Deprecated: ``check()`` (the name until this release), which it calls."""
+        warnings.warn("EmbeddingTable.check_errors() is deprecated: call check()",
+                      DeprecationWarning, stacklevel=2)
+        self.check()
 
     def __enter__(self) -> EmbeddingTable:
         return self

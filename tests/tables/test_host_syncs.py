@@ -229,6 +229,8 @@ def test_check_on_a_cpu_table_needs_no_cupy(monkeypatch):
     table = nc.EmbeddingTable(np.ones((ROWS, DIM), np.float32))
     table.lookup(np.array([[1, 2]]))
     table.check()
+    with pytest.warns(DeprecationWarning, match=r"check_errors\(\) is deprecated: call check"):
+        table.check_errors()  # the name check() had before
 
 
 def test_a_word_is_cleared_after_every_copy_of_it_on_its_own_gpu(fake_gpu):
