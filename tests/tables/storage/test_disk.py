@@ -8,6 +8,7 @@ import dataclasses
 import errno
 import mmap
 import os
+import threading
 
 import engram_cases
 import ml_dtypes
@@ -381,3 +382,34 @@ def test_gpu_ids_are_staged_in_stream_order_through_fixed_page_locked_buffers(tm
         gather(ids, out)
     table.close()
     assert storage.staging is None and storage.closed
+
+
+def test_a_failed_read_leaves_no_completion_for_the_next_lookup(tmp_path, monkeypatch):
+    """A read failing while others are in flight: the next lookup neither hangs nor takes the
+    earlier batch's completions for its own."""
+    save(tmp_path / "m", "float32")
+    cpu, table = load(tmp_path / "m", "cpu"), load(tmp_path / "m", "disk", cache_bytes=0)
+    aio, ids = table.storage.aio, np.arange(ROWS).reshape(-1, 4)
+    call = aio.call
+    monkeypatch.setattr(direct_reads, "MAX_RUN", direct_reads.PAGE)  # a read per page
+
+    def one_failing(number, *args):  # one completion taken, and it failed
+        if number != aio.getevents:
+            return call(number, *args)
+        count = call(number, 1, 1, *args[2:])
+        aio.events["res"][:count] = -errno.EIO
+        return count
+
+    monkeypatch.setattr(aio, "call", one_failing)
+    with pytest.raises(OSError, match="Input/output error"):
+        table.lookup(ids)
+    monkeypatch.setattr(aio, "call", call)
+    asked = [ids[:1], ids, ids[-1:], ids]
+    got = []
+    reader = threading.Thread(target=lambda: got.extend(table.lookup(a) for a in asked),
+                              daemon=True)
+    reader.start()
+    reader.join(timeout=60)
+    assert len(got) == len(asked) and all(
+        equal_bits(rows, cpu.lookup(a)) for rows, a in zip(got, asked, strict=True))
+    table.close()
