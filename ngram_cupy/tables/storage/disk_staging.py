@@ -1,7 +1,7 @@
 """GPU ids on a disk table: rows staged through page-locked host buffers, all in stream order.
 
 A GPU lookup of a disk table enqueues three steps on its stream and returns at once (no host
-wait): the ids are copied into a page-locked buffer, a host function (``launch_host_func``)
+wait): the ids are copied into a page-locked buffer, a host function (``runtime.host_functions``)
 reads their rows (row cache, then the files) and gathers them into a page-locked rows buffer,
 and that buffer is copied into the lookup's output. On a prefetch's private stream the reads
 thus run while the caller's stream computes the previous layer; the join waits only for what
@@ -23,6 +23,7 @@ import threading
 
 import numpy as np
 
+from ...runtime import host_functions
 from ...runtime.backends import HOST, cupy_module
 from .base import Gather
 
@@ -35,6 +36,7 @@ class DiskStaging:
         self.buffers: dict[tuple, tuple] = {}
         self.error: BaseException | None = None
         self.lock = threading.Lock()
+        self.captured: list[int] = []  # host calls captured in graphs: kept until close
 
     def get(self, stream, role: str, shape: tuple, dtype, capturing: bool) -> np.ndarray:
         """The page-locked buffer of that key (made once; never inside a capture)."""
@@ -61,8 +63,11 @@ class DiskStaging:
             raise error
 
     def close(self) -> None:
-        """Release the buffers (the caller waited for the streams that used them)."""
+        """Release the buffers and the captured host calls (the caller waited for the streams
+        that used them)."""
         self.buffers.clear()
+        host_functions.forget(self.captured)
+        self.captured.clear()
 
 
 def gather_staged(storage, job: Gather) -> None:
@@ -96,5 +101,7 @@ def gather_staged(storage, job: Gather) -> None:
             with staging.lock:
                 staging.error = staging.error or error
 
-    stream.launch_host_func(read, None)
+    key = host_functions.enqueue(stream, read, kept=capturing)  # a replay runs it again
+    if capturing:
+        staging.captured.append(key)
     job.out.set(rows, stream=stream)

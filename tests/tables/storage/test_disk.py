@@ -287,16 +287,32 @@ def test_a_disk_lookup_leaves_no_pages_in_the_page_cache(tmp_path):
 
 
 class QueuedStream:
-    """A stream that queues what is enqueued on it until ``run`` (or ``synchronize``)."""
+    """A stream that queues what is enqueued on it until ``run`` (or ``synchronize``); while
+    ``capturing``, also into a graph that ``replay`` enqueues again."""
 
     def __init__(self, ptr: int = 0x2000):
-        self.ptr, self.capturing, self.queued = ptr, False, []
+        self.ptr, self.capturing, self.queued, self.graph = ptr, False, [], []
 
     def is_capturing(self) -> bool:
         return self.capturing
 
+    def enqueue(self, step) -> None:
+        self.queued.append(step)
+        if self.capturing:
+            self.graph.append(step)
+
     def launch_host_func(self, function, argument) -> None:
-        self.queued.append(lambda: function(argument))
+        """As CuPy's: one reference to ``(function, argument)`` taken at the launch and dropped
+        by every run (a graph's second replay would use freed memory: here an IndexError)."""
+        held = [(function, argument)]
+
+        def run():
+            function_, argument_ = held.pop()
+            function_(argument_)
+        self.enqueue(run)
+
+    def replay(self) -> None:
+        self.queued.extend(self.graph)
 
     def run(self) -> None:
         while self.queued:
@@ -313,11 +329,11 @@ class QueuedDeviceArray:
 
     def get(self, stream, out, blocking=True):
         assert not blocking  # the host never waits for the stream
-        stream.queued.append(lambda: out.__setitem__(..., self.host))
+        stream.enqueue(lambda: out.__setitem__(..., self.host))
         return out
 
     def set(self, array, stream):
-        stream.queued.append(lambda: self.host.__setitem__(..., array))
+        stream.enqueue(lambda: self.host.__setitem__(..., array))
 
 
 def test_gpu_ids_are_staged_in_stream_order_through_fixed_page_locked_buffers(tmp_path,
@@ -325,16 +341,21 @@ def test_gpu_ids_are_staged_in_stream_order_through_fixed_page_locked_buffers(tm
     """Fake CuPy: the lookup enqueues the ids' copy, the host read and the rows' copy, and
     returns before any runs (a prefetch's reads overlap the caller's work); the rows equal a
     CPU table's, a joined prefetch regathers only the changed heads, buffers stay fixed per
-    shape (a capture of a new shape is refused), a failed read gives NaN bits and raises at the
+    shape (a capture of a new shape is refused), a captured lookup replays with each replay's
+    ids (its host function lives on after a run), a failed read gives NaN bits and raises at the
     next lookup, and close releases the buffers."""
     from types import SimpleNamespace
 
+    from ngram_cupy.runtime import host_functions
     from ngram_cupy.runtime.backends import DEVICE
     from ngram_cupy.tables.storage import disk_staging
     from ngram_cupy.tables.storage.base import Gather
 
     monkeypatch.setattr(disk_staging, "cupy_module", lambda: SimpleNamespace(
         cuda=SimpleNamespace(alloc_pinned_memory=bytearray)))
+    monkeypatch.setattr(host_functions, "launch_host_call", lambda stream, key: stream.enqueue(
+        lambda: host_functions.run_host_call(key)))  # the driver's cuLaunchHostFunc
+    calls = len(host_functions.CALLS)
     save(tmp_path / "m", "float8")
     cpu = load(tmp_path / "m", "cpu")
     table = load(tmp_path / "m", "disk", cache_bytes=2048)
@@ -366,12 +387,18 @@ def test_gpu_ids_are_staged_in_stream_order_through_fixed_page_locked_buffers(tm
     assert storage.cache_stats()["overall"]["rows"] - before == len(np.unique(changed[::2, 1]))
     assert storage.staging.buffers.keys() - buffers.keys() == {
         (stream.ptr, "expected", ids.shape, np.dtype(np.int64).str)}
+    captured = ids.copy()
     stream.capturing = True
-    gather(ids, out)  # a captured shape seen before: the same buffers
-    stream.run()
+    gather(captured, out)  # a captured shape seen before: the same buffers
     with pytest.raises(RuntimeError, match="shape \\(8, 4\\) .* outside the capture first"):
         gather(ids[:8], out[:8])
     stream.capturing = False
+    stream.run()
+    for replayed in (changed, ids):  # each replay reads its own ids' rows
+        captured[...] = replayed
+        stream.replay()
+        stream.run()
+        assert equal_bits(out, cpu.lookup(replayed))
     storage.guard = lambda: None
     storage.cache.resize(0)
     os.truncate(sorted((tmp_path / "m").glob("*.safetensors"))[-1], 300)
@@ -381,6 +408,7 @@ def test_gpu_ids_are_staged_in_stream_order_through_fixed_page_locked_buffers(tm
     with pytest.raises(OSError, match="truncated"):
         gather(ids, out)
     table.close()
+    assert len(host_functions.CALLS) == calls  # the captured host call is let go
     assert storage.staging is None and storage.closed
 
 
