@@ -26,6 +26,8 @@ def owned_positions(job: Gather, num_rows: int) -> tuple[np.ndarray, np.ndarray]
     held by the storage; the other positions of those are zeroed in ``job.out`` (ids of other
     shards), and an id outside ``[0, job.total_rows)`` is an IndexError (``row_ids``)."""
     flat = job.ids.reshape(-1)
+    if flat.size == 0:  # no ids (a row width of -1 cannot be inferred from no rows)
+        return np.empty(0, np.int64), np.empty(0, flat.dtype)
     rows = job.out.reshape(flat.size, -1)
     where = (np.arange(flat.size) if job.expected is None
              else np.flatnonzero(job.expected.reshape(-1) != flat))

@@ -441,3 +441,16 @@ def test_a_failed_read_leaves_no_completion_for_the_next_lookup(tmp_path, monkey
     assert len(got) == len(asked) and all(
         equal_bits(rows, cpu.lookup(a)) for rows, a in zip(got, asked, strict=True))
     table.close()
+
+
+def test_no_ids_look_up_no_rows_on_disk_and_mapped_tables(tmp_path):
+    """Ids of shape (0, H) or (B, 0, H), looked up or prefetched: empty rows, no error."""
+    save(tmp_path / "m", "bfloat16")
+    for placement in ("disk", "mmap"):
+        table = load(tmp_path / "m", placement)
+        for shape in ((0, 4), (2, 0, 4)):
+            got = table.lookup(np.zeros(shape, np.int64))
+            assert got.shape == (*shape[:-1], 4 * HEAD_DIM) and got.size == 0
+        table.start_prefetch(np.zeros((0, 4), np.int64))
+        assert table.lookup(np.zeros((0, 4), np.int64)).size == 0
+        table.close()
