@@ -371,6 +371,7 @@ class EmbeddingTable:
         then raise (once) the IndexError of an id outside ``[0, total_rows)`` one met: the
         point that never misses one (``bad_ids``; the next call raises it only once run)."""
         self.bad_ids.check(self.total_rows)
+        self.storage.raise_pending()
 
     def lookup_scale(self, out_format: Format) -> np.float32:
         """The float32 scale lookups to ``out_format`` multiply by (``scale_rounding``; a

@@ -166,5 +166,9 @@ class Storage:
     def will_write(self) -> None:
         """A row optimizer is about to write ``training_rows``: nothing to note by default."""
 
+    def raise_pending(self) -> None:
+        """Raise a failure of a GPU lookup that could not raise when it ran (a disk table's host
+        reads): none by default."""
+
     def close(self) -> None:
         """Nothing to release by default."""

@@ -194,6 +194,8 @@ class DiskStorage(Storage):
         """Write the rows of ``job.ids`` into ``job.out``: every head, or with ``job.expected``
         only the heads whose id differs from it. GPU ids through page-locked staging."""
         self.check_open()
+        if self.staging is not None:  # a GPU lookup's failed read: raised on either side
+            self.staging.raise_error()
         if self.guard is not None:
             self.guard()
         if job.side is DEVICE:
@@ -223,6 +225,15 @@ class DiskStorage(Storage):
             table if blocked else records.view(self.format.raw), self.format.code, 0,
             job.scale, slots, out, job.out_code, parallel=False if job.worker else None,
             scales=scales if blocked else None, records=records if blocked else None)
+
+    def raise_pending(self) -> None:
+        """Wait for the GPU lookups still reading rows (not while one of their streams is
+        capturing a graph), then raise (once) the failure one met."""
+        if self.staging is None:
+            return
+        if not self.readers.capturing():
+            self.readers.synchronize()
+        self.staging.raise_error()
 
     def close(self) -> None:
         """Close the files and the AIO context, release the page buffer and the staging."""

@@ -78,7 +78,6 @@ def gather_staged(storage, job: Gather) -> None:
     if storage.staging is None:
         storage.staging = DiskStaging()
     staging = storage.staging
-    staging.raise_error()
     stream = job.stream
     capturing = bool(stream.is_capturing())
     ids = staging.get(stream, "ids", job.ids.shape, job.ids.dtype, capturing)

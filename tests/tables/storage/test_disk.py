@@ -348,6 +348,7 @@ def test_gpu_ids_are_staged_in_stream_order_through_fixed_page_locked_buffers(tm
 
     from ngram_cupy.runtime import host_functions
     from ngram_cupy.runtime.backends import DEVICE
+    from ngram_cupy.tables import bad_ids
     from ngram_cupy.tables.storage import disk_staging
     from ngram_cupy.tables.storage.base import Gather
 
@@ -356,6 +357,7 @@ def test_gpu_ids_are_staged_in_stream_order_through_fixed_page_locked_buffers(tm
     monkeypatch.setattr(host_functions, "launch_host_call", lambda stream, key: stream.enqueue(
         lambda: host_functions.run_host_call(key)))  # the driver's cuLaunchHostFunc
     calls = len(host_functions.CALLS)
+    monkeypatch.setattr(bad_ids, "cupy_module", SimpleNamespace, raising=False)  # no GPU word
     save(tmp_path / "m", "float8")
     cpu = load(tmp_path / "m", "cpu")
     table = load(tmp_path / "m", "disk", cache_bytes=2048)
@@ -407,6 +409,13 @@ def test_gpu_ids_are_staged_in_stream_order_through_fixed_page_locked_buffers(tm
     assert np.all(out == 0xFFFF)  # NaN bits
     with pytest.raises(OSError, match="truncated"):
         gather(ids, out)
+    gather(ids, out)
+    with pytest.raises(OSError, match="truncated"):
+        table.check()  # waits for the stream, then raises
+    gather(ids, out)
+    stream.run()
+    with pytest.raises(OSError, match="truncated"):
+        table.lookup(ids[:0])  # a CPU lookup raises it too
     table.close()
     assert len(host_functions.CALLS) == calls  # the captured host call is let go
     assert storage.staging is None and storage.closed
