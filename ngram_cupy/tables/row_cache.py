@@ -64,6 +64,12 @@ class RowCache:
         self.seeded_rows, self.seeded = rows.astype(np.int64), np.ascontiguousarray(records)
         self.resize((self.cache_bytes - rows.size * self.record_bytes) // self.record_bytes)
 
+    def release(self) -> None:
+        """Drop every cached row, seeded ones included (the table is closed); counters stay."""
+        self.seeded_rows = np.empty(0, np.int64)
+        self.seeded = np.empty((0, self.record_bytes), np.uint8)
+        self.resize(0)
+
     def find(self, rows: np.ndarray, out: np.ndarray) -> np.ndarray:
         """Copy the cached records of ``rows`` (local, sorted, unique) into ``out[i]``; the
         indexes of the rows missed (to read from disk), with every tier's counters updated."""

@@ -236,11 +236,15 @@ class DiskStorage(Storage):
         self.staging.raise_error()
 
     def close(self) -> None:
-        """Close the files and the AIO context, release the page buffer and the staging."""
+        """Close the files and the AIO context, release the page buffer, the row cache, the
+        staging and the guard (and with it the checkpoint's descriptors, once nothing else
+        holds that checkpoint)."""
         if self.closed:
             return
         self.closed = True
         self.release()
+        self.guard = None  # it holds the checkpoint's descriptors (closed with its last holder)
+        self.cache.release()
         self.buffer = aligned_buffer(0)
         if self.staging is not None:
             self.staging.close()
