@@ -465,8 +465,8 @@ class EmbeddingTable:
         self.writers.settle()
         self.prefetcher.close()
         self.storage.wait_for_readers("close the table")
+        self.closed = True  # first: a lookup racing the close gets the closed table's error
         self.storage.close()
-        self.closed = True
 
     def __enter__(self) -> EmbeddingTable:
         return self

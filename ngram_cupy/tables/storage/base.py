@@ -20,6 +20,12 @@ def placement_list(*names: str) -> str:
     return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
 
 
+def closed_table_error(placement: str) -> ValueError:
+    """The error of a lookup of a closed table whose storage serves none after ``close()``."""
+    return ValueError(f"the table is closed: a {placement!r} table serves no lookups after "
+                      "close()")
+
+
 def owned_positions(job: Gather, num_rows: int) -> tuple[np.ndarray, np.ndarray]:
     """For a CPU gather whose storage reads row by row (mapped, disk): ``(positions, local
     ids)`` of the flat ids it must gather (all, or with ``job.expected`` those that differ),

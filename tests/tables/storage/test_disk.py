@@ -266,7 +266,7 @@ def test_close_releases_the_files_and_the_context(tmp_path):
     assert checkpoint_fds() == []
     assert cache.seeded.nbytes == cache.records.nbytes == cache.slot_rows.nbytes == 0
     assert table.storage.aio.context.value == 0 and table.storage.buffer.size == direct_reads.PAGE
-    with pytest.raises(OSError, match="closed"):
+    with pytest.raises(ValueError, match="the table is closed"):
         table.storage.gather(None)
 
 
@@ -476,3 +476,35 @@ def test_no_ids_look_up_no_rows_on_disk_and_mapped_tables(tmp_path):
         table.start_prefetch(np.zeros((0, 4), np.int64))
         assert table.lookup(np.zeros((0, 4), np.int64)).size == 0
         table.close()
+
+
+def test_a_close_racing_lookups_gives_them_the_closed_table_error(tmp_path):
+    """Lookups on other threads while the table closes: each one either returns the rows or
+    raises the closed table's ValueError, never another error from released files."""
+    save(tmp_path / "m", "float32")
+    cpu, table = load(tmp_path / "m", "cpu"), load(tmp_path / "m", "disk", cache_bytes=0)
+    ids = np.arange(ROWS).reshape(-1, 4)
+    want, started, outcomes = cpu.lookup(ids), threading.Barrier(3), []
+
+    def reader(asked):
+        started.wait()
+        while True:  # ends: every lookup after the close raises
+            try:
+                got = table.lookup(asked)
+            except Exception as error:  # noqa: BLE001 (the outcome checked below)
+                outcomes.append(error)
+                return
+            outcomes.append(equal_bits(got, want[:len(asked)]))
+
+    readers = [threading.Thread(target=reader, args=(asked,), daemon=True)
+               for asked in (ids, ids[:3])]
+    for thread in readers:
+        thread.start()
+    started.wait()
+    table.close()
+    for thread in readers:
+        thread.join(timeout=60)
+    errors = [outcome for outcome in outcomes if not isinstance(outcome, bool)]
+    assert len(errors) == 2 and all(
+        isinstance(error, ValueError) and "the table is closed" in str(error) for error in errors)
+    assert all(outcome for outcome in outcomes if isinstance(outcome, bool))
