@@ -70,7 +70,7 @@ class DiskStorage(Storage):
         self.width = fmt.row_width(head_dim) * fmt.itemsize  # row bytes in the file
         self.scale_width = fmt.scale_width(head_dim) if fmt.blocked else 0
         self.record = record_bytes(fmt, head_dim)
-        self.cache = RowCache(self.record, cache_bytes, cache_policy)
+        self.cache = RowCache(self.record, cache_bytes, cache_policy, max_rows=self.num_rows)
         self.files: list[DirectFile] = []
         opened: dict[str, int] = {}
 

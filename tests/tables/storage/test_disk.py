@@ -144,6 +144,18 @@ def test_cache_counters_are_exact_on_a_scripted_sequence(tmp_path):
     table.close()
 
 
+def test_a_cache_larger_than_the_table_holds_every_row_once(tmp_path):
+    """cache_bytes past the table's bytes (a NumPy integer too): room for the rows not seeded,
+    not for cache_bytes' worth of slots."""
+    save(tmp_path / "m", "float32")
+    table = load(tmp_path / "m", "disk", cache_bytes=np.int64(10**15), hot_rows=np.array([40]))
+    table.lookup(np.arange(ROWS).reshape(-1, 4))
+    overall = table.cache_stats()["overall"]
+    assert overall["capacity_rows"] == overall["cached_rows"] == ROWS  # one of them seeded
+    assert table.storage.cache.capacity == ROWS - 1
+    table.close()
+
+
 def test_each_policy_evicts_its_own_victim():
     """One row of room left, one row coming in: LRU drops the least recent, LFU the least used,
     CLOCK the first row after the hand whose bit is clear (bits cleared as it passes)."""
