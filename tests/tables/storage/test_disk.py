@@ -366,7 +366,8 @@ def test_gpu_ids_are_staged_in_stream_order_through_fixed_page_locked_buffers(tm
     """Fake CuPy: the lookup enqueues the ids' copy, the host read and the rows' copy, and
     returns before any runs (a prefetch's reads overlap the caller's work); the rows equal a
     CPU table's, a joined prefetch regathers only the changed heads, buffers stay fixed per
-    shape (a capture of a new shape is refused), a captured lookup replays with each replay's
+    shape (a capture of a new shape is refused; the latest shapes are kept, and those a capture
+    used), a captured lookup replays with each replay's
     ids (its host function lives on after a run), a failed read gives NaN bits and raises at the
     next lookup, and close releases the buffers."""
     from types import SimpleNamespace
@@ -421,6 +422,15 @@ def test_gpu_ids_are_staged_in_stream_order_through_fixed_page_locked_buffers(tm
         gather(ids[:8], out[:8])
     stream.capturing = False
     stream.run()
+    kept = dict(storage.staging.kept)
+    for size in range(1, 21):  # many batch sizes: only the latest shapes' buffers stay
+        more = np.random.default_rng(size).integers(0, ROWS, (size, 4))
+        rows = np.zeros((size, want.shape[1]), np.uint16)
+        gather(more, rows)
+        stream.run()
+        assert equal_bits(rows, cpu.lookup(more))
+    assert len(storage.staging.buffers) == disk_staging.KEPT
+    assert storage.staging.kept == kept and len(kept) == 2  # the captured shape's ids and rows
     for replayed in (changed, ids):  # each replay reads its own ids' rows
         captured[...] = replayed
         stream.replay()
