@@ -121,45 +121,50 @@ class AioContext:
                           "Linux AIO)")
         self.events = np.zeros(self.depth, EVENT)
         self.submitted = 0  # reads submitted so far (tests, benchmarks)
+        self.flight = 0  # reads of the current batch in flight
+        self.batch = 0  # tags each read's ``data``: a completion of another batch is dropped
 
     def read(self, files: list[DirectFile], which: np.ndarray, offsets: np.ndarray,
              lengths: np.ndarray, buffer: np.ndarray, at: np.ndarray) -> None:
         """Read ``lengths[i]`` bytes at ``offsets[i]`` of ``files[which[i]]`` into
         ``buffer[at[i]:]`` (all page-aligned), ``depth`` at a time; an ``OSError`` naming the
         file for a failed or short read (a file shorter than when it was opened)."""
+        self.batch = (self.batch + 1) & 0xFFFFFFFF
         blocks = np.zeros(which.size, IOCB)
-        blocks["data"] = np.arange(which.size)
+        blocks["data"] = np.arange(which.size, dtype=np.uint64) | np.uint64(self.batch << 32)
         blocks["fd"] = [files[i].fd for i in which.tolist()] if which.size else []
         blocks["buf"] = buffer.ctypes.data + at
         blocks["nbytes"], blocks["offset"] = lengths, offsets
         pointers = (blocks.ctypes.data + np.arange(which.size, dtype=np.uint64)
                     * IOCB.itemsize).astype(np.uint64)
-        sent = flight = 0
+        self.flight = sent = 0  # reads of this batch submitted, and not yet completed
         refused = []  # requests a direct read of their file was refused for (EINVAL)
-        while sent < which.size or flight:
-            if sent < which.size and flight < self.depth:
-                count = min(self.depth - flight, which.size - sent)
-                try:
-                    taken = self.call(self.submit, count, pointers[sent:].ctypes.data)
-                except OSError as error:  # the file of the first block not taken
-                    file = files[int(which[sent])]
-                    if error.errno != errno.EINVAL or not file.direct:
-                        raise OSError(error.errno, f"{file.path}: {error.strerror}",
-                                      file.path) from None
-                    file.buffered()  # refused at submission: through the page cache
-                    blocks["fd"][which == which[sent]] = file.fd
-                    continue
-                sent, flight = sent + taken, flight + taken
-            events = self.events[:self.call(self.getevents, 1, self.depth,  # all done so far
-                                            self.events.ctypes.data, None)]
-            flight -= events.size
-            index = events["data"].astype(np.int64)
-            retry = (events["res"] == -errno.EINVAL) & np.array(
-                [file.direct for file in files], dtype=bool)[which[index]]
-            refused.append(index[retry])
-            index = index[~retry]
-            self.check(files, which[index], offsets[index], lengths[index],
-                       events["res"][~retry])
+        try:
+            while sent < which.size or self.flight:
+                if sent < which.size and self.flight < self.depth:
+                    count = min(self.depth - self.flight, which.size - sent)
+                    try:
+                        taken = self.call(self.submit, count, pointers[sent:].ctypes.data)
+                    except OSError as error:  # the file of the first block not taken
+                        file = files[int(which[sent])]
+                        if error.errno != errno.EINVAL or not file.direct:
+                            raise OSError(error.errno, f"{file.path}: {error.strerror}",
+                                          file.path) from None
+                        file.buffered()  # refused at submission: through the page cache
+                        blocks["fd"][which == which[sent]] = file.fd
+                        continue
+                    sent, self.flight = sent + taken, self.flight + taken
+                events = self.completed()
+                index = (events["data"] & np.uint64(0xFFFFFFFF)).astype(np.int64)
+                retry = (events["res"] == -errno.EINVAL) & np.array(
+                    [file.direct for file in files], dtype=bool)[which[index]]
+                refused.append(index[retry])
+                index = index[~retry]
+                self.check(files, which[index], offsets[index], lengths[index],
+                           events["res"][~retry])
+        finally:  # a failure leaves no read of this batch in flight for the next to take
+            while self.flight:
+                self.completed()
         self.submitted += which.size
         again = np.concatenate(refused) if refused else np.empty(0, np.int64)
         if again.size:  # the filesystem refuses O_DIRECT reads: through the page cache
@@ -170,6 +175,15 @@ class AioContext:
             if not files[i].direct:
                 mine = which == i
                 files[i].dropped(offsets[mine], lengths[mine])
+
+    def completed(self) -> np.ndarray:
+        """The completions of this batch's reads so far (waits for one at least); those of
+        an earlier batch (none, unless a failure left them behind) are dropped."""
+        events = self.events[:self.call(self.getevents, 1, self.depth,
+                                        self.events.ctypes.data, None)]
+        events = events[(events["data"] >> np.uint64(32)) == self.batch]
+        self.flight -= events.size
+        return events
 
     def call(self, number: int, *args) -> int:
         """One AIO system call on the context; an OSError for a failure (EINTR retried)."""

@@ -14,6 +14,7 @@ import numpy as np
 from ..formats import Format
 from ..runtime.backends import DEVICE, Backend, Call, bind
 from ..runtime.checks import INDEX_DTYPES, check_destination
+from .storage.base import closed_table_error
 
 
 @dataclass
@@ -32,8 +33,7 @@ class LookupRequest:
     def checked(cls, table, ids, out, out_dtype, stream) -> LookupRequest:
         """Check and convert one lookup's arguments for ``table``; errors name the argument."""
         if table.closed and not table.storage.cold.serves_after_close:
-            raise ValueError(f"the table is closed: a {table.placement!r} table serves no "
-                             "lookups after close()")
+            raise closed_table_error(table.placement)
         check_destination("out", out)
         call = bind(stream, ids=ids, out=out)
         given = call["ids"]

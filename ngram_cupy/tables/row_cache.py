@@ -10,9 +10,16 @@ the policy evicts a whole batch, so no Python runs per row.
 
 ``stats()`` counts, per tier and overall, the rows asked (``lookups``: distinct rows per table
 lookup), ``hits`` and ``misses``, and the disk tier's reads, pages and bytes.
+
+``cache_bytes`` counts the rows' records, the recent tier holding at most the table's rows that
+are not seeded; the bookkeeping comes on top: 16 bytes per recent-tier slot from the start (its
+row and its policy score) and 16 more per row cached there (the sorted keys and their slots), 8
+per seeded row.
 """
 
 from __future__ import annotations
+
+import numbers
 
 import numpy as np
 
@@ -33,11 +40,14 @@ class RowCache:
     """``cache_bytes`` of ``record_bytes``-byte rows (records) keyed by local row: the seeded
     tier first, the rest for recently read rows under ``policy``."""
 
-    def __init__(self, record_bytes: int, cache_bytes: int = 0, policy: str = DEFAULT_POLICY):
-        if isinstance(cache_bytes, bool) or not isinstance(cache_bytes, int) or cache_bytes < 0:
+    def __init__(self, record_bytes: int, cache_bytes: int = 0, policy: str = DEFAULT_POLICY,
+                 max_rows: int | None = None):
+        if isinstance(cache_bytes, bool) or not isinstance(cache_bytes, numbers.Integral) \
+                or cache_bytes < 0:
             raise ValueError(f"cache_bytes must be a non-negative integer, got {cache_bytes!r}")
         self.policy = check_policy(policy)
-        self.record_bytes, self.cache_bytes = int(record_bytes), cache_bytes
+        self.record_bytes, self.cache_bytes = int(record_bytes), int(cache_bytes)
+        self.max_rows = max_rows  # the table's rows: never more slots than rows to cache
         self.seeded_rows = np.empty(0, np.int64)  # sorted
         self.seeded = np.empty((0, self.record_bytes), np.uint8)
         self.resize(cache_bytes // max(self.record_bytes, 1))
@@ -46,7 +56,10 @@ class RowCache:
         self.calls = 0
 
     def resize(self, capacity: int) -> None:
-        """Empty the recent tier, with room for ``capacity`` rows."""
+        """Empty the recent tier, with room for ``capacity`` rows (at most the table's rows
+        that are not seeded)."""
+        if self.max_rows is not None:
+            capacity = min(int(capacity), self.max_rows - self.seeded_rows.size)
         self.capacity = max(int(capacity), 0)
         self.records = np.empty((self.capacity, self.record_bytes), np.uint8)
         self.keys = np.empty(0, np.int64)  # cached rows, sorted, ...
@@ -63,6 +76,12 @@ class RowCache:
                              f"cache_bytes={self.cache_bytes}")
         self.seeded_rows, self.seeded = rows.astype(np.int64), np.ascontiguousarray(records)
         self.resize((self.cache_bytes - rows.size * self.record_bytes) // self.record_bytes)
+
+    def release(self) -> None:
+        """Drop every cached row, seeded ones included (the table is closed); counters stay."""
+        self.seeded_rows = np.empty(0, np.int64)
+        self.seeded = np.empty((0, self.record_bytes), np.uint8)
+        self.resize(0)
 
     def find(self, rows: np.ndarray, out: np.ndarray) -> np.ndarray:
         """Copy the cached records of ``rows`` (local, sorted, unique) into ``out[i]``; the

@@ -372,6 +372,7 @@ class EmbeddingTable:
         then raise (once) the IndexError of an id outside ``[0, total_rows)`` one met: the
         point that never misses one (``bad_ids``; the next call raises it only once run)."""
         self.bad_ids.check(self.total_rows)
+        self.storage.raise_pending()
 
     def lookup_scale(self, out_format: Format) -> np.float32:
         """The float32 scale lookups to ``out_format`` multiply by (``scale_rounding``; a
@@ -465,8 +466,8 @@ class EmbeddingTable:
         self.writers.settle()
         self.prefetcher.close()
         self.storage.wait_for_readers("close the table")
+        self.closed = True  # first: a lookup racing the close gets the closed table's error
         self.storage.close()
-        self.closed = True
 
     def check_errors(self) -> None:
         """Deprecated: ``check()`` (the name until this release), which it calls."""

@@ -20,12 +20,20 @@ def placement_list(*names: str) -> str:
     return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
 
 
+def closed_table_error(placement: str) -> ValueError:
+    """The error of a lookup of a closed table whose storage serves none after ``close()``."""
+    return ValueError(f"the table is closed: a {placement!r} table serves no lookups after "
+                      "close()")
+
+
 def owned_positions(job: Gather, num_rows: int) -> tuple[np.ndarray, np.ndarray]:
     """For a CPU gather whose storage reads row by row (mapped, disk): ``(positions, local
     ids)`` of the flat ids it must gather (all, or with ``job.expected`` those that differ),
     held by the storage; the other positions of those are zeroed in ``job.out`` (ids of other
     shards), and an id outside ``[0, job.total_rows)`` is an IndexError (``row_ids``)."""
     flat = job.ids.reshape(-1)
+    if flat.size == 0:  # no ids (a row width of -1 cannot be inferred from no rows)
+        return np.empty(0, np.int64), np.empty(0, flat.dtype)
     rows = job.out.reshape(flat.size, -1)
     where = (np.arange(flat.size) if job.expected is None
              else np.flatnonzero(job.expected.reshape(-1) != flat))
@@ -163,6 +171,10 @@ class Storage:
 
     def will_write(self) -> None:
         """A row optimizer is about to write ``training_rows``: nothing to note by default."""
+
+    def raise_pending(self) -> None:
+        """Raise a failure of a GPU lookup that could not raise when it ran (a disk table's host
+        reads): none by default."""
 
     def close(self) -> None:
         """Nothing to release by default."""

@@ -16,7 +16,6 @@ replays). ``close()`` closes the files and the AIO context and releases the stag
 
 from __future__ import annotations
 
-import errno
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -30,7 +29,7 @@ from ...memory.direct_reads import PAGE, AioContext, DirectFile, aligned_buffer,
 from ...runtime.backends import DEVICE, Backend
 from .. import gather_numba
 from ..row_cache import DEFAULT_POLICY, RowCache
-from .base import Gather, Storage, owned_positions, placement_list
+from .base import Gather, Storage, closed_table_error, owned_positions, placement_list
 from .disk_staging import gather_staged
 
 FILE_BITS = 40  # pages of file i are keyed i << FILE_BITS | page: runs never cross files
@@ -71,7 +70,7 @@ class DiskStorage(Storage):
         self.width = fmt.row_width(head_dim) * fmt.itemsize  # row bytes in the file
         self.scale_width = fmt.scale_width(head_dim) if fmt.blocked else 0
         self.record = record_bytes(fmt, head_dim)
-        self.cache = RowCache(self.record, cache_bytes, cache_policy)
+        self.cache = RowCache(self.record, cache_bytes, cache_policy, max_rows=self.num_rows)
         self.files: list[DirectFile] = []
         opened: dict[str, int] = {}
 
@@ -97,8 +96,8 @@ class DiskStorage(Storage):
         self.release = weakref.finalize(self, release, self.files, self.aio)
 
     def refusal(self, side: Backend) -> str | None:
-        """Never: GPU ids are staged through the host."""
-        return None
+        """None (GPU ids are staged through the host) until closed."""
+        return str(closed_table_error(self.placement)) if self.closed else None
 
     def reads(self, side: Backend) -> bool:
         """CPU and GPU ids alike."""
@@ -125,6 +124,7 @@ class DiskStorage(Storage):
         rows = rows[(rows >= 0) & (rows < self.num_rows)]
         records = np.zeros((rows.size, self.record), np.uint8)
         with self.lock:
+            self.check_open()
             self.read_disk(rows, records, counted=False)
             self.cache.seed(rows, records)
 
@@ -132,7 +132,8 @@ class DiskStorage(Storage):
         """The records ``[n, record]`` of local rows (sorted, unique): the cache's, the rest
         read from the files and kept in the cache."""
         records = np.empty((rows.size, self.record), np.uint8)  # every row is written below
-        with self.lock:  # GPU lookups read on CUDA's host-function thread
+        with self.lock:  # GPU lookups read on CUDA's host-function thread; close waits
+            self.check_open()  # closed by another thread since the gather began
             missed = self.cache.find(rows, records)
             if missed.size:
                 read = np.zeros((missed.size, self.record), np.uint8)  # padding zero
@@ -186,16 +187,19 @@ class DiskStorage(Storage):
         return self.buffer
 
     def check_open(self) -> None:
-        """An OSError once closed (its files are)."""
+        """The closed table's ValueError once closed (its files are released)."""
         if self.closed:
-            raise OSError(errno.EBADF, "the disk table is closed: its files are released")
+            raise closed_table_error(self.placement)
 
     def gather(self, job: Gather) -> None:
         """Write the rows of ``job.ids`` into ``job.out``: every head, or with ``job.expected``
         only the heads whose id differs from it. GPU ids through page-locked staging."""
         self.check_open()
-        if self.guard is not None:
-            self.guard()
+        if self.staging is not None:  # a GPU lookup's failed read: raised on either side
+            self.staging.raise_error()
+        guard = self.guard  # None once closed by another thread
+        if guard is not None:
+            guard()
         if job.side is DEVICE:
             self.used_on(job.stream)
             gather_staged(self, job)
@@ -224,13 +228,27 @@ class DiskStorage(Storage):
             job.scale, slots, out, job.out_code, parallel=False if job.worker else None,
             scales=scales if blocked else None, records=records if blocked else None)
 
-    def close(self) -> None:
-        """Close the files and the AIO context, release the page buffer and the staging."""
-        if self.closed:
+    def raise_pending(self) -> None:
+        """Wait for the GPU lookups still reading rows (not while one of their streams is
+        capturing a graph), then raise (once) the failure one met."""
+        if self.staging is None:
             return
-        self.closed = True
-        self.release()
-        self.buffer = aligned_buffer(0)
+        if not self.readers.capturing():
+            self.readers.synchronize()
+        self.staging.raise_error()
+
+    def close(self) -> None:
+        """Close the files and the AIO context, release the page buffer, the row cache, the
+        staging and the guard (and with it the checkpoint's descriptors, once nothing else
+        holds that checkpoint)."""
+        with self.lock:  # after the reads in flight; a lookup that was waiting then refuses
+            if self.closed:
+                return
+            self.closed = True
+            self.release()
+            self.guard = None  # it holds the checkpoint's descriptors
+            self.cache.release()
+            self.buffer = aligned_buffer(0)
         if self.staging is not None:
             self.staging.close()
             self.staging = None

@@ -4,10 +4,12 @@ changed files and failed reads, nothing left after close, and no page-cache grow
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import mmap
 import os
+import threading
 
 import engram_cases
 import ml_dtypes
@@ -142,6 +144,18 @@ def test_cache_counters_are_exact_on_a_scripted_sequence(tmp_path):
     table.close()
 
 
+def test_a_cache_larger_than_the_table_holds_every_row_once(tmp_path):
+    """cache_bytes past the table's bytes (a NumPy integer too): room for the rows not seeded,
+    not for cache_bytes' worth of slots."""
+    save(tmp_path / "m", "float32")
+    table = load(tmp_path / "m", "disk", cache_bytes=np.int64(10**15), hot_rows=np.array([40]))
+    table.lookup(np.arange(ROWS).reshape(-1, 4))
+    overall = table.cache_stats()["overall"]
+    assert overall["capacity_rows"] == overall["cached_rows"] == ROWS  # one of them seeded
+    assert table.storage.cache.capacity == ROWS - 1
+    table.close()
+
+
 def test_each_policy_evicts_its_own_victim():
     """One row of room left, one row coming in: LRU drops the least recent, LFU the least used,
     CLOCK the first row after the hand whose bit is clear (bits cleared as it passes)."""
@@ -241,18 +255,30 @@ def test_unaligned_tensors_and_filesystems_without_o_direct_read_the_same_rows(t
 
 
 def test_close_releases_the_files_and_the_context(tmp_path):
+    """After close, no descriptor of the process points at a checkpoint file (the direct
+    reads' nor the guard's checkpoint's), and the row cache holds no memory."""
+    import gc
+
+    def checkpoint_fds() -> list[int]:
+        fds = []
+        for name in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/self/fd/{name}").startswith(str(tmp_path)):
+                    fds.append(int(name))
+        return fds
+
     save(tmp_path / "m", "bfloat16")
-    table = load(tmp_path / "m", "disk", cache_bytes=4096)
+    table = load(tmp_path / "m", "disk", cache_bytes=4096, hot_rows=np.array([3, 4]))
     table.lookup(np.array([[1, 2]]))
-    fds = [file.fd for file in table.storage.files]
-    links = [os.readlink(f"/proc/self/fd/{fd}") for fd in fds]
-    assert all(link.endswith(".safetensors") for link in links)
+    assert len(checkpoint_fds()) >= 2 * len(table.storage.files)  # the guard's and direct ones
+    cache = table.storage.cache
+    assert cache.seeded.nbytes and cache.records.nbytes
     table.close()
-    for fd, link in zip(fds, links, strict=True):
-        assert not os.path.exists(f"/proc/self/fd/{fd}") or \
-            os.readlink(f"/proc/self/fd/{fd}") != link
+    gc.collect()
+    assert checkpoint_fds() == []
+    assert cache.seeded.nbytes == cache.records.nbytes == cache.slot_rows.nbytes == 0
     assert table.storage.aio.context.value == 0 and table.storage.buffer.size == direct_reads.PAGE
-    with pytest.raises(OSError, match="closed"):
+    with pytest.raises(ValueError, match="the table is closed"):
         table.storage.gather(None)
 
 
@@ -286,16 +312,32 @@ def test_a_disk_lookup_leaves_no_pages_in_the_page_cache(tmp_path):
 
 
 class QueuedStream:
-    """A stream that queues what is enqueued on it until ``run`` (or ``synchronize``)."""
+    """A stream that queues what is enqueued on it until ``run`` (or ``synchronize``); while
+    ``capturing``, also into a graph that ``replay`` enqueues again."""
 
     def __init__(self, ptr: int = 0x2000):
-        self.ptr, self.capturing, self.queued = ptr, False, []
+        self.ptr, self.capturing, self.queued, self.graph = ptr, False, [], []
 
     def is_capturing(self) -> bool:
         return self.capturing
 
+    def enqueue(self, step) -> None:
+        self.queued.append(step)
+        if self.capturing:
+            self.graph.append(step)
+
     def launch_host_func(self, function, argument) -> None:
-        self.queued.append(lambda: function(argument))
+        """As CuPy's: one reference to ``(function, argument)`` taken at the launch and dropped
+        by every run (a graph's second replay would use freed memory: here an IndexError)."""
+        held = [(function, argument)]
+
+        def run():
+            function_, argument_ = held.pop()
+            function_(argument_)
+        self.enqueue(run)
+
+    def replay(self) -> None:
+        self.queued.extend(self.graph)
 
     def run(self) -> None:
         while self.queued:
@@ -312,11 +354,11 @@ class QueuedDeviceArray:
 
     def get(self, stream, out, blocking=True):
         assert not blocking  # the host never waits for the stream
-        stream.queued.append(lambda: out.__setitem__(..., self.host))
+        stream.enqueue(lambda: out.__setitem__(..., self.host))
         return out
 
     def set(self, array, stream):
-        stream.queued.append(lambda: self.host.__setitem__(..., array))
+        stream.enqueue(lambda: self.host.__setitem__(..., array))
 
 
 def test_gpu_ids_are_staged_in_stream_order_through_fixed_page_locked_buffers(tmp_path,
@@ -324,16 +366,24 @@ def test_gpu_ids_are_staged_in_stream_order_through_fixed_page_locked_buffers(tm
     """Fake CuPy: the lookup enqueues the ids' copy, the host read and the rows' copy, and
     returns before any runs (a prefetch's reads overlap the caller's work); the rows equal a
     CPU table's, a joined prefetch regathers only the changed heads, buffers stay fixed per
-    shape (a capture of a new shape is refused), a failed read gives NaN bits and raises at the
+    shape (a capture of a new shape is refused; the latest shapes are kept, and those a capture
+    used), a captured lookup replays with each replay's
+    ids (its host function lives on after a run), a failed read gives NaN bits and raises at the
     next lookup, and close releases the buffers."""
     from types import SimpleNamespace
 
+    from ngram_cupy.runtime import host_functions
     from ngram_cupy.runtime.backends import DEVICE
+    from ngram_cupy.tables import bad_ids
     from ngram_cupy.tables.storage import disk_staging
     from ngram_cupy.tables.storage.base import Gather
 
     monkeypatch.setattr(disk_staging, "cupy_module", lambda: SimpleNamespace(
         cuda=SimpleNamespace(alloc_pinned_memory=bytearray)))
+    monkeypatch.setattr(host_functions, "launch_host_call", lambda stream, key: stream.enqueue(
+        lambda: host_functions.run_host_call(key)))  # the driver's cuLaunchHostFunc
+    calls = len(host_functions.CALLS)
+    monkeypatch.setattr(bad_ids, "cupy_module", SimpleNamespace, raising=False)  # no GPU word
     save(tmp_path / "m", "float8")
     cpu = load(tmp_path / "m", "cpu")
     table = load(tmp_path / "m", "disk", cache_bytes=2048)
@@ -365,12 +415,27 @@ def test_gpu_ids_are_staged_in_stream_order_through_fixed_page_locked_buffers(tm
     assert storage.cache_stats()["overall"]["rows"] - before == len(np.unique(changed[::2, 1]))
     assert storage.staging.buffers.keys() - buffers.keys() == {
         (stream.ptr, "expected", ids.shape, np.dtype(np.int64).str)}
+    captured = ids.copy()
     stream.capturing = True
-    gather(ids, out)  # a captured shape seen before: the same buffers
-    stream.run()
+    gather(captured, out)  # a captured shape seen before: the same buffers
     with pytest.raises(RuntimeError, match="shape \\(8, 4\\) .* outside the capture first"):
         gather(ids[:8], out[:8])
     stream.capturing = False
+    stream.run()
+    kept = dict(storage.staging.kept)
+    for size in range(1, 21):  # many batch sizes: only the latest shapes' buffers stay
+        more = np.random.default_rng(size).integers(0, ROWS, (size, 4))
+        rows = np.zeros((size, want.shape[1]), np.uint16)
+        gather(more, rows)
+        stream.run()
+        assert equal_bits(rows, cpu.lookup(more))
+    assert len(storage.staging.buffers) == disk_staging.KEPT
+    assert storage.staging.kept == kept and len(kept) == 2  # the captured shape's ids and rows
+    for replayed in (changed, ids):  # each replay reads its own ids' rows
+        captured[...] = replayed
+        stream.replay()
+        stream.run()
+        assert equal_bits(out, cpu.lookup(replayed))
     storage.guard = lambda: None
     storage.cache.resize(0)
     os.truncate(sorted((tmp_path / "m").glob("*.safetensors"))[-1], 300)
@@ -379,5 +444,89 @@ def test_gpu_ids_are_staged_in_stream_order_through_fixed_page_locked_buffers(tm
     assert np.all(out == 0xFFFF)  # NaN bits
     with pytest.raises(OSError, match="truncated"):
         gather(ids, out)
+    gather(ids, out)
+    with pytest.raises(OSError, match="truncated"):
+        table.check()  # waits for the stream, then raises
+    gather(ids, out)
+    stream.run()
+    with pytest.raises(OSError, match="truncated"):
+        table.lookup(ids[:0])  # a CPU lookup raises it too
     table.close()
+    assert len(host_functions.CALLS) == calls  # the captured host call is let go
     assert storage.staging is None and storage.closed
+
+
+def test_a_failed_read_leaves_no_completion_for_the_next_lookup(tmp_path, monkeypatch):
+    """A read failing while others are in flight: the next lookup neither hangs nor takes the
+    earlier batch's completions for its own."""
+    save(tmp_path / "m", "float32")
+    cpu, table = load(tmp_path / "m", "cpu"), load(tmp_path / "m", "disk", cache_bytes=0)
+    aio, ids = table.storage.aio, np.arange(ROWS).reshape(-1, 4)
+    call = aio.call
+    monkeypatch.setattr(direct_reads, "MAX_RUN", direct_reads.PAGE)  # a read per page
+
+    def one_failing(number, *args):  # one completion taken, and it failed
+        if number != aio.getevents:
+            return call(number, *args)
+        count = call(number, 1, 1, *args[2:])
+        aio.events["res"][:count] = -errno.EIO
+        return count
+
+    monkeypatch.setattr(aio, "call", one_failing)
+    with pytest.raises(OSError, match="Input/output error"):
+        table.lookup(ids)
+    monkeypatch.setattr(aio, "call", call)
+    asked = [ids[:1], ids, ids[-1:], ids]
+    got = []
+    reader = threading.Thread(target=lambda: got.extend(table.lookup(a) for a in asked),
+                              daemon=True)
+    reader.start()
+    reader.join(timeout=60)
+    assert len(got) == len(asked) and all(
+        equal_bits(rows, cpu.lookup(a)) for rows, a in zip(got, asked, strict=True))
+    table.close()
+
+
+def test_no_ids_look_up_no_rows_on_disk_and_mapped_tables(tmp_path):
+    """Ids of shape (0, H) or (B, 0, H), looked up or prefetched: empty rows, no error."""
+    save(tmp_path / "m", "bfloat16")
+    for placement in ("disk", "mmap"):
+        table = load(tmp_path / "m", placement)
+        for shape in ((0, 4), (2, 0, 4)):
+            got = table.lookup(np.zeros(shape, np.int64))
+            assert got.shape == (*shape[:-1], 4 * HEAD_DIM) and got.size == 0
+        table.start_prefetch(np.zeros((0, 4), np.int64))
+        assert table.lookup(np.zeros((0, 4), np.int64)).size == 0
+        table.close()
+
+
+def test_a_close_racing_lookups_gives_them_the_closed_table_error(tmp_path):
+    """Lookups on other threads while the table closes: each one either returns the rows or
+    raises the closed table's ValueError, never another error from released files."""
+    save(tmp_path / "m", "float32")
+    cpu, table = load(tmp_path / "m", "cpu"), load(tmp_path / "m", "disk", cache_bytes=0)
+    ids = np.arange(ROWS).reshape(-1, 4)
+    want, started, outcomes = cpu.lookup(ids), threading.Barrier(3), []
+
+    def reader(asked):
+        started.wait()
+        while True:  # ends: every lookup after the close raises
+            try:
+                got = table.lookup(asked)
+            except Exception as error:  # noqa: BLE001 (the outcome checked below)
+                outcomes.append(error)
+                return
+            outcomes.append(equal_bits(got, want[:len(asked)]))
+
+    readers = [threading.Thread(target=reader, args=(asked,), daemon=True)
+               for asked in (ids, ids[:3])]
+    for thread in readers:
+        thread.start()
+    started.wait()
+    table.close()
+    for thread in readers:
+        thread.join(timeout=60)
+    errors = [outcome for outcome in outcomes if not isinstance(outcome, bool)]
+    assert len(errors) == 2 and all(
+        isinstance(error, ValueError) and "the table is closed" in str(error) for error in errors)
+    assert all(outcome for outcome in outcomes if isinstance(outcome, bool))
