@@ -26,6 +26,8 @@ import platform
 
 import numpy as np
 
+from .page_reads import span_pages
+
 PAGE = 4096  # the unit read: O_DIRECT needs offsets, lengths and buffers aligned to the block
 MAX_RUN = 128 * 1024  # adjacent pages are read as one run of at most this many bytes
 DEPTH = 256  # reads in flight: the block queue's depth here (nr_requests)
@@ -54,9 +56,7 @@ def page_runs(first: np.ndarray, last: np.ndarray) -> tuple[np.ndarray, np.ndarr
     each page once, adjacent pages merged into runs of at most ``MAX_RUN`` bytes."""
     if first.size == 0:
         return np.empty(0, np.int64), np.empty(0, np.int64)
-    counts = last - first + 1
-    offsets = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
-    pages = np.unique(np.repeat(first, counts) + offsets)
+    pages = span_pages(first, last)
     new = np.diff(pages, prepend=pages[0] - 2) != 1
     run = np.cumsum(new) - 1
     within = np.arange(pages.size) - np.flatnonzero(new)[run]

@@ -55,6 +55,15 @@ def resident_pages(addresses: list[int]) -> list[bool] | None:
     return found
 
 
+def span_pages(first: np.ndarray, last: np.ndarray) -> np.ndarray:
+    """Every page of the spans ``[first[i], last[i]]`` (page numbers, ``first`` not empty),
+    sorted, each once."""
+    counts = last - first + 1  # pages per span (more than two for rows over a page long)
+    offsets = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+    pages = np.sort(np.repeat(first, counts) + offsets)  # sorted, repeated pages
+    return pages[np.diff(pages, prepend=pages[0] - 1) != 0]  # (np.unique is slower here)
+
+
 def page_runs(ids: np.ndarray, starts: np.ndarray, addresses: np.ndarray, row_bytes: int,
               num_rows: int, page: int = mmap.PAGESIZE) -> list[tuple[int, int]]:
     """``(address, length)`` page-aligned runs holding the rows ``ids`` (local; those outside
@@ -65,11 +74,7 @@ def page_runs(ids: np.ndarray, starts: np.ndarray, addresses: np.ndarray, row_by
         return []
     block = np.searchsorted(starts, local, side="right") - 1
     first = addresses[block] + (local - starts[block]) * row_bytes
-    low, high = first // page, (first + row_bytes - 1) // page
-    counts = high - low + 1  # pages per row (more than two for rows over a page long)
-    offsets = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
-    pages = np.sort(np.repeat(low, counts) + offsets)  # sorted, repeated pages
-    pages = pages[np.diff(pages, prepend=pages[0] - 1) != 0]  # (np.unique is slower here)
+    pages = span_pages(first // page, (first + row_bytes - 1) // page)
     first = np.flatnonzero(np.diff(pages, prepend=pages[0] - 2) != 1)  # where each run starts
     lengths = np.diff(first, append=pages.size)
     return list(zip((pages[first] * page).tolist(), (lengths * page).tolist(), strict=True))
