@@ -245,9 +245,10 @@ def gather_rows(table: np.ndarray, code: int, row_start: int, scale: np.float32,
     (``row_ids``; found in the gather loop itself, raised after it; ``out`` is then partly
     written); ids of other shards give zero rows either way.
 
-    ``table`` and ``out`` are raw unsigned views; ``ids`` is ``[T, H]`` int32/int64 and ``out``
-    ``[T, H * head_dim]``. With ``expected`` (int64, ``ids``' shape), heads whose id equals the
-    expected one are skipped: ``out`` already holds them. ``parallel=None`` uses threads for
+    ``table`` and ``out`` are raw unsigned views; ``ids`` is ``[T, H]`` int32/int64 (the kernels
+    read int64: int32 ids are widened first) and ``out`` ``[T, H * head_dim]``. With ``expected``
+    (int64, ``ids``' shape), heads whose id equals the expected one are skipped: ``out`` already
+    holds them. ``parallel=None`` uses threads for
     large batches only, ``True`` whenever the threading layer allows (``cpu_threads``), ``False``
     never. With ``hot = (slot map, hot rows)`` (raw, like ``table``), hot rows are read from the
     hot rows, and the rows read from each tier are added to ``counts`` (int64 ``[hot, cold]``)
@@ -262,6 +263,10 @@ def gather_rows(table: np.ndarray, code: int, row_start: int, scale: np.float32,
     scale = np.float32(scale)
     outputs = output_table(code, out_code, int(scale.view(np.uint32)))
     table, scales, records = read_only(table), read_only(scales), read_only(records)
+    # int32 ids widened here, read-only like the table: each gather compiles for one ids type
+    # alone (compiling it for each took 1-5 s a kernel); the copy is T * H * 8 bytes, nothing
+    # beside the rows it gathers.
+    ids = read_only(np.require(ids, np.int64, "C"))
     if hot is None:
         words, ranks, hot_table, blocks = NO_WORDS, NO_RANKS, records if packed else table, 0
     else:

@@ -95,6 +95,23 @@ def test_fp8_to_bf16_gather_is_exact_for_every_byte_and_scale(head_dim):
             np.testing.assert_array_equal(out, expected, err_msg=f"scale {scale!r}")
 
 
+def test_int32_ids_reach_the_cpu_gather_as_int64():
+    """The CPU gather widens int32 ids first: one compiled kernel serves both id types (each
+    kernel compiled for both took another 1-5 s)."""
+    from ngram_cupy.tables import gather_numba
+
+    weight = random_table(np.random.default_rng(8), 9, 4, ml_dtypes.float8_e4m3fn)
+    ids = np.array([[8, 0, 3], [3, 12, -1]])
+    expected = reference_lookup(weight, ids, 0.5, ml_dtypes.bfloat16).view(np.uint16)
+    for dtype in (np.int32, np.int64):
+        out = np.empty(expected.shape, np.uint16)
+        gather_rows(weight.view(np.uint8), dequant.FLOAT8_E4M3, 0, np.float32(0.5),
+                    ids.astype(dtype), out, dequant.BFLOAT16, parallel=False)
+        np.testing.assert_array_equal(out, expected)
+    kernel = gather_numba.gather_kernel(dequant.FLOAT8_E4M3, dequant.BFLOAT16, False)
+    assert {signature[4].dtype.name for signature in kernel.signatures} == {"int64"}
+
+
 def test_every_row_of_every_pattern_is_read():
     """All rows in order: the whole table comes back, bit for bit (NaNs canonical)."""
     for dtype in STORAGE:
