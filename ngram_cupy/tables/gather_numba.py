@@ -189,13 +189,13 @@ def _convert_all_kernel(digest: int = DEQUANT_DIGEST):
 
 @cache
 def _convert_units_kernel(digest: int = DEQUANT_DIGEST):
-    """``convert_units(code, scale, out_code, pack, out)``: ``out[block << 8 | byte]`` = the
-    output bits of the ``pack`` values of stored ``byte`` under block scale ``block``, the first
-    value in the low bits (a block-scaled format's byte table)."""
+    """``convert_units(code, scale, out_code, pack, out_bits, out)``: ``out[block << 8 | byte]``
+    = the output bits of the ``pack`` values of stored ``byte`` under block scale ``block``,
+    ``out_bits`` bits each, the first value in the low bits (a block-scaled format's byte
+    table)."""
 
-    def convert_units(code, scale, out_code, pack, out):
+    def convert_units(code, scale, out_code, pack, out_bits, out):
         value_bits = 8 // pack
-        out_bits = 8 * out.itemsize // pack
         for index in range(out.size + (digest & 0)):  # digest: cache key only
             entry = uint64(0)
             for p in range(pack):
@@ -223,12 +223,17 @@ def output_table(code: int, out_code: int, scale_bits: int):
         return np.zeros(1, FORMATS[out_code].raw)  # unused: float32 converts directly
     fmt = FORMATS[code]
     scale = np.uint32(scale_bits).view(np.float32)
+    # Built as uint64, one compile of each builder for every output type (one a type took
+    # 2-7 s each), then narrowed: every entry fits its type, so ``astype`` keeps its bits.
     if fmt.blocked:  # every (block scale byte, stored byte)
-        outputs = np.empty(1 << 16, unit_dtype(code, out_code))
-        _convert_units_kernel()(code, scale, out_code, fmt.pack, outputs)
+        wide = np.empty(1 << 16, np.uint64)
+        _convert_units_kernel()(code, scale, out_code, fmt.pack, 8 * FORMATS[out_code].itemsize,
+                                wide)
+        outputs = wide.astype(unit_dtype(code, out_code))
     else:
-        outputs = np.empty(1 << (8 * fmt.itemsize), FORMATS[out_code].raw)
-        _convert_all_kernel()(code, scale, out_code, outputs)
+        wide = np.empty(1 << (8 * fmt.itemsize), np.uint64)
+        _convert_all_kernel()(code, scale, out_code, wide)
+        outputs = wide.astype(FORMATS[out_code].raw)
     outputs.flags.writeable = False
     return outputs
 

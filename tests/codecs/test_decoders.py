@@ -18,7 +18,7 @@ from conftest import assert_same
 import ngram_cupy as nc
 from ngram_cupy.codecs import dequant
 from ngram_cupy.formats import FORMATS, OUTPUT_CODES
-from ngram_cupy.tables import gather_cupy
+from ngram_cupy.tables import gather_cupy, gather_numba
 
 
 def harness() -> str:
@@ -110,3 +110,34 @@ def test_every_decoder_of_a_format_agrees(header_decoder, fmt):
                                   codes.size, factor, header.ctypes.data) == 0
             header = header.astype(out.raw).view(out.dtype).reshape(want.shape)
             assert_same(header, want, "dequant.cuh " + message)
+
+
+def test_every_entry_of_every_output_table_is_the_reference_output():
+    """``output_table`` (built as uint64 by one compile of each builder, then narrowed) holds
+    the reference output of every stored code, every block scale byte and value of a byte."""
+    for fmt in FORMATS[1:]:  # float32 converts without a table
+        rows, block_scales, codes, blocks = every_code(fmt)
+        ids = np.arange(rows.shape[0]).reshape(-1, 1)
+        value_bits = 8 * fmt.itemsize // fmt.pack
+        for scale in ((0.375, 7.0e-30, 3.0e4) if fmt.scaled else (1.0,)):
+            factor = np.float32(scale)
+            for out_code in OUTPUT_CODES:
+                out = FORMATS[out_code]
+                table = gather_numba.output_table(fmt.code, out_code,
+                                                  int(factor.view(np.uint32)))
+                if fmt.blocked:
+                    want = dequant.reference_block_lookup(fmt, rows, block_scales, factor, ids,
+                                                          out.dtype)
+                else:
+                    want = dequant.reference_lookup(rows.view(fmt.dtype), ids, factor,
+                                                    out.dtype, "float32")
+                # want[block, code]: the output of each value code under each block scale byte
+                want = want.reshape(256 if fmt.blocked else 1, -1)[:, : 1 << value_bits]
+                index = np.arange(table.size)[:, None]
+                values = (index % (table.size // want.shape[0])) >> (
+                    np.arange(fmt.pack) * value_bits) & ((1 << value_bits) - 1)
+                got = table.view(out.raw).reshape(table.size, fmt.pack).view(out.dtype)
+                assert_same(got, want[index // (table.size // want.shape[0]), values],
+                            f"{fmt.name} -> {out.name}, scale {scale}")
+    assert len(gather_numba._convert_all_kernel().signatures) == 1
+    assert len(gather_numba._convert_units_kernel().signatures) == 1
