@@ -49,6 +49,12 @@ def test_golden_synthetic_map(backend):
         np.testing.assert_array_equal(compute(layout, **args), expected)
 
 
+# The shape whose threaded kernel the random batches run too: the synthetic golden case's,
+# which test_golden_synthetic_map compiles threaded anyway (each other shape's threaded kernel
+# is a compile of 3-4 s; the long batch below runs several blocks on threads).
+THREADED_SHAPES = engram_cases.SHAPES[-1:]
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**32 - 1), shape=st.sampled_from(engram_cases.SHAPES),
        num_tokens=st.integers(0, 90), num_requests=st.integers(1, 6),
@@ -59,6 +65,8 @@ def test_random_batches_equal_the_reference(seed, shape, num_tokens, num_request
     batch = engram_cases.random_batch(rng, layout, num_tokens, num_requests, dead_rate)
     expected = reference.compute_engram_ids(layout, **batch)
     for name, compute in BACKENDS.items():
+        if name == "numba-parallel" and shape not in THREADED_SHAPES:
+            continue  # one block of tokens here, as the serial kernel runs them
         np.testing.assert_array_equal(compute(layout, **batch), expected, err_msg=name)
     # Without lookback or masks: unknown history reads the pad id, nothing is dead.
     plain = {name: batch[name] for name in ("input_ids", "positions", "query_start_loc")}
