@@ -56,6 +56,8 @@ CACHE_LINE = 64
 NO_EXPECTED = np.zeros((0, 0), dtype=np.int64)
 NO_WORDS = np.zeros(0, dtype=np.uint64)
 NO_RANKS = np.zeros(0, dtype=np.uint32)
+# The ids the kernels read: int32 ids are widened (``gather_rows``), one compile for both.
+ID_TYPE = np.dtype(np.int64)
 NO_SCALES = np.zeros((0, 0), dtype=np.uint8)
 NO_SCALES.flags.writeable = False  # typed as the read-only block scales (``read_only``)
 
@@ -268,10 +270,11 @@ def gather_rows(table: np.ndarray, code: int, row_start: int, scale: np.float32,
     scale = np.float32(scale)
     outputs = output_table(code, out_code, int(scale.view(np.uint32)))
     table, scales, records = read_only(table), read_only(scales), read_only(records)
-    # int32 ids widened here, read-only like the table: each gather compiles for one ids type
-    # alone (compiling it for each took 1-5 s a kernel); the copy is T * H * 8 bytes, nothing
-    # beside the rows it gathers.
-    ids = read_only(np.require(ids, np.int64, "C"))
+    # int32 ids widened here: each gather compiles for int64 ids alone (compiling it for both
+    # took 1-5 s a kernel); the copy is T * H * 8 bytes, nothing beside the rows it gathers,
+    # and int64 ids pass as they are (a check of 0.1 us).
+    if ids.dtype != ID_TYPE or not ids.flags.c_contiguous:
+        ids = np.ascontiguousarray(ids, ID_TYPE)
     if hot is None:
         words, ranks, hot_table, blocks = NO_WORDS, NO_RANKS, records if packed else table, 0
     else:
