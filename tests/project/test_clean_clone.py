@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import pytest_script
 
 ROOT = Path(__file__).resolve().parents[2]
 # Text files of the repository that code could read from (binary data is not searched).
@@ -36,16 +37,12 @@ def test_nothing_reads_the_folder_beside_the_repository():
     assert not offenders
 
 
-# One interpreter collects and then names the ngram_cupy its conftest imported; it leaves with
-# os._exit, as the interpreter's teardown of torch, JAX and Ray adds seconds and proves nothing
-# about collection. Assertion rewriting and the unraisable-exception plugin's closing garbage
-# collections are pytest's own work, checked by every ordinary run, so they are off here.
-COLLECT = """import os, sys, pytest
-code = pytest.main(["--collect-only", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-                    "--assert=plain", "-p", "no:unraisableexception"])
-print("ngram_cupy from", sys.modules["ngram_cupy"].__file__)
-sys.stdout.flush()
-os._exit(int(code))"""
+# One interpreter names the ngram_cupy it imports (the one conftest then uses) and collects.
+# Assertion rewriting and the unraisable-exception plugin's closing garbage collections are
+# pytest's own work, checked by every ordinary run, so they are off here.
+COLLECT = ["-c", pytest_script('import ngram_cupy; print("ngram_cupy from", ngram_cupy.__file__)'),
+           "--collect-only", "-q", "-m", "gpu", "-p", "no:cacheprovider", "--assert=plain",
+           "-p", "no:unraisableexception"]
 
 
 def test_a_bare_clone_collects_every_test(tmp_path):
@@ -57,7 +54,7 @@ def test_a_bare_clone_collects_every_test(tmp_path):
     subprocess.run(["git", "clone", "-q", "--no-hardlinks", str(ROOT), str(clone)], check=True,
                    capture_output=True)
     env = {**os.environ, "PYTHONPATH": str(clone), "PYTHONDONTWRITEBYTECODE": "1"}
-    run = subprocess.run([sys.executable, "-c", COLLECT], cwd=clone, env=env,
+    run = subprocess.run([sys.executable, *COLLECT], cwd=clone, env=env,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     gpu_items = [line for line in run.stdout.splitlines() if "::" in line]
