@@ -43,6 +43,14 @@ def run_cli(argv: list, capsys) -> tuple[int, str, str]:
     return status, captured.out, captured.err
 
 
+def pytest_script(prelude: str) -> str:
+    """``python -c`` code: ``prelude``, then pytest on the arguments that follow, leaving with
+    ``os._exit`` once its report is out: the teardown of an interpreter that imported torch, JAX
+    or Ray takes seconds and checks nothing the run asks."""
+    return (f"import os, sys, pytest\n{prelude}\ncode = pytest.main(sys.argv[1:])\n"
+            "sys.stdout.flush()\nsys.stderr.flush()\nos._exit(int(code))")
+
+
 def run_signal_worker(case: str, *args) -> dict | list:
     """Run a case of tests/signal_worker.py in a process of its own (its signals stay there);
     its JSON outcome."""

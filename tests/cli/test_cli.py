@@ -261,14 +261,6 @@ def test_a_signal_swallowed_while_compiling_still_stops_the_run(swallowed_runs, 
     assert got["left"] == []
 
 
-def test_killed_run_leaves_no_output_file(tmp_path):
-    process, out_dir = start_slow_run(tmp_path)
-    process.kill()
-    process.communicate(timeout=60)
-    assert process.returncode == -signal.SIGKILL
-    assert not (out_dir / "ids.parquet").exists()
-
-
 def peak_memory_of_run(tmp_path: Path, row_groups: int) -> int:
     """Peak resident bytes of a fresh process running ``ids`` on a file of ``row_groups``."""
     source = tmp_path / f"rg{row_groups}.parquet"
@@ -316,13 +308,13 @@ def test_progress_bar_on_a_terminal(tmp_path, columns):
     assert "150/150" in text and "rows/s" in text and "tokens/s" in text, text
 
 
-def test_progress_bar_off_without_a_terminal(tmp_path):
+def test_progress_bar_off_without_a_terminal(tmp_path, capsys):
+    """In this process: captured stderr is no terminal, as a pipe or a log file is not."""
     source = tmp_path / "in.parquet"
     write_tokens(source, row_groups=3, rows=50, length=100)  # as the terminal test's input
-    process = run_subprocess(["ids", source, tmp_path / "o.parquet", "--config",
-                              small_config_file(tmp_path), "--batch-rows", "10"])
-    stdout, stderr = process.communicate(timeout=120)
-    assert process.returncode == 0 and stderr == ""
+    status, stdout, stderr = run(["ids", source, tmp_path / "o.parquet", "--config",
+                                  small_config_file(tmp_path), "--batch-rows", "10"], capsys)
+    assert status == 0 and stderr == ""
     assert stdout.startswith("wrote ") and stdout.count("\n") == 1
 
 
@@ -487,14 +479,17 @@ def test_folder_files_with_int32_and_int64_tokens_and_extra_columns_are_read_who
     np.testing.assert_array_equal(output_ids(out), whole_document_ids(layout, table, None))
 
 
-def test_litter_a_killed_runs_temporary_is_removed_by_the_next_run(tmp_path, capsys):
+def test_killed_run_leaves_no_output_and_its_temporary_goes_with_the_next_run(tmp_path, capsys):
     process, out_dir = start_slow_run(tmp_path)
     process.kill()
     process.communicate(timeout=60)
-    (left,) = os.listdir(out_dir)
+    assert process.returncode == -signal.SIGKILL
+    (left,) = os.listdir(out_dir)  # no ids.parquet: only the temporary a SIGKILL cannot remove
     assert left.startswith(TEMP_PREFIX)
-    status, _, err = run(["ids", CORPUS, out_dir / "other.parquet", "--config", CONFIG,
-                          "--quiet"], capsys)
+    source = tmp_path / "small.parquet"  # any next run into the folder: a small one
+    write_tokens(source, row_groups=1, rows=10, length=50)
+    status, _, err = run(["ids", source, out_dir / "other.parquet", "--config",
+                          small_config_file(tmp_path), "--quiet"], capsys)
     assert status == 0, err
     assert os.listdir(out_dir) == ["other.parquet"]
 

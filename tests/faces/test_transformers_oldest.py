@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import pytest_script
 
 pytest.importorskip("transformers")
 
@@ -25,11 +26,15 @@ FILES = sorted(path.relative_to(ROOT).as_posix()
                if path.resolve() != HERE and not WHOLE_MODULE.search(path.read_text()))
 
 
-@pytest.mark.parametrize("tests", FILES)
-def test_the_oldest_supported_release_passes_the_transformers_tests(tests):
-    """Each ``test_transformers*.py`` but this one, in a fresh interpreter whose transformers
+# One interpreter names its transformers and runs every file: one start, one collection (the
+# unraisable-exception plugin's closing garbage collections, seconds here, are off).
+RUN = pytest_script('import transformers; print("transformers", transformers.__version__)')
+
+
+def test_the_oldest_supported_release_passes_the_transformers_tests():
+    """Each ``test_transformers*.py`` but this one, in one fresh interpreter whose transformers
     is the oldest supported release: the tests of transformers' side (its forward, generate,
-    caches, training), not those marked ``release_independent``."""
+    caches, training), not those marked ``release_independent``; a failure names its tests."""
     pinned = re.search(r"^transformers==(\S+)$", (ROOT / "requirements-oldest.txt").read_text(),
                        re.MULTILINE).group(1)
     if not (OLDEST / f"transformers-{pinned}.dist-info").is_dir():
@@ -39,12 +44,15 @@ def test_the_oldest_supported_release_passes_the_transformers_tests(tests):
         pytest.skip(f"transformers {pinned} is not in {OLDEST} (sh scripts/setup.sh test)")
     env = {**os.environ,
            "PYTHONPATH": os.pathsep.join(filter(None, (str(OLDEST), os.environ.get("PYTHONPATH"))))}
-    version = subprocess.run([sys.executable, "-c", "import transformers; "
-                              "print(transformers.__version__)"], env=env, cwd=ROOT,
-                             capture_output=True, text=True, check=True).stdout.strip()
-    assert version == pinned
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          "-p", "no:xdist", "-m", "not release_independent", tests], env=env,
-                         cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, f"transformers {version}:\n{run.stdout[-4000:]}{run.stderr[-2000:]}"
-    assert re.search(r"\d+ passed", run.stdout)
+    run = subprocess.run([sys.executable, "-c", RUN, "-v", "-p", "no:cacheprovider",
+                          "-p", "no:xdist", "-p", "no:unraisableexception",
+                          "-m", "not release_independent", *FILES],
+                         env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    version = re.search(r"^transformers (\S+)$", run.stdout, re.MULTILINE)
+    assert version and version.group(1) == pinned, run.stdout[-2000:] + run.stderr[-2000:]
+    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", run.stdout, re.MULTILINE)
+    assert run.returncode == 0 and not failed, (
+        f"transformers {pinned}: {failed}\n{run.stdout[-4000:]}{run.stderr[-2000:]}")
+    ran = [name for name in FILES if re.search(rf"^{re.escape(name)}::\S+ PASSED", run.stdout,
+                                                re.MULTILINE)]
+    assert ran == FILES, run.stdout[-4000:]  # each file had tests that passed
