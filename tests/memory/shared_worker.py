@@ -1,30 +1,26 @@
-"""One process of the shared-memory tests (forked by the multiprocessing forkserver of
-tests/memory/test_shared_memory.py, which imports this module first): load a checkpoint with
-placement="shared", look ids up, report.
+"""One process of the shared-memory tests (started with multiprocessing spawn by
+tests/memory/test_shared_memory.py): load a checkpoint with placement="shared", look ids up, report.
 
 ``job``: ``path`` (checkpoint), ``config`` (NGramConfig fields), ``ids`` (int64 [T, H]),
-``out`` (where to save the lookup), ``shm_dir`` (the segments' scope: the forkserver's
-environment is that of the test that started it), ``mode``: ``"normal"``; ``"hang_in_fill"``
-(stop for good after the first shard of the fill, having set ``event``); ``"hang_after"`` (set
-``event`` once loaded, then wait to be killed).
+``out`` (where to save the lookup), ``mode``: ``"normal"``; ``"hang_in_fill"`` (stop for good
+after the first shard of the fill, having set ``event``); ``"hang_after"`` (set ``event``
+once loaded, then wait to be killed).
 """
 
 from __future__ import annotations
 
-import os
 import time
 
 import numpy as np
-
-from ngram_cupy import NGramConfig, load_ngram_embedding
-from ngram_cupy.files import safetensors_files
-from ngram_cupy.memory.shared import SHM_DIR_ENV, resident_bytes
 
 
 def run(job: dict, barrier, event, results) -> None:
     """Load, look up, report ``(created, seconds, rss, pss)`` on ``results``; with a
     ``barrier``, measure while every process holds the table."""
-    os.environ[SHM_DIR_ENV] = job["shm_dir"]
+    import ngram_cupy as nc
+    from ngram_cupy.files import safetensors_files
+    from ngram_cupy.memory.shared import resident_bytes
+
     if job["mode"] == "hang_in_fill":
         read = safetensors_files.Checkpoint.read
 
@@ -37,8 +33,8 @@ def run(job: dict, barrier, event, results) -> None:
             return rows
 
         safetensors_files.Checkpoint.read = read_then_hang
-    embedding = load_ngram_embedding(job["path"], NGramConfig(**job["config"]), 0,
-                                     placement="shared")
+    embedding = nc.load_ngram_embedding(job["path"], nc.NGramConfig(**job["config"]), 0,
+                                        placement="shared")
     table = embedding.table
     segment = table.storage.segment
     int(table.host_view.view(np.uint8).sum())  # every page mapped here, as a GPU registration does

@@ -20,7 +20,6 @@ import sys
 import time
 import warnings
 from dataclasses import asdict
-from multiprocessing import forkserver
 from pathlib import Path
 
 import ml_dtypes
@@ -39,12 +38,7 @@ CONFIG = nc.NGramConfig(
     eos_token_id=0, embedding_dim=16, make_ngram_vocab_size_divisible_by=8, split_ngram_parts=4,
 )
 SCALE = np.array(0.375, dtype=ml_dtypes.bfloat16)
-# The several-process tests' children fork from one server that imported shared_worker.py
-# (NumPy, Numba, the package) once: spawned, each spent about 2 s importing. The server only
-# imported (no segment attached, no kernel run); its environment is that of the test that
-# started it, so each job names its test's segment scope.
-FORKSERVER = multiprocessing.get_context("forkserver")
-FORKSERVER.set_forkserver_preload(["shared_worker"])
+SPAWN = multiprocessing.get_context("spawn")
 WAIT_S = 120
 ATTACH_LIMIT_S = 10.0  # no attach may take longer, kills or not
 WORKER = Path(__file__).with_name("segment_worker.py")
@@ -393,22 +387,17 @@ def test_a_creation_name_outliving_its_creator_is_an_error_naming_it(shm_dir):
 
 
 def start(job, barrier=None, event=None, results=None):
-    """A process forked by the server running tests/memory/shared_worker.py's ``run``."""
+    """A spawned process running tests/shared_worker.py's ``run``."""
     import shared_worker
 
-    with pytest.MonkeyPatch.context() as env:  # the server (if it starts now) finds the worker
-        env.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(WORKER.parent),
-                                                                os.environ.get("PYTHONPATH")])))
-        forkserver.ensure_running()
-    process = FORKSERVER.Process(target=shared_worker.run, args=(job, barrier, event, results))
+    process = SPAWN.Process(target=shared_worker.run, args=(job, barrier, event, results))
     process.start()
     return process
 
 
 def job_for(checkpoint, tmp_path, index, lookup_ids, mode="normal"):
     return {"path": str(checkpoint), "config": asdict(CONFIG), "ids": lookup_ids,
-            "out": str(tmp_path / f"out_{index}.npy"), "mode": mode,
-            "shm_dir": os.environ[sm.SHM_DIR_ENV]}
+            "out": str(tmp_path / f"out_{index}.npy"), "mode": mode}
 
 
 def finish(processes):
@@ -422,7 +411,7 @@ def finish(processes):
 
 def test_four_processes_share_one_copy(fp8_layer, checkpoint, tmp_path, shm_dir):
     lookup_ids = whole_table_ids()
-    barrier, results = FORKSERVER.Barrier(4), FORKSERVER.Queue()
+    barrier, results = SPAWN.Barrier(4), SPAWN.Queue()
     processes = [start(job_for(checkpoint, tmp_path, i, lookup_ids), barrier, None, results)
                  for i in range(4)]
     reports = [results.get(timeout=WAIT_S) for _ in processes]
@@ -438,8 +427,8 @@ def test_four_processes_share_one_copy(fp8_layer, checkpoint, tmp_path, shm_dir)
 
 def test_kills_during_and_after_the_fill_leave_nothing(fp8_layer, checkpoint, tmp_path, shm_dir):
     lookup_ids = whole_table_ids(seed=2)
-    in_fill, loaded, results = FORKSERVER.Event(), FORKSERVER.Event(), FORKSERVER.Queue()
-    barrier = FORKSERVER.Barrier(4)  # the three that stay, and this test
+    in_fill, loaded, results = SPAWN.Event(), SPAWN.Event(), SPAWN.Queue()
+    barrier = SPAWN.Barrier(4)  # the three that stay, and this test
     filler = start(job_for(checkpoint, tmp_path, 0, lookup_ids, "hang_in_fill"), None, in_fill,
                    results)
     assert in_fill.wait(WAIT_S)
@@ -469,7 +458,7 @@ def test_kills_during_and_after_the_fill_leave_nothing(fp8_layer, checkpoint, tm
 
 def test_a_killed_last_user_of_a_deleted_checkpoint_leaves_nothing(checkpoint, tmp_path,
                                                                    shm_dir):
-    loaded, results = FORKSERVER.Event(), FORKSERVER.Queue()  # kept: the child opens them
+    loaded, results = SPAWN.Event(), SPAWN.Queue()  # kept: the child opens them
     process = start(job_for(checkpoint, tmp_path, 0, whole_table_ids(16), "hang_after"), None,
                     loaded, results)
     assert loaded.wait(WAIT_S)
