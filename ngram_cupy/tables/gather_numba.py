@@ -255,14 +255,14 @@ def gather_rows(table: np.ndarray, code: int, row_start: int, scale: np.float32,
     ``table`` and ``out`` are raw unsigned views; ``ids`` is ``[T, H]`` int32/int64 (the kernels
     read int64: int32 ids are widened first) and ``out`` ``[T, H * head_dim]``. With ``expected``
     (int64, ``ids``' shape), heads whose id equals the expected one are skipped: ``out`` already
-    holds them. ``parallel=None`` uses threads for
-    large batches only, ``True`` whenever the threading layer allows (``cpu_threads``), ``False``
-    never. With ``hot = (slot map, hot rows)`` (raw, like ``table``), hot rows are read from the
-    hot rows, and the rows read from each tier are added to ``counts`` (int64 ``[hot, cold]``)
-    when given. A block-scaled table's ``[rows, width]`` bytes come with their ``scales``
-    (uint8 ``[rows, head_dim / block]``), and a hot tier's with ``hot_scales``. With
-    ``records`` (``packed.packed_rows``: ``table`` and ``scales`` are views into them), each row
-    is read as one record, and a hot tier's rows are records too (``hot``).
+    holds them. ``parallel=None`` uses threads for large batches only, ``True`` whenever the
+    threading layer allows (``cpu_threads``), ``False`` never. With ``hot = (slot map, hot
+    rows)`` (raw, like ``table``), hot rows are read from the hot rows, and the rows read from
+    each tier are added to ``counts`` (int64 ``[hot, cold]``) when given. A block-scaled table's
+    ``[rows, width]`` bytes come with their ``scales`` (uint8 ``[rows, head_dim / block]``), and
+    a hot tier's with ``hot_scales``. With ``records`` (``packed.packed_rows``: ``table`` and
+    ``scales`` are views into them), each row is read as one record, and a hot tier's rows are
+    records too (``hot``).
     """
     packed = records is not None
     if not packed:  # records hold their scales
