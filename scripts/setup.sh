@@ -44,5 +44,8 @@ else
     rm -rf .venv/oldest
     .venv/bin/python -m pip install -q --no-deps --target .venv/oldest -r requirements-oldest.txt
   fi
-  .venv/bin/python -m pytest -n 2 --dist loadfile "$@"
+  # Bytecode written even where PYTHONDONTWRITEBYTECODE is set (into the clone's __pycache__,
+  # beside Numba's kernels): the suite starts many interpreters (workers, ranks, CLI and docs
+  # runs), each of which would compile the sources again; a worker's collection took 3 s longer.
+  env -u PYTHONDONTWRITEBYTECODE .venv/bin/python -m pytest -n 2 --dist loadfile "$@"
 fi
